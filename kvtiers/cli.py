@@ -1,0 +1,108 @@
+"""The ``kvtiers`` command: one click group that plugins extend through
+``register_commands(cli)``.
+
+Built-in subcommands whose code needs heavier imports (torch for the demo, the suite for
+``conformance``) are loaded only when invoked, so ``kvtiers --help`` and ``kvtiers tiers``
+work where torch is absent.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import click
+
+from .errors import ConfigError, TierError
+
+
+class LazyGroup(click.Group):
+    """A click group whose listed ``lazy`` subcommands are imported on first use."""
+
+    def __init__(self, *args, lazy: dict[str, tuple[str, str]] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})  # name -> ("module:attr", short help)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        cmd = super().get_command(ctx, name)
+        if cmd is not None or name not in self.lazy:
+            return cmd
+        target, short = self.lazy[name]
+        mod, _, attr = target.partition(":")
+        try:
+            cmd = getattr(importlib.import_module(mod), attr)
+        except ImportError as e:
+            missing = e.name or str(e)
+
+            @click.command(name=name, help=f"{short} (unavailable: {missing} is not installed)",
+                           context_settings={"ignore_unknown_options": True})
+            @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+            def unavailable(args) -> None:
+                raise click.ClickException(f"'kvtiers {name}' needs {missing}, which is not installed")
+
+            return unavailable
+        self.add_command(cmd, name)
+        return cmd
+
+
+@click.group(
+    cls=LazyGroup,
+    lazy={
+        "conformance": ("kvtiers_conformance.cli:conformance", "Run the conformance suite against a tier."),
+        "demo": ("kvtiers.demo:demo", "Serve simulated conversations through the tiers (the main job)."),
+    },
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+@click.version_option(package_name="kvtiers")
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+def cli(verbose: int) -> None:
+    """kvtiers: pluggable storage tiers for LLM KV-cache offloading."""
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+@cli.group(cls=LazyGroup, lazy={"arena": ("kvtiers.bench:arena", "Device<->arena chunk copies against np.copyto.")})
+def bench() -> None:
+    """Measure a part of kvtiers against a raw baseline on the same data, in one run."""
+
+
+@cli.command()
+def tiers() -> None:
+    """List installed tiers: type, distribution, version, origin, claimed levels."""
+    from .registry import get_registry
+
+    reg = get_registry()
+    for info in reg.tiers():
+        levels = ",".join(sorted(info.levels))
+        click.echo(f"{info.name}\t{info.distribution}\t{info.version}\t{info.origin}\tlevels={levels}")
+    for name, why in sorted(reg.errors.items()):
+        click.echo(f"# plugin {name} failed to load: {why}", err=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvtiers`` script."""
+    from .registry import get_registry
+
+    get_registry().add_commands(cli)
+    try:
+        cli.main(args=argv, prog_name="kvtiers", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except (ConfigError, TierError) as e:
+        click.echo(f"kvtiers: error: {e}", err=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The hook specifications of the ``kvtiers`` pluggy project: the tier contract v1.
+
+A tier is a plain class whose methods are implementations of :class:`TierSpec`, marked
+with :data:`hookimpl`. Plugin *modules* (found through the ``kvtiers`` entry-point group)
+implement :class:`RegistrationSpec`. Hooks are called from one engine thread at a time;
+a tier's own work runs on its threads or on ``ctx.loop``. The numbered rules are those of
+README "The contract".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pluggy
+
+from .types import Job, JobResult, Lookup
+
+PROJECT = "kvtiers"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class TierSpec:
+    """Hooks a tier implements. ``lookup``, ``submit_store``, ``submit_load`` and
+    ``get_finished_jobs`` are required; ``close``, ``touch`` and ``backlog`` optional."""
+
+    @hookspec(firstresult=True)
+    def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
+        """Answer ``HIT``, ``MISS`` or ``RETRY`` for each key, in order.
+
+        Rule 1: no I/O on the caller's thread; 1000 keys answer within 50 ms; ``RETRY``
+        resolves to ``HIT`` or ``MISS`` within 5 s of repeated asking.
+        Rule 2: after a store of K finished with K not failed, K answers ``HIT`` until it is
+        evicted or removed. Rule 12: any byte values are valid keys; distinct keys never alias.
+        """
+
+    @hookspec(firstresult=True)
+    def submit_store(self, job: Job) -> None:
+        """Start keeping the bytes of ``ctx.arena[slot]`` under each key of ``job``.
+
+        Rule 8: returns without waiting for I/O; raises only for caller errors
+        (``ValueError``, ``IndexError``, ``TypeError``) with a message naming the fault, and
+        a submit that raised did not accept its job. Rule 7: storing an existing key
+        succeeds; concurrent stores of one key leave one valid copy. Rule 10 (durable):
+        a crash mid-store never leaves a key that answers ``HIT`` and loads wrong bytes.
+        """
+
+    @hookspec(firstresult=True)
+    def submit_load(self, job: Job) -> None:
+        """Start writing the stored bytes of each key of ``job`` into its arena slot.
+
+        Rule 3: a key reported not failed got exactly the stored bytes. Rule 4: a missing,
+        evicted, truncated or corrupt key is a failed key, never an exception out of a hook.
+        Rule 8 as for :meth:`submit_store`.
+        """
+
+    @hookspec(firstresult=True)
+    def get_finished_jobs(self) -> list[JobResult]:
+        """Return the results of jobs finished since the last call; never blocks.
+
+        Rule 5: every accepted job appears exactly once, within 30 s. Rule 6: once its
+        result is returned, the tier never touches that job's slots again.
+        """
+
+    @hookspec(firstresult=True)
+    def close(self) -> None:
+        """Finish or fail every accepted job, then release everything.
+
+        Rule 9: returns once all accepted jobs are done; one more ``get_finished_jobs``
+        returns their results. No thread, socket, file descriptor or temporary file remains.
+        """
+
+    @hookspec(firstresult=True)
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Hint that ``keys`` were used, for the tier's eviction order. Never blocks."""
+
+    @hookspec(firstresult=True)
+    def backlog(self) -> int:
+        """Number of accepted jobs not yet reported (for back-pressure)."""
+
+
+RegisterTier = Callable[[str, type], None]
+RegisterPolicy = Callable[[str, Any], None]
+
+
+class RegistrationSpec:
+    """Hooks a plugin module implements to add tiers, CLI commands and policies."""
+
+    @hookspec
+    def register_tiers(self, register: RegisterTier) -> None:
+        """Call ``register(name, tier_class)`` for each tier the plugin provides."""
+
+    @hookspec
+    def register_commands(self, cli: Any) -> None:
+        """Add subcommands to the ``kvtiers`` click group ``cli`` (e.g. ``kvtiers fs``)."""
+
+    @hookspec
+    def register_eviction_policies(self, register: RegisterPolicy) -> None:
+        """Call ``register(name, policy_class)`` for each host-cache eviction policy."""
+
+
+TIER_HOOKS = ("lookup", "submit_store", "submit_load", "get_finished_jobs", "close", "touch", "backlog")
+REQUIRED_TIER_HOOKS = ("lookup", "submit_store", "submit_load", "get_finished_jobs")

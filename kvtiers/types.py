@@ -1,0 +1,270 @@
+"""The types of the tier contract (v1): what engines and tiers exchange.
+
+Everything here is exported from :mod:`kvtiers`. See README "The contract" for the rules
+these types serve.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import mmap
+import operator
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import asyncio
+
+PAGE = 4096
+MAX_KEY_LEN = 64
+
+
+class Lookup(enum.Enum):
+    """A tier's answer for one key."""
+
+    HIT = "hit"
+    MISS = "miss"
+    RETRY = "retry"
+
+
+def check_key(key: object) -> bytes:
+    """Return ``key`` if it is a valid chunk key (bytes, 1-64 long), else raise."""
+    if not isinstance(key, bytes):
+        raise TypeError(f"key must be bytes, got {type(key).__name__}")
+    if not 1 <= len(key) <= MAX_KEY_LEN:
+        raise ValueError(f"key must be 1-{MAX_KEY_LEN} bytes long, got {len(key)} bytes")
+    return key
+
+
+def check_keys(keys: Sequence[bytes]) -> tuple[bytes, ...]:
+    """Validate a batch of keys (for ``lookup``/``touch``) and return them as a tuple."""
+    if isinstance(keys, (bytes, str)):
+        raise TypeError("keys must be a sequence of bytes, not a single bytes or str")
+    return tuple(check_key(k) for k in keys)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A store or load of ``keys[i]`` from/into arena slot ``slots[i]``.
+
+    Keys are distinct bytes of 1-64 bytes, slots are distinct integers (anything
+    ``operator.index`` accepts, e.g. numpy int32, is normalised to ``int``), and there are
+    as many of each. An empty job is valid. Whether a slot is in range depends on the
+    arena; tiers check that with :meth:`Arena.check_job`.
+    """
+
+    job_id: int
+    keys: tuple[bytes, ...]
+    slots: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        try:
+            job_id = operator.index(self.job_id)
+        except TypeError:
+            raise TypeError(f"job_id must be an integer, got {type(self.job_id).__name__}") from None
+        keys = check_keys(self.keys)
+        if isinstance(self.slots, (bytes, str)):
+            raise TypeError("slots must be a sequence of integers")
+        slots = []
+        for s in self.slots:
+            try:
+                slots.append(operator.index(s))
+            except TypeError:
+                raise TypeError(f"slot must be an integer, got {type(s).__name__}") from None
+        if len(keys) != len(slots):
+            raise ValueError(f"job {job_id}: {len(keys)} keys but {len(slots)} slots")
+        if len(set(keys)) != len(keys):
+            dup = next(k for k in keys if keys.count(k) > 1)
+            raise ValueError(f"job {job_id}: duplicate key {dup!r}")
+        if len(set(slots)) != len(slots):
+            dup = next(s for s in slots if slots.count(s) > 1)
+            raise ValueError(f"job {job_id}: duplicate slot {dup}")
+        object.__setattr__(self, "job_id", job_id)
+        object.__setattr__(self, "keys", keys)
+        object.__setattr__(self, "slots", tuple(slots))
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """The outcome of one job, reported once by ``get_finished_jobs``.
+
+    ``failed_keys`` lists the keys that were not stored/loaded; a whole-job failure lists
+    every key and says why in ``error``. ``nbytes`` is the bytes actually moved and
+    ``seconds`` the time from submit to completion.
+    """
+
+    job_id: int
+    failed_keys: tuple[bytes, ...] = ()
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "failed_keys", tuple(self.failed_keys))
+
+    @property
+    def ok(self) -> bool:
+        """True when no key failed."""
+        return not self.failed_keys
+
+
+class Arena:
+    """The host arena as tiers see it: ``len(arena)`` slots of ``slot_bytes`` bytes.
+
+    ``arena[i]`` is a writable 1-D ``memoryview`` of slot ``i`` (zero-copy) and
+    ``arena.buffer`` the flat view of the whole region. ``slot_bytes`` is a multiple of
+    4096 and, for arenas this package allocates, the region is page-aligned so O_DIRECT
+    works on slots.
+    """
+
+    __slots__ = ("_buf", "_n", "_owner", "slot_bytes")
+
+    def __init__(self, buffer: Any, slot_bytes: int, *, owner: Any = None) -> None:
+        slot_bytes = operator.index(slot_bytes)
+        if slot_bytes <= 0 or slot_bytes % PAGE:
+            raise ValueError(f"slot_bytes must be a positive multiple of {PAGE}, got {slot_bytes}")
+        mv = memoryview(buffer)
+        if mv.readonly:
+            raise ValueError("arena buffer must be writable")
+        mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+        if len(mv) < slot_bytes:
+            raise ValueError(f"arena buffer of {len(mv)} bytes holds no slot of {slot_bytes} bytes")
+        self._n = len(mv) // slot_bytes
+        self._buf = mv[: self._n * slot_bytes]
+        self.slot_bytes = slot_bytes
+        self._owner = owner  # keeps the backing object (mmap, tensor, shm) alive
+
+    @classmethod
+    def allocate(cls, num_slots: int, slot_bytes: int) -> Arena:
+        """A page-aligned, pre-faulted anonymous arena of ``num_slots`` slots."""
+        num_slots = operator.index(num_slots)
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be positive, got {num_slots}")
+        if slot_bytes <= 0 or slot_bytes % PAGE:
+            raise ValueError(f"slot_bytes must be a positive multiple of {PAGE}, got {slot_bytes}")
+        m = mmap.mmap(-1, num_slots * slot_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mv = memoryview(m)
+        for off in range(0, len(mv), PAGE):  # pre-fault: first touches are slow later
+            mv[off] = 0
+        return cls(mv, slot_bytes, owner=m)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, slot: int) -> memoryview:
+        i = operator.index(slot)
+        if not 0 <= i < self._n:
+            raise IndexError(f"slot {i} out of range: arena has {self._n} slots")
+        off = i * self.slot_bytes
+        return self._buf[off : off + self.slot_bytes]
+
+    @property
+    def buffer(self) -> memoryview:
+        """The flat writable view of the whole region."""
+        return self._buf
+
+    def check_job(self, job: Job) -> None:
+        """Raise ``IndexError`` naming the first slot of ``job`` outside this arena."""
+        for s in job.slots:
+            if not 0 <= s < self._n:
+                raise IndexError(f"job {job.job_id}: slot {s} out of range: arena has {self._n} slots")
+
+    def __repr__(self) -> str:
+        return f"Arena({self._n} slots x {self.slot_bytes} bytes)"
+
+
+def canonical_json(obj: Any) -> bytes:
+    """JSON with sorted keys and no spaces, UTF-8: the form digests are taken over."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that changes a chunk's bytes (model, dtype, layout, chunk size, ...).
+
+    ``digest`` is the first 16 hex digits of sha256 over the canonical JSON of
+    ``fields``. Persistent tiers keep data under the digest and record
+    :meth:`document` as ``config.json``.
+    """
+
+    fields: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fields, dict):
+            raise TypeError(f"namespace fields must be a dict, got {type(self.fields).__name__}")
+        try:
+            canonical_json(self.fields)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"namespace fields must be JSON-serialisable: {e}") from None
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(canonical_json(self.fields)).hexdigest()[:16]
+
+    def document(self) -> dict:
+        """The ``config.json`` document persistent tiers write once per namespace."""
+        return {"kvtiers_namespace": 1, "digest": self.digest, "fields": self.fields}
+
+    def document_bytes(self) -> bytes:
+        return json.dumps(self.document(), sort_keys=True, indent=1).encode() + b"\n"
+
+    def check_document(self, raw: bytes | str | dict, where: str = "config.json") -> None:
+        """Raise ``ValueError`` if a stored namespace document does not describe this one."""
+        try:
+            doc = raw if isinstance(raw, dict) else json.loads(raw)
+        except ValueError as e:
+            raise ValueError(f"{where}: not a namespace document ({e})") from None
+        if not isinstance(doc, dict) or doc.get("kvtiers_namespace") != 1:
+            raise ValueError(f"{where}: not a kvtiers namespace document")
+        if doc.get("digest") != self.digest or canonical_json(doc.get("fields")) != canonical_json(self.fields):
+            raise ValueError(
+                f"{where}: namespace {self.digest} holds a different description "
+                f"(stored digest {doc.get('digest')!r}, fields {doc.get('fields')!r}; "
+                f"expected {self.fields!r})"
+            )
+
+
+RemovedSink = Callable[[Sequence[bytes], str], None]
+
+
+class TierContext:
+    """What a tier gets from the SDK: the arena, the namespace, the I/O loop and a sink
+    for removals it makes on its own (eviction, gc, corruption)."""
+
+    def __init__(
+        self,
+        arena: Arena,
+        namespace: Namespace | None = None,
+        removed: RemovedSink | None = None,
+    ) -> None:
+        if not isinstance(arena, Arena):
+            raise TypeError(f"arena must be a kvtiers.Arena, got {type(arena).__name__}")
+        self.arena = arena
+        self.namespace = namespace if namespace is not None else Namespace({})
+        self._listeners: list[RemovedSink] = [removed] if removed else []
+        self._lock = threading.Lock()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The process-wide asyncio loop running in the SDK's I/O thread."""
+        from .ioloop import get_loop
+
+        return get_loop()
+
+    def add_removed_listener(self, fn: RemovedSink) -> None:
+        with self._lock:
+            self._listeners.append(fn)
+
+    def removed(self, keys: Iterable[bytes], reason: str) -> None:
+        """Report keys the tier dropped on its own; safe to call from any thread."""
+        keys = tuple(keys)
+        if not keys:
+            return
+        with self._lock:
+            listeners = list(self._listeners)
+        for fn in listeners:
+            fn(keys, reason)
