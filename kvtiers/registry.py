@@ -54,6 +54,11 @@ def tier_levels(cls: type) -> frozenset[str]:
     return levels
 
 
+def _one_line(e: Exception) -> str:
+    """Pluggy's validation messages span lines; ours are one line."""
+    return "; ".join(part.strip() for part in str(e).splitlines() if part.strip())
+
+
 def validate_tier_class(name: str, cls: type) -> None:
     """Let pluggy check the hook implementations of ``cls``; raise :class:`TierError`."""
     if not isinstance(cls, type):
@@ -64,7 +69,7 @@ def validate_tier_class(name: str, cls: type) -> None:
         pm.register(cls, name=f"class:{name}")
         pm.check_pending()
     except pluggy.PluginValidationError as e:
-        raise TierError(f"tier {name!r}: {e}") from None
+        raise TierError(f"tier {name!r}: {_one_line(e)}") from None
     missing = [h for h in REQUIRED_TIER_HOOKS if not getattr(pm.hook, h).get_hookimpls()]
     if missing:
         raise TierError(f"tier {name!r}: missing required hook(s) {', '.join(missing)} (mark them with @kvtiers.hookimpl)")
@@ -197,7 +202,7 @@ class TierHandle:
             self.pm.register(tier, name="tier")
             self.pm.check_pending()
         except pluggy.PluginValidationError as e:
-            raise TierError(f"tier {self.name!r}: {e}") from None
+            raise TierError(f"tier {self.name!r}: {_one_line(e)}") from None
         self._hook = self.pm.hook
         self.closed = False
 
