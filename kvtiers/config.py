@@ -141,11 +141,14 @@ def parse_config(obj: Mapping[str, Any]) -> Config:
             raise ConfigError(f"config: unknown key {sorted(outer_unknown)[0]!r} beside 'kv_connector_extra_config'")
         obj = extra
     values: dict[str, Any] = {}
+    given_as: dict[str, str] = {}  # our name -> the key the config used for it
     ignored: list[str] = []
     for key, value in obj.items():
         name = VLLM_ALIASES.get(key, key)
         if name in values:
-            raise ConfigError(f"config: both {key!r} and {name!r} given; use one")
+            a, b = sorted((given_as[name], key))
+            raise ConfigError(f"config: both {a!r} and {b!r} given; use one")
+        given_as[name] = key
         if key in VLLM_IGNORED:
             ignored.append(key)
             continue
