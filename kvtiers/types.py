@@ -245,7 +245,7 @@ class TierContext:
             raise TypeError(f"arena must be a kvtiers.Arena, got {type(arena).__name__}")
         self.arena = arena
         self.namespace = namespace if namespace is not None else Namespace({})
-        self._listeners: list[RemovedSink] = [removed] if removed else []
+        self._listeners: list[RemovedSink] = [removed] if removed is not None else []
         self._lock = threading.Lock()
 
     @property
