@@ -316,3 +316,13 @@ def test_tiercontext_loop_is_the_running_io_loop() -> None:
     thread = asyncio.run_coroutine_threadsafe(where(), loop).result(5)
     assert is_io_thread(thread)
     assert thread.name == "kvtiers-io"
+
+
+def test_tiercontext_keeps_a_falsy_callable_sink() -> None:
+    class Sink(list):  # empty, hence falsy, yet a perfectly good sink
+        def __call__(self, keys, reason) -> None:
+            self.append((keys, reason))
+
+    sink = Sink()
+    TierContext(Arena.allocate(1, 4096), removed=sink).removed([b"k"], "corrupt")
+    assert sink == [((b"k",), "corrupt")]
