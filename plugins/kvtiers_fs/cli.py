@@ -1,0 +1,135 @@
+"""``kvtiers fs inspect|gc`` and ``kvtiers bench fs``, added through ``register_commands``."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+
+import click
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``1048576``, ``512K``, ``4MiB``, ``1.5G`` -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(text))
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size (e.g. 1048576, 512K, 4MiB, 2G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class Size(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        return parse_size(value)
+
+
+def _when(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(t).isoformat(sep=" ", timespec="seconds")
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@click.group(name="fs")
+def fs() -> None:
+    """Inspect and clean the directories of the fs tier."""
+
+
+@fs.command()
+@click.argument("root", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def inspect(root: str, as_json: bool) -> None:
+    """List the namespaces under ROOT: description, chunks, bytes, oldest and newest."""
+    from .gc import inspect_root
+
+    try:
+        infos = inspect_root(root)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps({"root": root, "namespaces": [i.as_dict() for i in infos]}, indent=1))
+        return
+    if not infos:
+        click.echo(f"{root}: no namespaces")
+    for i in infos:
+        click.echo(f"namespace {i.digest}")
+        click.echo(f"  fields:  {json.dumps(i.fields, sort_keys=True) if i.fields is not None else '-'}")
+        click.echo(f"  chunks:  {i.chunks}")
+        click.echo(f"  bytes:   {i.bytes} ({_human(i.bytes)})")
+        click.echo(f"  oldest:  {_when(i.oldest)}")
+        click.echo(f"  newest:  {_when(i.newest)}")
+        if i.temps:
+            click.echo(f"  temporary files: {i.temps}")
+        if i.problem:
+            click.echo(f"  problem: {i.problem}")
+
+
+@fs.command()
+@click.argument("root", type=click.Path(file_okay=False))
+@click.option("--max-bytes", type=Size(), default=None, help="Delete least recently used chunks down to this size.")
+@click.option("--namespace", default=None, metavar="DIGEST", help="Only this namespace.")
+@click.option("--drop", is_flag=True, help="With --namespace: remove the whole namespace.")
+@click.option("--dry-run", is_flag=True, help="Print what would be removed, remove nothing.")
+@click.option("--stale-after", type=float, default=3600.0, show_default=True,
+              help="Seconds after which a temporary file of a writer on another host is abandoned.")
+@click.option("-q", "--quiet", is_flag=True, help="Only the summary line.")
+def gc(root: str, max_bytes: int | None, namespace: str | None, drop: bool, dry_run: bool,
+       stale_after: float, quiet: bool) -> None:
+    """Remove abandoned temporary files under ROOT, and chunks over --max-bytes (least
+    recently used first), or a whole namespace with --namespace D --drop."""
+    from .gc import gc_root
+
+    try:
+        report = gc_root(root, max_bytes=max_bytes, namespace=namespace, drop=drop, dry_run=dry_run,
+                         stale_after=stale_after)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    verb = "would remove" if dry_run else "removed"
+    if not quiet:
+        for path, why in report.removed:
+            click.echo(f"{verb} {path} ({why})")
+    click.echo(f"{verb} {len(report.removed)} item(s), {report.freed_bytes} bytes; "
+               f"{report.kept_bytes} bytes of chunks kept")
+
+
+@click.command(name="fs")
+@click.option("--config", "config_json", default=None, help='Tier options as JSON, e.g. \'{"root_dir": "/mnt/kv"}\'.')
+@click.option("--config-file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Tier options from a JSON file.")
+@click.option("--chunk-bytes", type=Size(), multiple=True, help="Chunk size (repeatable; default 1MiB and 4MiB).")
+@click.option("--total-bytes", type=Size(), default="256MiB", show_default=True,
+              help="Bytes stored and loaded per round.")
+@click.option("--rounds", type=int, default=3, show_default=True, help="Rounds (the median is reported).")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def bench_fs(config_json, config_file, chunk_bytes, total_bytes, rounds, as_json) -> None:
+    """Store and load GB/s, lookups per second and submit latency of the fs tier, against raw
+    preadv/pwritev on the same directory (same mode, chunk size, threads) in the same run."""
+    from kvtiers.config import parse_json_option
+
+    from .bench import print_table, run_bench
+
+    options = parse_json_option(config_json, config_file)
+    if "root_dir" not in options:
+        raise click.UsageError('give --config \'{"root_dir": "DIR"}\' (or --config-file) naming the directory')
+    options.pop("type", None)
+    if rounds < 3:
+        raise click.BadParameter("at least 3 rounds", param_hint="--rounds")
+    sizes = list(chunk_bytes) or [1 << 20, 4 << 20]
+    result = run_bench(options, sizes, total_bytes=total_bytes, rounds=rounds,
+                       progress=None if as_json else lambda s: click.echo(s, err=True))
+    if as_json:
+        click.echo(json.dumps(result, indent=1))
+    else:
+        print_table(result, click.echo)

@@ -1,0 +1,238 @@
+"""The fs tier's in-memory view of its namespace directory.
+
+An :class:`Index` maps key -> on-disk bytes in least-recently-used order and counts the
+total. It is filled by a background scan at open (in file mtime order, so the LRU order
+survives a restart: loads touch their file's mtime), by the tier's own stores, evictions
+and loads, and by batched ``stat`` probes of keys it does not know, which is how files
+written by other instances are found. A probe that finds nothing is remembered for
+``negative_ttl`` seconds. ``lookup`` only reads dictionaries: no I/O, no lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+from . import layout
+
+log = logging.getLogger("kvtiers.fs")
+
+
+class Index:
+    """Key -> file bytes, LRU first; plus the negative cache and the pin counts of keys
+    being read (never evicted while a load of this instance reads them)."""
+
+    def __init__(self, negative_ttl: float) -> None:
+        self.lock = threading.Lock()
+        self.entries: OrderedDict[bytes, int] = OrderedDict()
+        self.used = 0
+        self.reserved = 0
+        self.absent: dict[bytes, float] = {}  # key -> monotonic time the MISS expires
+        self.negative_ttl = negative_ttl
+        self.reading: dict[bytes, int] = {}
+
+    # -- updates (any thread) --------------------------------------------------------
+    def add(self, key: bytes, nbytes: int) -> None:
+        """``key`` is on disk with ``nbytes``: most recently used."""
+        with self.lock:
+            old = self.entries.pop(key, None)
+            if old is not None:
+                self.used -= old
+            self.entries[key] = nbytes
+            self.used += nbytes
+            self.absent.pop(key, None)
+
+    def touch(self, key: bytes) -> bool:
+        """Mark ``key`` most recently used; False if unknown."""
+        with self.lock:
+            if key in self.entries:
+                self.entries.move_to_end(key)
+                return True
+            return False
+
+    def drop(self, key: bytes, *, absent: bool = True) -> bool:
+        """Forget ``key`` (gone from disk); True if it was known."""
+        with self.lock:
+            n = self.entries.pop(key, None)
+            if n is not None:
+                self.used -= n
+            if absent:
+                self.absent[key] = time.monotonic() + self.negative_ttl
+            return n is not None
+
+    def mark_absent(self, keys: Iterable[bytes]) -> None:
+        until = time.monotonic() + self.negative_ttl
+        with self.lock:
+            for k in keys:
+                if k not in self.entries:
+                    self.absent[k] = until
+            if len(self.absent) > 65536:
+                now = time.monotonic()
+                self.absent = {k: t for k, t in self.absent.items() if t > now}
+
+    def merge_scan(self, found: list[tuple[float, bytes, int]]) -> None:
+        """Put scanned files (mtime, key, bytes) before everything known so far, oldest
+        first, keeping what stores and probes added since open as more recent."""
+        found.sort()
+        with self.lock:
+            merged: OrderedDict[bytes, int] = OrderedDict()
+            used = 0
+            for _, k, n in found:
+                if k not in self.entries and k not in merged:
+                    merged[k] = n
+                    used += n
+            for k, n in self.entries.items():
+                merged[k] = n
+                used += n
+            self.entries = merged
+            self.used = used
+            for _, k, _ in found:
+                self.absent.pop(k, None)
+
+    # -- pins --------------------------------------------------------------------------
+    def pin(self, key: bytes) -> None:
+        with self.lock:
+            self.reading[key] = self.reading.get(key, 0) + 1
+
+    def unpin(self, key: bytes) -> None:
+        with self.lock:
+            n = self.reading[key] - 1
+            if n:
+                self.reading[key] = n
+            else:
+                del self.reading[key]
+
+    # -- capacity ----------------------------------------------------------------------
+    def reserve(self, nbytes: int, max_bytes: int | None) -> list[bytes]:
+        """Reserve room for a file of ``nbytes``; return the LRU keys to evict for it
+        (already dropped from the index; the caller unlinks them)."""
+        victims: list[bytes] = []
+        with self.lock:
+            self.reserved += nbytes
+            if max_bytes is None:
+                return victims
+            excess = self.used + self.reserved - max_bytes
+            if excess <= 0:
+                return victims
+            until = time.monotonic() + self.negative_ttl
+            for k in list(self.entries):
+                if excess <= 0:
+                    break
+                if k in self.reading:
+                    continue
+                n = self.entries.pop(k)
+                self.used -= n
+                excess -= n
+                self.absent[k] = until
+                victims.append(k)
+        return victims
+
+    def unreserve(self, nbytes: int) -> None:
+        with self.lock:
+            self.reserved -= nbytes
+
+
+class Prober:
+    """One thread that ``stat``s unknown keys in batches and records what it finds."""
+
+    def __init__(self, index: Index, path_of: Callable[[bytes], str], name: str) -> None:
+        self.index = index
+        self.path_of = path_of
+        self._cond = threading.Condition()
+        self._pending: dict[bytes, None] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._started = False
+
+    def request(self, keys: list[bytes]) -> None:
+        """Ask for ``keys`` to be checked (never blocks on I/O)."""
+        with self._cond:
+            if self._stop:
+                return
+            for k in keys:
+                self._pending[k] = None
+            if not self._started:
+                self._started = True
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                batch = list(self._pending)[:512]
+            missing = []
+            for k in batch:
+                try:
+                    st = os.stat(self.path_of(k))
+                except OSError:
+                    missing.append(k)
+                else:
+                    self.index.add(k, st.st_size)
+            self.index.mark_absent(missing)
+            with self._cond:
+                for k in batch:
+                    self._pending.pop(k, None)
+
+    def pending(self, key: bytes) -> bool:
+        return key in self._pending
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._started:
+            self._thread.join()
+
+
+def scan(
+    nsdir: str,
+    *,
+    stale_after: float,
+    stopping: Callable[[], bool] = lambda: False,
+    clean: bool = True,
+) -> tuple[list[tuple[float, bytes, int]], list[str]]:
+    """Walk a namespace directory: return its chunk files as ``(mtime, key, bytes)`` and
+    the stale temporary files it removed (none unless ``clean``)."""
+    found: list[tuple[float, bytes, int]] = []
+    removed: list[str] = []
+    now = time.time()
+    try:
+        level1 = sorted(e.name for e in os.scandir(nsdir) if len(e.name) == 2 and e.is_dir(follow_symlinks=False))
+    except FileNotFoundError:
+        return found, removed
+    for h1 in level1:
+        if stopping():
+            break
+        try:
+            level2 = [e.path for e in os.scandir(f"{nsdir}/{h1}") if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            continue
+        for d in level2:
+            try:
+                entries = list(os.scandir(d))
+            except FileNotFoundError:
+                continue
+            for e in entries:
+                name = e.name
+                try:
+                    if name.endswith(layout.CHUNK_SUFFIX):
+                        key = layout.key_of_name(name)
+                        if key is not None:
+                            st = e.stat(follow_symlinks=False)
+                            found.append((st.st_mtime, key, st.st_size))
+                    elif clean and name.endswith(layout.TEMP_SUFFIX):
+                        st = e.stat(follow_symlinks=False)
+                        if layout.temp_is_stale(name, st.st_mtime, now, stale_after):
+                            os.unlink(e.path)
+                            removed.append(e.path)
+                except FileNotFoundError:
+                    continue  # another instance removed or published it meanwhile
+    return found, removed

@@ -1,0 +1,87 @@
+"""A fixed pool of I/O threads, each with its own page-aligned scratch page.
+
+Tasks are ``fn(scratch)`` callables; ``scratch`` is the worker's 4096-byte aligned
+``memoryview`` (the chunk trailer is read into and written from it, so O_DIRECT holds
+without allocating per operation). Threads start on first use and are joined by
+:meth:`Pool.shutdown`, which runs every task already queued first.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from .direct import aligned_buffer
+
+log = logging.getLogger("kvtiers.fs")
+
+Task = Callable[[memoryview], None]
+_STOP = object()
+
+
+class Pool:
+    """``n`` daemon threads named ``<name>-<i>`` pulling tasks from one queue."""
+
+    def __init__(self, name: str, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"{name}: need at least one thread, got {n}")
+        self.name = name
+        self.n = n
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def submit(self, task: Task) -> None:
+        """Queue ``task``; start the threads if they are not running yet."""
+        if not self._threads:
+            self.start()
+        self._q.put(task)
+
+    def submit_many(self, tasks: list[Task]) -> None:
+        if not self._threads:
+            self.start()
+        put = self._q.put
+        for t in tasks:
+            put(t)
+
+    def start(self) -> None:
+        """Start the threads (idempotent)."""
+        with self._lock:
+            if self._threads or self._stopped:
+                if self._stopped:
+                    raise ValueError(f"{self.name}: pool is shut down")
+                return
+            threads = [threading.Thread(target=self._run, name=f"{self.name}-{i}", daemon=True) for i in range(self.n)]
+            for t in threads:
+                t.start()
+            self._threads = threads
+
+    def _run(self) -> None:
+        page = aligned_buffer()
+        scratch = memoryview(page)
+        get = self._q.get
+        try:
+            while True:
+                task = get()
+                if task is _STOP:
+                    return
+                try:
+                    task(scratch)
+                except BaseException:  # a task must report its own errors; never lose the thread
+                    log.exception("%s: task raised", self.name)
+        finally:
+            scratch.release()
+            page.close()
+
+    def shutdown(self) -> None:
+        """Run what is queued, stop and join every thread."""
+        with self._lock:
+            self._stopped = True
+            threads, self._threads = self._threads, []
+        for _ in threads:
+            self._q.put(_STOP)
+        for t in threads:
+            t.join()
