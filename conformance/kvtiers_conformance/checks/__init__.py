@@ -1,0 +1,14 @@
+"""The checks, one module per group of rules; importing this package files them all."""
+
+from . import (  # noqa: F401
+    async_faults,
+    bounded,
+    close,
+    crash,
+    data,
+    hostile,
+    jobs,
+    lookup,
+    shared,
+    stateful,
+)

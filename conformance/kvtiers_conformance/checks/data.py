@@ -1,0 +1,121 @@
+"""Rules 2, 3 and 4 on one instance: stored keys hit, loads are exact, failures are results."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+from kvtiers import Lookup
+
+from ..catalog import check
+from ..harness import CheckSkipped, Harness, fail, qkey
+
+
+@check(2, "read_your_writes")
+def read_your_writes(h: Harness) -> None:
+    """Every key of a store reported good answers HIT (after RETRYs) and loads."""
+    t = h.open()
+    keys = h.keys(48, b"R")
+    for i in range(0, len(keys), 3):  # many small jobs: intermittent drops show up
+        t.store(keys[i:i + 3])
+    answers = t.resolve(keys)
+    bad = [(k, a) for k, a in zip(keys, answers, strict=True) if a is not Lookup.HIT]
+    if bad:
+        fail(f"rule 2: {len(bad)} of {len(keys)} stored keys answer {bad[0][1].name} (e.g. {qkey(bad[0][0])})")
+    t.load_all(keys)
+    if t.resolve(keys) != [Lookup.HIT] * len(keys):  # and still after loading
+        fail("rule 2: stored keys stopped answering HIT after being loaded")
+
+
+@check(3, "exact_bytes_one_key")
+def exact_bytes_one_key(h: Harness) -> None:
+    """A job of 1 key: the loaded slot holds exactly the stored bytes."""
+    t = h.open()
+    for _ in range(3):
+        k = h.key(b"1")
+        t.store([k])
+        r = t.load([k])  # the harness compares every byte of every good key
+        if not r.ok:
+            fail(f"rule 2: load of stored key {qkey(k)} failed: {r.error}")
+
+
+@check(3, "exact_bytes_512_keys")
+def exact_bytes_512_keys(h: Harness) -> None:
+    """A job of 512 keys stored and loaded back into other slots, every byte compared."""
+    n = h.limits.big_job_keys
+    t = h.open(num_slots=max(h.limits.num_slots, n + 1))
+    keys = h.keys(n, b"B")
+    t.store(keys)
+    h.rng.shuffle(keys)  # load in another order, so key i lands in another slot
+    r = t.load(keys)
+    if not r.ok:
+        fail(f"rule 2: {len(r.failed_keys)} of {n} stored keys failed to load: {r.error}")
+    if r.nbytes not in (0, n * t.slot_bytes):
+        fail(f"rule 3: a load of {n} full slots reports nbytes={r.nbytes}, expected {n * t.slot_bytes}")
+
+
+@check(4, "missing_keys_fail")
+def missing_keys_fail(h: Harness) -> None:
+    """Loading never-stored keys reports them failed; good keys of the same job still load."""
+    t = h.open()
+    present = h.keys(6, b"P")
+    t.store(present)
+    absent = h.keys(6, b"A")
+    t.expect_missing(absent, "rule 4")
+    mixed = [k for pair in zip(present, absent, strict=True) for k in pair]
+    r = t.load(mixed)
+    wrong = [k for k in absent if k not in r.failed_keys]
+    if wrong:
+        fail(f"rule 4: absent key {qkey(wrong[0])} loaded 'successfully' in a mixed job")
+    lost = [k for k in present if k in r.failed_keys]
+    if lost:
+        fail(f"rule 4: stored key {qkey(lost[0])} failed only because its job also held absent keys")
+    if r.error is None:
+        fail("rule 4: a job with failed keys must say why in JobResult.error")
+
+
+def _new_files(roots: list[pathlib.Path], before: set[pathlib.Path]) -> list[pathlib.Path]:
+    out = []
+    for root in roots:
+        for dirpath, _, names in os.walk(root):
+            for n in names:
+                p = pathlib.Path(dirpath, n)
+                if p not in before and n != "config.json":
+                    out.append(p)
+    return out
+
+
+def _all_files(roots: list[pathlib.Path]) -> set[pathlib.Path]:
+    return {pathlib.Path(d, n) for root in roots for d, _, names in os.walk(root) for n in names}
+
+
+@check(4, "corrupt_files_fail")
+def corrupt_files_fail(h: Harness) -> None:
+    """For file-per-chunk tiers: chunks flipped or truncated on disk load as failed, never wrong bytes."""
+    t = h.open()
+    roots = h.path_roots()
+    if not roots:
+        raise CheckSkipped("the tier's options name no directory")
+    before = _all_files(roots)
+    keys = h.keys(8, b"C")
+    t.store(keys)
+    t.close()
+    files = _new_files(roots, before)
+    if len(files) < len(keys):
+        raise CheckSkipped(f"not one file per chunk ({len(files)} new files for {len(keys)} chunks)")
+    for i, p in enumerate(sorted(files)):
+        size = p.stat().st_size
+        if size == 0:
+            continue
+        with open(p, "r+b") as f:
+            if i % 2:
+                f.truncate(size // 2)
+            else:
+                for off in (size // 2, size - 1, 0):
+                    f.seek(off)
+                    b = f.read(1)
+                    f.seek(off)
+                    f.write(bytes([b[0] ^ 0xFF]))
+    t2 = h.open()
+    t2.resolve(keys)  # any answer; a HIT must not load wrong bytes
+    t2.load(keys)  # the harness fails the check if a good key holds wrong bytes

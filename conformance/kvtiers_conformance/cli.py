@@ -1,0 +1,86 @@
+"""``kvtiers conformance TYPE``: run the suite against an installed tier and print one line
+per rule and level, then a summary; exit 1 on any FAIL."""
+
+from __future__ import annotations
+
+import sys
+import xml.etree.ElementTree as ET
+
+import click
+
+from kvtiers.config import parse_json_option
+
+from .limits import DEFAULT_LIMITS
+from .runner import CheckResult, Report, run_conformance
+
+
+@click.command(name="conformance")
+@click.argument("tier_type", metavar="TYPE")
+@click.option("--config", "config_json", metavar="JSON", help="The tier's options as a JSON object.")
+@click.option("--config-file", type=click.Path(exists=True, dir_okay=False), help="A file holding that JSON object.")
+@click.option("--level", "levels", metavar="LEVELS",
+              help="Comma-separated levels to run (core,durable,shared,bounded), claimed or not. "
+                   "Default: the levels the tier claims.")
+@click.option("--junit-xml", type=click.Path(dir_okay=False, writable=True), help="Also write a JUnit XML report.")
+@click.option("--seed", type=int, help="Seed of the random choices and the stateful test (printed in the summary).")
+@click.option("--examples", type=click.IntRange(1), default=DEFAULT_LIMITS.examples, show_default=True,
+              help="Examples of the Hypothesis stateful test.")
+@click.option("-v", "--verbose", is_flag=True, help="Also print one line per check.")
+def conformance(tier_type: str, config_json: str | None, config_file: str | None, levels: str | None,
+                junit_xml: str | None, seed: int | None, examples: int, verbose: bool) -> None:
+    """Run the conformance suite against tier TYPE (a registered name or pkg.module:Class).
+
+    Without --config the tier's conformance_config(scratch) gives the options, in a scratch
+    directory created and removed for each check. Exit status 1 if any rule FAILs.
+    """
+    config = None
+    if config_json is not None or config_file is not None:
+        config = parse_json_option(config_json, config_file)
+
+    def progress(r: CheckResult) -> None:
+        if verbose:
+            why = f" ({r.why})" if r.why else ""
+            click.echo(f"  {r.check.test_name} [{r.check.level}]: {r.status}{why} {r.seconds:.2f}s", err=True)
+
+    limits = DEFAULT_LIMITS.replace(examples=examples)
+    report = run_conformance(tier_type, config, levels=levels, seed=seed, limits=limits, on_result=progress)
+    levels = ",".join(sorted(report.levels)) or "none"
+    click.echo(f"kvtiers conformance {report.tier}: levels {levels}, seed {report.seed}")
+    for line in report.rules():
+        click.echo(line.line())
+    click.echo(report.summary())
+    if junit_xml:
+        write_junit(report, junit_xml)
+    if report.failed:
+        sys.exit(1)
+
+
+def write_junit(report: Report, path: str) -> None:
+    """Write ``report`` as JUnit XML: one testcase per check."""
+    results = report.results
+    suite = ET.Element("testsuite", {
+        "name": f"kvtiers-conformance.{report.tier}",
+        "tests": str(len(results)),
+        "failures": str(sum(r.status == "FAIL" for r in results)),
+        "skipped": str(sum(r.status == "SKIP" for r in results)),
+        "errors": "0",
+        "time": f"{report.seconds:.3f}",
+    })
+    props = ET.SubElement(suite, "properties")
+    ET.SubElement(props, "property", {"name": "seed", "value": str(report.seed)})
+    ET.SubElement(props, "property", {"name": "levels", "value": ",".join(sorted(report.levels))})
+    for r in results:
+        case = ET.SubElement(suite, "testcase", {
+            "classname": f"conformance.{report.tier}.{r.check.level}",
+            "name": r.check.test_name,
+            "time": f"{r.seconds:.3f}",
+        })
+        if r.status == "FAIL":
+            node = ET.SubElement(case, "failure", {"message": r.why})
+            node.text = r.details or r.why
+        elif r.status == "SKIP":
+            ET.SubElement(case, "skipped", {"message": r.why})
+    ET.ElementTree(ET.Element("testsuites")).getroot().append(suite)
+    tree = ET.ElementTree(suite)
+    ET.indent(tree)
+    tree.write(path, encoding="utf-8", xml_declaration=True)

@@ -1,0 +1,44 @@
+"""The numbers of the conformance suite: the rule bounds and the size of the test arena.
+
+The defaults are DESIGN.md's, deliberately generous so a busy 2-core machine does not flake;
+the arena is small so the suite is fast. Pass your own :class:`Limits` to
+:func:`kvtiers_conformance.run_conformance` or set ``limits`` on a ``TierTests`` subclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds the rules are checked against and the shape of the test arena."""
+
+    lookup_keys: int = 1000  #: rule 1: keys per timed lookup call
+    lookup_ms: float = 50.0  #: rule 1: median lookup time bound
+    repeats: int = 5  #: rule 1 and 8: timed calls; the median counts
+    retry_s: float = 5.0  #: rule 1: RETRY must resolve within this
+    finish_s: float = 30.0  #: rule 5: every accepted job reported within this
+    poll_block_s: float = 1.0  #: rule 5: a get_finished_jobs call longer than this blocked
+    submit_keys: int = 64  #: rule 8: keys of the timed submit
+    submit_ms: float = 50.0  #: rule 8: median submit time bound
+    jobs_in_flight: int = 64  #: rule 5: jobs submitted before the first poll
+    big_job_keys: int = 512  #: rule 3: keys of the large job
+    ownership_wait_s: float = 0.3  #: rule 6: how long poisoned slots are watched
+    examples: int = 100  #: Hypothesis examples of the stateful test
+    steps: int = 20  #: steps per stateful example
+    slot_bytes: int = 4096  #: bytes per arena slot
+    num_slots: int = 640  #: slots per instance arena (>= big_job_keys)
+    bounded_slots: int = 16  #: rule 11: max_bytes = bounded_slots * slot_bytes
+    crash_rounds: int = 3  #: rule 10: subprocesses killed mid-store
+    crash_slot_bytes: int = 256 * 1024  #: rule 10: bigger slots widen the torn-write window
+    async_op_timeout: float = 1.0  #: AsyncTier fault injection: op_timeout set on the instance
+    close_grace_s: float = 2.0  #: rule 9: time allowed for a closed tier's threads to end
+
+    def replace(self, **changes: object) -> Limits:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+
+DEFAULT_LIMITS = Limits()

@@ -1,0 +1,192 @@
+"""Running the checks without pytest: the engine of ``kvtiers conformance`` and of the
+suite's own tests. ``TierTests`` runs the same check functions under pytest."""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import random
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtiers.errors import ConfigError
+from kvtiers.registry import LEVELS, tier_levels
+
+from .catalog import RULE_LEVELS, RULES, Check, all_checks
+from .harness import CheckSkipped, ConformanceFailure, Harness, resolve_tier
+from .limits import DEFAULT_LIMITS, Limits
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The outcome of one check: ``status`` is ``PASS``, ``FAIL`` or ``SKIP``."""
+
+    check: Check
+    status: str
+    why: str = ""
+    seconds: float = 0.0
+    details: str = ""
+
+
+@dataclass(frozen=True)
+class RuleResult:
+    """One report line: a rule at a level, summarising its checks."""
+
+    rule: int
+    level: str
+    status: str
+    why: str = ""
+    checks: tuple[CheckResult, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return RULES[self.rule]
+
+    def line(self) -> str:
+        """``rule N <name> [level]: PASS|FAIL|SKIP (why)``"""
+        why = f" ({self.why})" if self.why and self.status != "PASS" else ""
+        return f"rule {self.rule} {self.name} [{self.level}]: {self.status}{why}"
+
+
+@dataclass
+class Report:
+    """Everything one conformance run found."""
+
+    tier: str
+    levels: frozenset[str]
+    seed: int
+    results: list[CheckResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def rules(self) -> list[RuleResult]:
+        """One :class:`RuleResult` per (rule, level), in report order."""
+        out = []
+        for rule, level in RULE_LEVELS:
+            mine = tuple(r for r in self.results if (r.check.rule, r.check.level) == (rule, level))
+            failed = [r for r in mine if r.status == "FAIL"]
+            passed = [r for r in mine if r.status == "PASS"]
+            if failed:
+                f = failed[0]
+                more = f"; +{len(failed) - 1} more failing check(s)" if len(failed) > 1 else ""
+                out.append(RuleResult(rule, level, "FAIL", f"{f.check.test_name}: {f.why}{more}", mine))
+            elif passed:
+                out.append(RuleResult(rule, level, "PASS", "", mine))
+            else:
+                why = mine[0].why if mine else "not run"
+                out.append(RuleResult(rule, level, "SKIP", why, mine))
+        return out
+
+    def status(self, rule: int, level: str = "core") -> str:
+        """The status of one report line."""
+        return next(r.status for r in self.rules() if (r.rule, r.level) == (rule, level))
+
+    @property
+    def failed(self) -> bool:
+        return any(r.status == "FAIL" for r in self.results)
+
+    def summary(self) -> str:
+        lines = self.rules()
+        n = {s: sum(1 for r in lines if r.status == s) for s in ("PASS", "FAIL", "SKIP")}
+        checks = sum(1 for r in self.results if r.status != "SKIP")
+        verdict = "FAILED" if self.failed else "PASSED"
+        return (f"summary: {verdict}: {n['PASS']} passed, {n['FAIL']} failed, {n['SKIP']} skipped "
+                f"({checks} checks, levels {','.join(sorted(self.levels)) or 'none'}) "
+                f"in {self.seconds:.1f} s, seed {self.seed}")
+
+
+def parse_levels(text: str | Iterable[str] | None) -> frozenset[str] | None:
+    """``"core,durable"`` (or an iterable) -> a validated set; ``None`` stays ``None``."""
+    if text is None:
+        return None
+    items = [x.strip() for x in (text.split(",") if isinstance(text, str) else text) if x.strip()]
+    unknown = sorted(set(items) - set(LEVELS))
+    if unknown:
+        raise ConfigError(f"unknown conformance level(s) {', '.join(unknown)} (known: {', '.join(LEVELS)})")
+    return frozenset(items)
+
+
+def run_check(check: Check, harness: Harness) -> CheckResult:
+    """Run one check on ``harness`` (closing what it opened) and classify the outcome."""
+    t0 = time.monotonic()
+    try:
+        try:
+            check.func(harness)
+        finally:
+            harness.close_all()
+    except CheckSkipped as e:
+        return CheckResult(check, "SKIP", str(e), time.monotonic() - t0)
+    except ConformanceFailure as e:
+        return CheckResult(check, "FAIL", _one_line(str(e)), time.monotonic() - t0, traceback.format_exc())
+    except Exception as e:  # a hook raising outside the harness's guards, or a broken open
+        why = _one_line(f"{type(e).__name__}: {e}")
+        return CheckResult(check, "FAIL", why, time.monotonic() - t0, traceback.format_exc())
+    return CheckResult(check, "PASS", "", time.monotonic() - t0)
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def run_conformance(
+    tier_type: str | type,
+    config: Mapping[str, Any] | Callable[[pathlib.Path], Mapping[str, Any]] | None = None,
+    *,
+    levels: Iterable[str] | str | None = None,
+    rules: Iterable[int] | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+    seed: int | None = None,
+    on_result: Callable[[CheckResult], None] | None = None,
+) -> Report:
+    """Run the suite against a tier type and return a :class:`Report`.
+
+    ``config`` is the tier's options, or a function of a fresh scratch directory returning
+    them (called once per check); ``None`` uses the tier class's
+    ``conformance_config(scratch)``. ``levels`` defaults to the levels the tier claims;
+    checks of other levels are reported as SKIP. ``rules`` restricts the run to some rule
+    numbers. ``on_result`` sees each check result as it comes.
+    """
+    info = resolve_tier(tier_type)
+    claimed = tier_levels(info.cls)
+    chosen = parse_levels(levels) if levels is not None else claimed
+    if config is None:
+        factory = getattr(info.cls, "conformance_config", None)
+        if factory is None:
+            raise ConfigError(f"tier {info.name!r} has no conformance_config(scratch); pass --config")
+        config = factory
+    seed = random.randrange(2**32) if seed is None else seed
+    report = Report(info.name, chosen, seed)
+    t_start = time.monotonic()
+    wanted = set(rules) if rules is not None else None
+    for i, c in enumerate(all_checks()):
+        if wanted is not None and c.rule not in wanted:
+            continue
+        if c.level not in chosen:
+            why = f"level {c.level} not claimed" if c.level not in claimed else f"level {c.level} not selected"
+            result = CheckResult(c, "SKIP", why)
+        else:
+            with _scratch(config) as options:
+                harness = Harness(tier_type, options, levels=chosen, limits=limits, seed=seed + i)
+                result = run_check(c, harness)
+        report.results.append(result)
+        if on_result:
+            on_result(result)
+    report.seconds = time.monotonic() - t_start
+    return report
+
+
+@contextlib.contextmanager
+def _scratch(config: Any) -> Iterator[dict[str, Any]]:
+    if not callable(config):
+        yield dict(config)
+        return
+    path = pathlib.Path(tempfile.mkdtemp(prefix="kvtiers-conformance-"))
+    try:
+        yield dict(config(path))
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,88 @@
+"""``TierTests``: the pytest base class a tier's own test suite subclasses.
+
+::
+
+    from kvtiers_conformance import TierTests
+
+    class TestMyTier(TierTests):
+        @pytest.fixture
+        def tier_config(self, tmp_path):
+            return "mytier", {"root_dir": str(tmp_path / "kv")}
+
+Every check of the suite becomes a test method named for its rule
+(``test_rule02_read_your_writes``, ``test_rule10_crash_safety``...). Checks of levels the
+tier does not claim are skipped with a reason; set ``levels`` on the subclass (or override
+the ``conformance_levels`` fixture) to force levels. ``limits`` and ``seed`` tune the run.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, ClassVar
+
+import pytest
+
+from kvtiers.registry import tier_levels
+
+from .catalog import Check, all_checks
+from .harness import CheckSkipped, Harness, resolve_tier
+from .limits import DEFAULT_LIMITS, Limits
+from .runner import parse_levels
+
+
+class TierTests:
+    """Base class of a tier's conformance tests; see the module docstring."""
+
+    #: levels to check, claimed or not; ``None``: the levels the tier class claims
+    levels: ClassVar[frozenset[str] | set[str] | None] = None
+    #: the bounds and arena shape of the suite
+    limits: ClassVar[Limits] = DEFAULT_LIMITS
+    #: seed of the random choices (and the stateful test); ``None``: random per run
+    seed: ClassVar[int | None] = None
+
+    @pytest.fixture
+    def tier_config(self, tmp_path: Any) -> tuple[str | type, dict[str, Any]]:
+        """Return ``(type, config)``: a registered name, ``pkg.mod:Class`` or a class,
+        and the tier's options. Subclasses must override this fixture."""
+        raise NotImplementedError("override the tier_config fixture: return (type, config)")
+
+    @pytest.fixture
+    def conformance_levels(self, tier_config: tuple[Any, dict]) -> frozenset[str]:
+        """The levels checked: ``levels`` if set, else what the tier class claims."""
+        if self.levels is not None:
+            return parse_levels(self.levels) or frozenset()
+        return tier_levels(resolve_tier(tier_config[0]).cls)
+
+    @pytest.fixture
+    def conformance_harness(self, tier_config: tuple[Any, dict], conformance_levels: frozenset[str],
+                            request: pytest.FixtureRequest) -> Harness:
+        """The harness a check drives the tier with."""
+        tier_type, config = tier_config
+        seed = self.seed if self.seed is not None else random.randrange(2**32)
+        h = Harness(tier_type, config, levels=conformance_levels, limits=self.limits, seed=seed)
+        request.node.user_properties.append(("conformance_seed", seed))
+        return h
+
+
+def _make_test(c: Check):
+    def test(self: TierTests, conformance_harness: Harness) -> None:
+        h = conformance_harness
+        if c.level not in h.levels:
+            pytest.skip(f"level {c.level} not claimed by the tier (set levels on the test class to force it)")
+        try:
+            try:
+                c.func(h)
+            finally:
+                h.close_all()
+        except CheckSkipped as e:
+            pytest.skip(str(e))
+
+    test.__name__ = c.test_name
+    test.__qualname__ = f"TierTests.{c.test_name}"
+    test.__doc__ = f"Rule {c.rule} [{c.level}]: {c.doc}"
+    return test
+
+
+for _check in all_checks():
+    setattr(TierTests, _check.test_name, _make_test(_check))
+del _check
