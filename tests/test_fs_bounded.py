@@ -1,0 +1,164 @@
+"""``max_bytes``: LRU eviction reported through ``ctx.removed``, an order that survives a
+restart, files being read are never deleted, and instances sharing a bounded root."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+from kvtiers_fs import layout
+from test_fs_helpers import SLOT, Env, chunk_files, resolve, wait_for
+
+from kvtiers import Job, Lookup
+
+FILE = layout.file_bytes(SLOT)
+
+
+@pytest.fixture
+def env(tmp_path):
+    e = Env(str(tmp_path / "root"))
+    yield e
+    e.close()
+
+
+def test_stores_keep_succeeding_and_evict_lru(env):
+    t = env.open(max_bytes=4 * FILE)
+    keys = [b"b%d" % i for i in range(10)]
+    for k in keys[:4]:
+        assert env.store(t, [k]).ok
+    assert env.load(t, [keys[0]]).ok  # keys[0] is now the most recently used
+    for k in keys[4:]:
+        assert env.store(t, [k]).ok
+        assert len(chunk_files(env.root)) * FILE <= 4 * FILE
+        if k == keys[6]:  # b1..b3 went first: b0 was used after them
+            assert os.path.exists(t.path(keys[0])) and not os.path.exists(t.path(keys[3]))
+    kept = {k for k in keys if os.path.exists(t.path(k))}
+    assert kept == set(keys[6:])
+    evicted = [k for k, why in env.removed if why == "evicted"]
+    assert sorted(evicted) == sorted(set(keys) - kept) and len(evicted) == len(set(evicted))
+    assert resolve(t, keys) == [Lookup.HIT if k in kept else Lookup.MISS for k in keys]
+    assert t.index.used == 4 * FILE
+
+
+def test_touch_and_load_protect_from_eviction(env):
+    t = env.open(max_bytes=3 * FILE)
+    assert env.store(t, [b"a", b"b", b"c"]).ok
+    t.touch([b"a"])
+    assert env.store(t, [b"d"]).ok
+    assert not os.path.exists(t.path(b"b")) and os.path.exists(t.path(b"a"))
+
+
+def test_a_chunk_larger_than_max_bytes_fails(env):
+    t = env.open(max_bytes=FILE - 1)
+    r = env.store(t, [b"big"])
+    assert r.failed_keys == (b"big",) and "max_bytes" in r.error
+    assert chunk_files(env.root) == []
+
+
+def test_lru_order_survives_a_restart(env):
+    t = env.open()
+    keys = [b"old", b"mid", b"new"]
+    assert env.store(t, keys).ok
+    now = time.time()
+    for age, k in zip((300, 200, 100), keys, strict=True):
+        os.utime(t.path(k), (now - age, now - age))
+    assert env.load(t, [b"old"]).ok  # a load touches the file: "old" is the newest now
+    t.close()
+    t2 = env.open(max_bytes=3 * FILE)
+    assert t2.scanned.wait(30)
+    assert list(t2.index.entries) == [b"mid", b"new", b"old"]
+    assert env.store(t2, [b"fourth"]).ok
+    assert not os.path.exists(t2.path(b"mid"))
+    assert all(os.path.exists(t2.path(k)) for k in (b"new", b"old", b"fourth"))
+    # reopening with a smaller bound evicts down to it at the scan
+    t2.close()
+    env.removed.clear()
+    t3 = env.open(max_bytes=FILE)
+    assert t3.scanned.wait(30)
+    assert [k for k, _ in env.removed] == [b"new", b"old"]
+    assert chunk_files(env.root) == [t3.path(b"fourth")]
+
+
+def test_a_file_being_read_is_never_evicted(env, monkeypatch):
+    t = env.open(max_bytes=2 * FILE)
+    assert env.store(t, [b"reading", b"x"]).ok
+    entered, release = threading.Event(), threading.Event()
+    real_read = t._read
+
+    def slow_read(fd, key, data, trailer):
+        entered.set()
+        release.wait(30)
+        return real_read(fd, key, data, trailer)
+
+    monkeypatch.setattr(t, "_read", slow_read)
+    env.poison([10])
+    t.submit_load(Job(500, (b"reading",), (10,)))
+    assert entered.wait(10)
+    for i in range(3):  # "reading" is the least recently used, but pinned
+        assert env.store(t, [b"push-%d" % i], [i]).ok
+    assert os.path.exists(t.path(b"reading"))
+    assert b"reading" not in [k for k, _ in env.removed]
+    release.set()
+    wait_for(lambda: t.backlog() == 0, what="load")
+    (r,) = t.get_finished_jobs()
+    assert r.ok
+    env.check([b"reading"], [10])
+
+
+def test_unlink_by_another_instance_while_reading_is_safe(tmp_path, monkeypatch):
+    """POSIX keeps an unlinked file's data for descriptors already open: a load that
+    opened the file before another instance evicted it still gets the exact bytes."""
+    a, b = Env(str(tmp_path)), Env(str(tmp_path))
+    try:
+        ta = a.open()
+        tb = b.open(max_bytes=FILE)
+        assert a.store(ta, [b"shared"]).ok
+        entered, release = threading.Event(), threading.Event()
+        real_read = ta._read
+
+        def slow_read(fd, key, data, trailer):
+            entered.set()
+            release.wait(30)
+            return real_read(fd, key, data, trailer)
+
+        monkeypatch.setattr(ta, "_read", slow_read)
+        a.poison([5])
+        ta.submit_load(Job(1, (b"shared",), (5,)))
+        assert entered.wait(10)
+        assert resolve(tb, [b"shared"]) == [Lookup.HIT]
+        assert b.store(tb, [b"evicts-it"]).ok  # b's bound pushes "shared" out
+        assert not os.path.exists(ta.path(b"shared"))
+        assert (b"shared", "evicted") in b.removed
+        release.set()
+        wait_for(lambda: ta.backlog() == 0, what="load")
+        (r,) = ta.get_finished_jobs()
+        assert r.ok
+        a.check([b"shared"], [5])
+        # a's next load of it fails cleanly and a reports the removal it noticed
+        r = a.load(ta, [b"shared"])
+        assert r.failed_keys == (b"shared",)
+        assert (b"shared", "missing") in a.removed
+    finally:
+        a.close()
+        b.close()
+
+
+def test_two_bounded_instances_on_one_root_stay_correct(tmp_path):
+    a, b = Env(str(tmp_path)), Env(str(tmp_path))
+    try:
+        ta, tb = a.open(max_bytes=6 * FILE), b.open(max_bytes=6 * FILE)
+        for i in range(6):
+            ka = [b"a%d-%d" % (i, j) for j in range(3)]
+            kb = [b"b%d-%d" % (i, j) for j in range(3)]
+            assert a.store(ta, ka).ok and b.store(tb, kb).ok
+            both = ka + kb
+            for env, t in ((a, ta), (b, tb)):
+                assert resolve(t, both) != [Lookup.RETRY] * 6
+                r = env.load(t, both)
+                env.check(both, failed=r.failed_keys)  # a key either loads exactly or fails
+        assert len(chunk_files(str(tmp_path))) <= 12
+    finally:
+        a.close()
+        b.close()
