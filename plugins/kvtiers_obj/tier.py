@@ -1,0 +1,550 @@
+"""The ``obj`` tier: KV chunks as objects in an S3-compatible bucket.
+
+Built on :class:`kvtiers.AsyncTier` (job tracking, concurrency limit, per-operation
+timeouts, non-blocking lookup with positive and negative caches); this module supplies the
+coroutines. Object names and the object format are in :mod:`kvtiers_obj.layout`. The
+aiobotocore client lives on the SDK's I/O loop; the plugin module imports without
+aiobotocore, and opening a tier without it is a clear error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal
+
+from kvtiers import AsyncTier, ConfigError, TierError, hookimpl
+from kvtiers.types import TierContext, check_keys
+
+from . import layout
+from .capacity import LruBytes
+
+log = logging.getLogger("kvtiers.obj")
+
+MIN_PART_SIZE = 5 << 20  # S3's smallest part (all but the last)
+PART_PARALLEL = 4  # parts of one chunk in flight at once (uploads and ranged GETs)
+PIECE = 1 << 20
+
+
+def _tname() -> str:
+    return "tier 'obj'"
+
+
+async def run_all(coros: Sequence[Awaitable[Any]], limit: int) -> list[Any]:
+    """Run ``coros`` at most ``limit`` at a time; on the first error or on cancellation,
+    cancel the others and wait for them before raising (so none touches a buffer later)."""
+    sem = asyncio.Semaphore(limit)
+
+    async def one(c: Awaitable[Any]) -> Any:
+        async with sem:
+            return await c
+
+    tasks = [asyncio.ensure_future(one(c)) for c in coros]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Target:
+    """The virtual object ``payload || trailer`` being read: writes pieces at offsets."""
+
+    def __init__(self, out: memoryview) -> None:
+        self.out = out
+        self.n = len(out)
+        self.trailer = bytearray(layout.TRAILER_BYTES)
+        self.size = layout.object_size(self.n)
+
+    def write_at(self, off: int, chunk: bytes | memoryview) -> None:
+        mv = memoryview(chunk)
+        end = off + len(mv)
+        if end > self.size:
+            raise layout.CorruptObject(f"object is longer than {self.size} bytes")
+        if off < self.n:
+            k = min(end, self.n) - off
+            self.out[off : off + k] = mv[:k]
+            mv, off = mv[k:], off + k
+        if len(mv):
+            t = off - self.n
+            self.trailer[t : t + len(mv)] = mv
+
+
+def _slices(parts: Sequence[memoryview | bytes], start: int, end: int) -> list[memoryview]:
+    """The pieces of the concatenation of ``parts`` covering ``[start, end)``, no copies."""
+    out = []
+    pos = 0
+    for p in parts:
+        mv = memoryview(p)
+        lo, hi = max(start, pos), min(end, pos + len(mv))
+        if lo < hi:
+            out.append(mv[lo - pos : hi - pos])
+        pos += len(mv)
+    return out
+
+
+class ObjTier(AsyncTier):
+    """Chunks in an S3-compatible bucket under ``prefix/<namespace digest>/``.
+
+    Options (see README "obj tier"): ``bucket`` (required), ``prefix``, ``endpoint_url``
+    (alias ``endpoint_override``), ``region``, ``aws_access_key_id`` /
+    ``aws_secret_access_key`` (else the default credential chain; with none found requests
+    go unsigned), ``addressing_style`` (``path``/``virtual``/``auto``; default ``path``
+    with an ``endpoint_url``, else ``auto``), ``max_concurrency``, ``part_size`` (multipart
+    upload and ranged GETs above it), ``connect_timeout``, ``read_timeout``,
+    ``max_attempts``, ``op_timeout`` (bound on one chunk's store or load), ``create_bucket``,
+    ``max_bytes`` (LRU deletion by this instance), ``backend`` (``aiobotocore`` or ``nixl``).
+    """
+
+    levels = frozenset({"core", "durable", "shared"})
+
+    def __init__(
+        self,
+        ctx: TierContext,
+        *,
+        bucket: str,
+        prefix: str = "kvtiers",
+        endpoint_url: str | None = None,
+        endpoint_override: str | None = None,
+        region: str | None = None,
+        aws_access_key_id: str | None = None,
+        aws_secret_access_key: str | None = None,
+        addressing_style: Literal["path", "virtual", "auto"] | None = None,
+        max_concurrency: int = 16,
+        part_size: int = 16 << 20,
+        connect_timeout: float = 3.0,
+        read_timeout: float = 10.0,
+        max_attempts: int = 3,
+        op_timeout: float = 30.0,
+        create_bucket: bool = False,
+        max_bytes: int | None = None,
+        backend: Literal["aiobotocore", "nixl"] = "aiobotocore",
+    ) -> None:
+        super().__init__(ctx)
+        t = _tname()
+        if endpoint_override is not None:
+            if endpoint_url is not None and endpoint_url != endpoint_override:
+                raise ConfigError(f"{t}: give endpoint_url or its alias endpoint_override, not two different ones")
+            endpoint_url = endpoint_override
+        if not 3 <= len(bucket) <= 63:
+            raise ConfigError(f"{t}: option 'bucket' must be 3-63 characters, got {bucket!r}")
+        try:
+            self.prefix = layout.normalise_prefix(prefix)
+        except ValueError as e:
+            raise ConfigError(f"{t}: option 'prefix': {e}") from None
+        if (aws_access_key_id is None) != (aws_secret_access_key is None):
+            raise ConfigError(f"{t}: give both aws_access_key_id and aws_secret_access_key, or neither")
+        if max_concurrency < 1:
+            raise ConfigError(f"{t}: option 'max_concurrency' must be >= 1, got {max_concurrency}")
+        if part_size < MIN_PART_SIZE:
+            raise ConfigError(f"{t}: option 'part_size' must be >= {MIN_PART_SIZE} (S3's minimum), got {part_size}")
+        timeouts = {"connect_timeout": connect_timeout, "read_timeout": read_timeout, "op_timeout": op_timeout}
+        for name, v in timeouts.items():
+            if v <= 0:
+                raise ConfigError(f"{t}: option {name!r} must be > 0, got {v}")
+        if max_attempts < 1:
+            raise ConfigError(f"{t}: option 'max_attempts' must be >= 1, got {max_attempts}")
+        if max_bytes is not None and max_bytes < 0:
+            raise ConfigError(f"{t}: option 'max_bytes' must be >= 0, got {max_bytes}")
+        if backend == "nixl":
+            from .nixl_path import check_nixl
+
+            check_nixl()  # raises TierError naming the missing piece
+        try:
+            from . import client as c
+        except ImportError as e:
+            raise TierError(
+                f"{t} needs aiobotocore ({e.name or e} is not installed): pip install 'kvtiers[obj]'"
+            ) from None
+        self._c = c
+        self.bucket = bucket
+        self.endpoint_url = endpoint_url
+        self.region = region
+        self.addressing_style = addressing_style or ("path" if endpoint_url else "auto")
+        self.max_concurrency = max_concurrency
+        self.part_size = part_size
+        self.op_timeout = op_timeout
+        self.max_bytes = max_bytes
+        self.backend = backend
+        self.digest = ctx.namespace.digest
+        self.unsigned = False
+        self._where = endpoint_url or f"AWS S3 ({region or 'default region'})"
+        self._timeouts = (connect_timeout, read_timeout, max_attempts)
+        self._creds = (aws_access_key_id, aws_secret_access_key)
+        self._create_bucket = create_bucket
+        self._client: Any = None
+        self._client_cm: Any = None
+        self._busy: dict[bytes, int] = {}  # key -> loads in flight (loop thread only)
+        self._bg: set[asyncio.Task] = set()
+        self._cap_lock = threading.Lock()
+        self._lru = LruBytes(max_bytes) if max_bytes is not None else None
+        open_bound = 3 * op_timeout + 10
+        try:
+            self.run_sync(asyncio.wait_for(self._open(), open_bound), timeout=open_bound + 5)
+        except BaseException as e:
+            try:
+                self.run_sync(self._close_client(), timeout=10)
+            except Exception:
+                pass
+            if isinstance(e, (asyncio.TimeoutError, concurrent.futures.TimeoutError)):
+                raise TierError(f"{t}: no answer from {self._where} within {open_bound:g} s") from None
+            raise
+
+    def __repr__(self) -> str:
+        return f"<ObjTier s3://{self.bucket}/{layout.namespace_dir(self.prefix, self.digest)} at {self._where}>"
+
+    # -- opening ----------------------------------------------------------------------
+    async def _open(self) -> None:
+        c = self._c
+        session = c.get_session()
+        key_id, secret = self._creds
+        if key_id is None:
+            creds = await session.get_credentials()
+            self.unsigned = creds is None
+        region = self.region or session.get_config_variable("region") or "us-east-1"
+        self.region = region
+        connect_timeout, read_timeout, max_attempts = self._timeouts
+        cfg = c.client_config(
+            max_pool_connections=self.max_concurrency * 2,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            max_attempts=max_attempts,
+            addressing_style=self.addressing_style,
+            unsigned=self.unsigned,
+        )
+        kwargs: dict[str, Any] = {"region_name": region, "config": cfg}
+        if self.endpoint_url:
+            kwargs["endpoint_url"] = self.endpoint_url
+        if key_id is not None:
+            kwargs["aws_access_key_id"] = key_id
+            kwargs["aws_secret_access_key"] = secret
+        try:
+            self._client_cm = session.create_client("s3", **kwargs)
+            self._client = await self._client_cm.__aenter__()
+        except (c.BotoCoreError, ValueError) as e:
+            raise ConfigError(f"{_tname()}: cannot create an S3 client for {self._where}: {e}") from None
+        await self._check_bucket()
+        await self._check_namespace()
+        if self._lru is not None:
+            await self._seed_capacity()
+
+    def _translate(self, e: BaseException, what: str) -> Exception:
+        """A one-line ConfigError/TierError for an error met while opening."""
+        c, t = self._c, _tname()
+        if isinstance(e, c.ClientError):
+            status, code = c.http_status(e), c.error_code(e)
+            if status in (401, 403) or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+                hint = (
+                    "no credentials were found, so requests went unsigned; set aws_access_key_id/aws_secret_access_key"
+                    if self.unsigned
+                    else "check aws_access_key_id / aws_secret_access_key (or the AWS credential chain)"
+                )
+                why = code or status
+                return TierError(f"{t}: access denied to bucket {self.bucket!r} at {self._where} ({why}): {hint}")
+            msg = e.response.get("Error", {}).get("Message", "")
+            return TierError(f"{t}: {what} at {self._where} failed: {code or status} {msg}".rstrip())
+        return TierError(f"{t}: cannot reach {self._where} ({what}): {type(e).__name__}: {e}")
+
+    async def _call(self, fn: Callable[..., Awaitable[Any]], **kwargs: Any) -> Any:
+        return await asyncio.wait_for(fn(**kwargs), self.op_timeout)
+
+    async def _check_bucket(self) -> None:
+        c, cl = self._c, self._client
+        try:
+            await self._call(cl.head_bucket, Bucket=self.bucket)
+            return
+        except Exception as e:
+            if not (isinstance(e, c.ClientError) and (c.http_status(e) == 404 or c.error_code(e) == "NoSuchBucket")):
+                raise self._translate(e, "checking the bucket") from None
+        if not self._create_bucket:
+            raise ConfigError(
+                f"{_tname()}: bucket {self.bucket!r} does not exist at {self._where} "
+                "(create it, or set \"create_bucket\": true)"
+            )
+        kwargs: dict[str, Any] = {"Bucket": self.bucket}
+        if self.region != "us-east-1" and not self.endpoint_url:
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.region}
+        try:
+            await self._call(cl.create_bucket, **kwargs)
+            log.info("obj: created bucket %s at %s", self.bucket, self._where)
+        except Exception as e:
+            if c.error_code(e) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise self._translate(e, f"creating bucket {self.bucket!r}") from None
+
+    async def _check_namespace(self) -> None:
+        c, cl = self._c, self._client
+        name = layout.config_name(self.prefix, self.digest)
+        ns = self.ctx.namespace
+        for _ in range(3):
+            try:
+                r = await self._call(cl.get_object, Bucket=self.bucket, Key=name)
+                async with r["Body"] as body:
+                    raw = await asyncio.wait_for(body.read(), self.op_timeout)
+            except Exception as e:
+                if not c.is_missing(e):
+                    raise self._translate(e, f"reading s3://{self.bucket}/{name}") from None
+            else:
+                try:
+                    ns.check_document(raw, where=f"s3://{self.bucket}/{name}")
+                except ValueError as e:
+                    raise ConfigError(f"{_tname()}: {e}") from None
+                return
+            try:
+                await self._call(
+                    cl.put_object,
+                    Bucket=self.bucket,
+                    Key=name,
+                    Body=ns.document_bytes(),
+                    ContentType="application/json",
+                    IfNoneMatch="*",
+                )
+                return
+            except Exception as e:
+                if not c.is_exists(e):
+                    raise self._translate(e, f"writing s3://{self.bucket}/{name}") from None
+        raise TierError(f"{_tname()}: s3://{self.bucket}/{name} could not be read or written")
+
+    async def _seed_capacity(self) -> None:
+        """Fill the LRU from one listing of the namespace, oldest first."""
+        found: list[tuple[Any, str, bytes, int]] = []
+        pfx = layout.namespace_dir(self.prefix, self.digest)
+        try:
+            paginator = self._client.get_paginator("list_objects_v2")
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=pfx):
+                for o in page.get("Contents", []):
+                    key = layout.key_from_name(o["Key"])
+                    if key is not None:
+                        found.append((o.get("LastModified"), o["Key"], key, int(o.get("Size", 0))))
+        except Exception as e:
+            raise self._translate(e, f"listing s3://{self.bucket}/{pfx}") from None
+        found.sort(key=lambda f: (f[0] is None, f[0], f[1]))
+        with self._cap_lock:
+            for _, _, key, size in found:
+                self._lru.add(key, size)
+
+    # -- helpers ------------------------------------------------------------------------
+    def _name(self, key: bytes) -> str:
+        return layout.object_name(self.prefix, self.digest, key)
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def _drop(self, keys: Sequence[bytes], reason: str) -> list[bytes]:
+        """Delete the objects of ``keys``; report those deleted through ``ctx.removed``."""
+        done: list[bytes] = []
+
+        async def one(k: bytes) -> None:
+            try:
+                await self._call(self._client.delete_object, Bucket=self.bucket, Key=self._name(k))
+                done.append(k)
+            except Exception as e:
+                log.warning("obj: could not delete %s chunk %s: %s", reason, k.hex(), e)
+
+        await asyncio.gather(*(one(k) for k in keys))
+        self.forget(keys)
+        if self._lru is not None:
+            with self._cap_lock:
+                for k in keys:
+                    self._lru.discard(k)
+        if done:
+            self.ctx.removed(done, reason)
+        return done
+
+    async def _record(self, key: bytes, size: int) -> None:
+        """Note ``key`` as most recently used; evict over ``max_bytes``."""
+        if self._lru is None:
+            return
+        with self._cap_lock:
+            self._lru.add(key, size)
+            victims = self._lru.victims(busy=set(self._busy) | {key})
+        if victims:
+            await self._drop(victims, "evicted")
+
+    async def _head_size(self, name: str) -> int | None:
+        try:
+            r = await self._client.head_object(Bucket=self.bucket, Key=name)
+        except Exception as e:
+            if self._c.is_missing(e):
+                return None
+            raise
+        return int(r["ContentLength"])
+
+    # -- the AsyncTier coroutines ---------------------------------------------------------
+    async def exists(self, key: bytes) -> bool:
+        """HEAD the chunk; an unreachable server answers ``False`` (a miss, asked again later)."""
+        try:
+            return await self._head_size(self._name(key)) is not None
+        except Exception as e:
+            log.debug("obj: HEAD %s failed: %s", key.hex(), e)
+            return False
+
+    async def put(self, key: bytes, data: memoryview) -> None:
+        size = layout.object_size(len(data))
+        if self.max_bytes is not None and size > self.max_bytes:
+            raise ValueError(f"chunk of {size} bytes exceeds max_bytes={self.max_bytes}")
+        with self._lock:
+            known = key in self._present
+        if known:  # write-once: stored or seen by this instance
+            await self._record(key, size)
+            return
+        name = self._name(key)
+        found = await self._head_size(name)
+        if found == size:
+            await self._record(key, size)
+            return
+        if found is not None:  # a short or foreign object blocks the write-once PUT
+            await self._drop([key], "corrupt")
+        trailer = layout.make_trailer(key, data)
+        if size > self.part_size:
+            await self._put_multipart(name, [data, trailer], size)
+        else:
+            body = self._c.ChunkBody([data, trailer])
+            try:
+                await self._client.put_object(Bucket=self.bucket, Key=name, Body=body, IfNoneMatch="*")
+            except Exception as e:
+                if not self._c.is_exists(e):  # someone else stored it first: fine
+                    raise
+        await self._record(key, size)
+
+    async def _put_multipart(self, name: str, parts: Sequence[memoryview | bytes], size: int) -> None:
+        cl = self._client
+        up = await cl.create_multipart_upload(Bucket=self.bucket, Key=name)
+        upload_id = up["UploadId"]
+        completed = False
+        try:
+            bounds = [(i, o, min(o + self.part_size, size)) for i, o in enumerate(range(0, size, self.part_size), 1)]
+
+            async def part(num: int, lo: int, hi: int) -> dict:
+                body = self._c.ChunkBody(_slices(parts, lo, hi))
+                r = await cl.upload_part(Bucket=self.bucket, Key=name, UploadId=upload_id, PartNumber=num, Body=body)
+                return {"ETag": r["ETag"], "PartNumber": num}
+
+            done = await run_all([part(*b) for b in bounds], PART_PARALLEL)
+            try:
+                await cl.complete_multipart_upload(
+                    Bucket=self.bucket, Key=name, UploadId=upload_id, MultipartUpload={"Parts": done}, IfNoneMatch="*"
+                )
+                completed = True
+            except Exception as e:
+                if not self._c.is_exists(e):
+                    raise
+        finally:
+            if not completed:
+                self._spawn(self._abort(name, upload_id))
+
+    async def _abort(self, name: str, upload_id: str) -> None:
+        try:
+            await self._call(self._client.abort_multipart_upload, Bucket=self.bucket, Key=name, UploadId=upload_id)
+        except Exception as e:  # a bucket lifecycle rule cleans up what is left
+            log.debug("obj: abort of upload %s for %s failed: %s", upload_id, name, e)
+
+    async def get_into(self, key: bytes, out: memoryview) -> bool:
+        name = self._name(key)
+        target = _Target(out)
+        self._busy[key] = self._busy.get(key, 0) + 1
+        try:
+            if target.size > self.part_size:
+                found = await self._get_ranged(name, target)
+            else:
+                found = await self._get_range(name, target, 0, target.size, ranged=False)
+            if not found:
+                return False
+            layout.check_trailer(key, out, target.trailer)
+        except layout.CorruptObject as e:
+            log.warning("obj: chunk %s in s3://%s/%s is corrupt (%s): deleting it", key.hex(), self.bucket, name, e)
+            await self._drop([key], "corrupt")
+            raise
+        finally:
+            n = self._busy.pop(key) - 1
+            if n:
+                self._busy[key] = n
+        await self._record(key, target.size)
+        return True
+
+    async def _get_range(self, name: str, target: _Target, lo: int, hi: int, ranged: bool = True) -> bool:
+        """GET ``[lo, hi)`` of ``name`` into ``target``; ``False`` if the object is missing."""
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": name}
+        if ranged:
+            kwargs["Range"] = f"bytes={lo}-{hi - 1}"
+        try:
+            r = await self._client.get_object(**kwargs)
+        except Exception as e:
+            if self._c.is_missing(e):
+                return False
+            if self._c.error_code(e) == "InvalidRange":
+                raise layout.CorruptObject("object is shorter than expected") from None
+            raise
+        async with r["Body"] as body:
+            total = r.get("ContentRange", "").rpartition("/")[2] if ranged else ""
+            length = int(r["ContentLength"])
+            if total.isdigit() and int(total) != target.size:
+                raise layout.CorruptObject(f"object is {total} bytes, expected {target.size}")
+            if length != hi - lo:
+                raise layout.CorruptObject(f"object is {length} bytes, expected {hi - lo}")
+            await self._stream(body, target, lo, hi)
+        return True
+
+    async def _stream(self, body: Any, target: _Target, off: int, end: int) -> None:
+        """Copy the response body into ``target`` piece by piece, as it arrives."""
+        content = getattr(getattr(body, "raw_stream", None), "content", None)
+        while True:
+            chunk = await (content.readany() if content is not None else body.read(PIECE))
+            if not chunk:
+                break
+            if off + len(chunk) > end:
+                raise layout.CorruptObject(f"object is longer than {target.size} bytes")
+            target.write_at(off, chunk)
+            off += len(chunk)
+        if off != end:
+            raise layout.CorruptObject(f"object ended after {off} bytes, expected {end}")
+
+    async def _get_ranged(self, name: str, target: _Target) -> bool:
+        """Parallel ranged GETs of ``part_size`` each; the first also checks the size."""
+        size, step = target.size, self.part_size
+        if not await self._get_range(name, target, 0, min(step, size)):
+            return False
+        rest = [(o, min(o + step, size)) for o in range(step, size, step)]
+
+        async def one(lo: int, hi: int) -> None:
+            if not await self._get_range(name, target, lo, hi):
+                raise layout.CorruptObject("object vanished while it was read")
+
+        await run_all([one(lo, hi) for lo, hi in rest], PART_PARALLEL)
+        return True
+
+    async def delete(self, key: bytes) -> None:
+        """Delete ``key``'s object (not reported through ``ctx.removed``: the caller asked)."""
+        await self._call(self._client.delete_object, Bucket=self.bucket, Key=self._name(key))
+        self.forget([key])
+        if self._lru is not None:
+            with self._cap_lock:
+                self._lru.discard(key)
+
+    async def _close_client(self) -> None:
+        if self._bg:
+            await asyncio.wait(list(self._bg), timeout=10)
+        cm, self._client_cm, self._client = self._client_cm, None, None
+        if cm is not None:
+            await cm.__aexit__(None, None, None)
+
+    async def aclose(self) -> None:
+        await self._close_client()
+
+    # -- extra hooks ----------------------------------------------------------------------
+    @hookimpl
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Mark ``keys`` recently used for ``max_bytes`` eviction."""
+        keys = check_keys(keys)
+        if self._lru is not None:
+            with self._cap_lock:
+                self._lru.touch(keys)
