@@ -40,10 +40,12 @@ EVICTION_POLICIES_BUILTIN = ("lru", "arc")
 
 @dataclass(frozen=True)
 class TierConfig:
-    """One secondary tier: its ``type`` (registered name or ``pkg.module:Class``) and options."""
+    """One secondary tier: its ``type`` (registered name or ``pkg.module:Class``), options,
+    and an optional ``name`` (the tier's medium in KV events and lookups; default: the type)."""
 
     type: str
     options: dict[str, Any] = field(default_factory=dict)
+    name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class Config:
 
     @property
     def tier_entries(self) -> list[dict[str, Any]]:
-        return [{"type": t.type, **t.options} for t in self.tiers]
+        return [{"type": t.type, **({"name": t.name} if t.name else {}), **t.options} for t in self.tiers]
 
 
 def _expect(key: str, value: Any, ok: bool, what: str) -> None:
@@ -124,7 +126,10 @@ def _tier(i: int, entry: Any) -> TierConfig:
     for k in VLLM_TIER_IGNORED & entry.keys():
         entry.pop(k)
         log.info("kvtiers config: %s: vLLM key %r has no meaning here; ignored", where, k)
-    return TierConfig(t, entry)
+    name = entry.pop("name", None)
+    if name is not None and (not isinstance(name, str) or not name or name == "host"):
+        raise ConfigError(f"config: {where}: 'name' expects a non-empty string other than 'host', got {name!r}")
+    return TierConfig(t, entry, name)
 
 
 def parse_config(obj: Mapping[str, Any]) -> Config:
@@ -167,6 +172,10 @@ def parse_config(obj: Mapping[str, Any]) -> Config:
     if "block_size" in values and "blocks_per_chunk" in values:
         raise ConfigError("config: 'block_size' and 'blocks_per_chunk' are exclusive (as in vLLM); give one")
     tiers = tuple(_tier(i, e) for i, e in enumerate(values.pop("tiers", [])))
+    names = [t.name for t in tiers if t.name]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ConfigError(f"config: tier name {dup!r} is used twice")
     return Config(**values, tiers=tiers, ignored=tuple(sorted(ignored)))
 
 
