@@ -1,0 +1,92 @@
+"""kvtiers-sqlite: a persistent kvtiers tier on SQLite, from the standard library only.
+
+One database file holds every namespace: a table ``chunks_<digest>`` per namespace, and a
+``namespaces`` table recording each namespace's description, checked at open. Several
+instances may share the file (WAL mode, a busy timeout, ``INSERT OR IGNORE``: concurrent
+stores of one key leave one valid copy). Each chunk is stored with its CRC-32 and checked on
+every load; a bad chunk is deleted, reported through ``ctx.removed`` and fails its key.
+SQLite's transactions make a store killed half-way leave nothing behind.
+
+Built on :class:`kvtiers.AsyncTier`: four coroutines, the base class does the rest. SQLite
+calls run on the tier's own thread, never on the caller's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import kvtiers
+
+__version__ = "0.1.0"
+
+
+class SqliteTier(kvtiers.AsyncTier):
+    """Chunks as rows ``(key, crc, data)`` of an SQLite database at ``path``."""
+
+    levels = frozenset({"core", "durable", "shared"})
+
+    def __init__(self, ctx: kvtiers.TierContext, *, path: str, busy_timeout: float = 30.0) -> None:
+        super().__init__(ctx)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        ns = ctx.namespace
+        self.table = f"chunks_{ns.digest}"  # hex digits only: safe as an identifier
+        self.db = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None, check_same_thread=False)
+        try:
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.execute("CREATE TABLE IF NOT EXISTS namespaces (digest TEXT PRIMARY KEY, document TEXT)")
+            self.db.execute("INSERT OR IGNORE INTO namespaces VALUES (?, ?)", (ns.digest, ns.document_bytes().decode()))
+            (doc,) = self.db.execute("SELECT document FROM namespaces WHERE digest = ?", (ns.digest,)).fetchone()
+            ns.check_document(doc, where=f"{path}: namespace {ns.digest}")
+            self.db.execute(f"CREATE TABLE IF NOT EXISTS {self.table} (key BLOB PRIMARY KEY, crc INTEGER, data BLOB)")
+        except BaseException:
+            self.db.close()
+            raise
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvtiers-sqlite")  # one thread owns the connection
+
+    @classmethod
+    def conformance_config(cls, scratch: Path) -> dict:
+        """Options for a test instance of the conformance suite."""
+        return {"path": str(scratch / "kv.sqlite3")}
+
+    async def _sql(self, query: str, *args: object) -> list[tuple]:
+        """Run one statement (its own transaction) on the tier's thread; return its rows."""
+        run = lambda: self.db.execute(query, args).fetchall()  # noqa: E731
+        return await asyncio.get_running_loop().run_in_executor(self.pool, run)
+
+    async def exists(self, key: bytes) -> bool:
+        return bool(await self._sql(f"SELECT 1 FROM {self.table} WHERE key = ?", key))
+
+    async def put(self, key: bytes, data: memoryview) -> None:
+        blob = bytes(data)  # copy now: once this coroutine ends or is cancelled, the slot is not ours
+        await self._sql(f"INSERT OR IGNORE INTO {self.table} VALUES (?, ?, ?)", key, zlib.crc32(blob), blob)
+
+    async def get_into(self, key: bytes, out: memoryview) -> bool:
+        rows = await self._sql(f"SELECT crc, data FROM {self.table} WHERE key = ?", key)
+        if not rows:
+            return False
+        crc, blob = rows[0]
+        if len(blob) != len(out) or zlib.crc32(blob) != crc:
+            await self.delete(key)
+            self.ctx.removed([key], "corrupt")
+            raise ValueError(f"chunk {key.hex()} is corrupt (size or CRC-32 mismatch); removed")
+        out[:] = blob  # on the I/O loop, only if not cancelled: the slot is still ours
+        return True
+
+    async def delete(self, key: bytes) -> None:
+        await self._sql(f"DELETE FROM {self.table} WHERE key = ?", key)
+        self.forget([key])
+
+    async def aclose(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self.pool, self.db.close)
+        self.pool.shutdown(wait=True)
+
+
+@kvtiers.hookimpl
+def register_tiers(register) -> None:
+    """Offer the ``sqlite`` tier type (found through the ``kvtiers`` entry point)."""
+    register("sqlite", SqliteTier)
