@@ -1,0 +1,211 @@
+"""DMA engine: round trips through every layout, byte for byte, on every code path.
+
+Paths: the CPU path (numpy / memmove), and the accelerator code (torch gathers into a staging
+buffer, scatters back; and the 'direct' per-run copies) run on CPU tensors without streams,
+so its index arithmetic is checked here too. Device tensors are either separate allocations
+(one per layer and K/V, as vLLM allocates) or views of one pool.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtiers.arena import create_host_arena, slot_bytes_for
+from kvtiers.dma import DmaEngine
+from kvtiers.layout import KVGroup, KVLayout
+
+POISON = 0xA5
+NUM_BLOCKS = 48
+BPC = 4
+
+LAYOUTS = {
+    "flat": KVLayout.flat(3, 256),
+    "mla": KVLayout.mla(4, 576),
+    "multi": KVLayout.multi([KVGroup("target", 3, 2, 512), KVGroup("draft", 1, 2, 96)]),
+}
+DTYPES = {"flat": torch.bfloat16, "mla": torch.float16, "multi": torch.int8}
+PATHS = {
+    "cpu": {},
+    "torch-staged": {"_torch_path_on_cpu": True},
+    "torch-staged-1": {"_torch_path_on_cpu": True, "staging_bytes": 1},  # one chunk per batch
+    "torch-direct": {"_torch_path_on_cpu": True, "strategy": "direct"},
+}
+
+# (block ids, slot): full, partial, non-consecutive, reversed, many short runs (> 4)
+STORE = [
+    ([0, 1, 2, 3], 0),
+    ([10, 11, 12], 1),
+    ([20, 7, 30, 5], 2),
+    ([43, 42, 41, 40], 5),
+    ([44], 6),
+]
+LOAD = [  # the same slots into other blocks (left of each pair: the block it came from)
+    ([24, 25, 26, 27], 0),
+    ([8, 9, 13], 1),
+    ([31, 33, 35, 37], 2),
+    ([14, 15, 16, 17], 5),
+    ([47], 6),
+]
+
+
+def make_caches(layout: KVLayout, dtype: torch.dtype, pooled: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    caches = {}
+    for grp in layout.groups:
+        per_block = grp.block_bytes // torch.empty(0, dtype=dtype).element_size()
+        shape = (grp.num_layers, grp.tensors_per_layer, NUM_BLOCKS, per_block)
+        if pooled:
+            pool = torch.empty(shape[:-1] + (grp.block_bytes,), dtype=torch.uint8)
+            pool.copy_(torch.randint(0, 256, pool.shape, dtype=torch.uint8, generator=g))
+            pool = pool.view(dtype)
+            caches[grp.name] = [[pool[li, ti] for ti in range(grp.tensors_per_layer)] for li in range(grp.num_layers)]
+        else:
+            caches[grp.name] = [
+                [torch.randint(0, 256, (NUM_BLOCKS, grp.block_bytes), dtype=torch.uint8, generator=g).view(dtype)
+                 for _ in range(grp.tensors_per_layer)]
+                for _ in range(grp.num_layers)
+            ]
+    return caches
+
+
+def block_bytes_of(caches, group, layer, tensor, block) -> bytes:
+    return caches[group][layer][tensor][block].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def snapshot(caches):
+    return {n: [[t.clone() for t in layer] for layer in layers] for n, layers in caches.items()}
+
+
+def expected_slot_pieces(layout, caches, ids):
+    """(offset, bytes) of every block the chunk must put in its slot, computed independently."""
+    pieces = []
+    off = 0
+    for grp in layout.groups:
+        for li in range(grp.num_layers):
+            for ti in range(grp.tensors_per_layer):
+                for pos, b in enumerate(ids):
+                    pieces.append((off + pos * grp.block_bytes, block_bytes_of(caches, grp.name, li, ti, b)))
+                off += BPC * grp.block_bytes
+    return pieces
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("pooled", [False, True], ids=["separate", "pooled"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_round_trip_every_byte(name, pooled, path):
+    layout = LAYOUTS[name]
+    caches = make_caches(layout, DTYPES[name], pooled)
+    assert KVLayout.from_tensors(caches) == layout
+    host = create_host_arena(8, slot_bytes_for(layout.chunk_bytes(BPC)), pin=False)
+    host.ndarray()[:] = POISON
+    eng = DmaEngine(layout, caches, host, BPC, **PATHS[path])
+    assert eng.kind == "cpu"
+    if path == "cpu":
+        assert (eng._groups[0].rows is not None) == pooled  # the pooled fast path was found
+
+    eng.submit_store(1, STORE)
+    assert eng.poll() == [1]
+    assert eng.poll() == []
+    arena = host.ndarray()
+    for ids, slot in STORE:
+        for off, want in expected_slot_pieces(layout, caches, ids):
+            assert arena[slot, off : off + len(want)].tobytes() == want, (ids, slot, off)
+    assert (arena[3] == POISON).all() and (arena[4] == POISON).all() and (arena[7] == POISON).all()
+
+    before = snapshot(caches)
+    for layers in caches.values():  # poison the device
+        for layer in layers:
+            for t in layer:
+                t.view(torch.uint8).fill_(POISON)
+    eng.submit_load(2, LOAD)
+    eng.wait(2, timeout=10)
+    assert eng.poll() == [2]
+    loaded = {}
+    for (src_ids, _), (dst_ids, _) in zip(STORE, LOAD, strict=True):
+        loaded.update(zip(dst_ids, src_ids, strict=True))
+    for grp in layout.groups:
+        for li in range(grp.num_layers):
+            for ti in range(grp.tensors_per_layer):
+                for b in range(NUM_BLOCKS):
+                    got = block_bytes_of(caches, grp.name, li, ti, b)
+                    if b in loaded:
+                        assert got == block_bytes_of(before, grp.name, li, ti, loaded[b]), (grp.name, li, ti, b)
+                    else:
+                        assert got == bytes([POISON]) * grp.block_bytes, (grp.name, li, ti, b)
+    eng.close()
+    host.close()
+
+
+def test_poll_reports_each_transfer_once_and_ids_can_be_reused():
+    layout = LAYOUTS["flat"]
+    caches = make_caches(layout, torch.float16, pooled=False)
+    with create_host_arena(4, slot_bytes_for(layout.chunk_bytes(BPC)), pin=False) as host:
+        eng = DmaEngine(layout, caches, host, BPC)
+        eng.submit_store(7, [([1, 2], 0)])
+        eng.submit_store(8, [])  # an empty transfer is a transfer too
+        with pytest.raises(ValueError, match="already in flight"):
+            eng.submit_load(7, [([3], 0)])
+        eng.wait(7)
+        assert sorted(eng.poll()) == [7, 8]
+        assert eng.poll() == []
+        eng.submit_load(7, [([3, 4], 0)])  # reported, so the id is free again
+        assert eng.poll() == [7]
+        assert block_bytes_of(caches, "kv", 2, 1, 3) == block_bytes_of(caches, "kv", 2, 1, 1)
+        eng.close()
+        with pytest.raises(ValueError, match="closed"):
+            eng.submit_store(9, [([1], 0)])
+
+
+def test_caller_errors_are_raised_before_anything_is_copied():
+    layout = LAYOUTS["multi"]
+    caches = make_caches(layout, torch.int8, pooled=False)
+    with create_host_arena(4, slot_bytes_for(layout.chunk_bytes(BPC)), pin=False) as host:
+        host.ndarray()[:] = POISON
+        eng = DmaEngine(layout, caches, host, BPC)
+        with pytest.raises(IndexError, match="slot 4 out of range"):
+            eng.submit_store(1, [([1], 0), ([2], 4)])
+        with pytest.raises(IndexError, match=f"device block {NUM_BLOCKS} out of range"):
+            eng.submit_store(1, [([1], 0), ([NUM_BLOCKS], 1)])
+        with pytest.raises(IndexError, match="device block -1"):
+            eng.submit_load(1, [([-1], 0)])
+        with pytest.raises(ValueError, match="more than blocks_per_chunk"):
+            eng.submit_store(1, [([1, 2, 3, 4, 5], 0)])
+        with pytest.raises(ValueError, match="slot 0 given twice"):
+            eng.submit_store(1, [([1], 0), ([2], 0)])
+        with pytest.raises(ValueError, match="loaded twice"):
+            eng.submit_load(1, [([1, 2], 0), ([2], 1)])
+        with pytest.raises(TypeError, match="each chunk is"):
+            eng.submit_store(1, [5])
+        assert (host.ndarray() == POISON).all()
+        assert eng.poll() == []
+
+
+def test_engine_checks_tensors_against_the_layout():
+    layout = LAYOUTS["flat"]
+    caches = make_caches(layout, torch.float16, pooled=False)
+    host = create_host_arena(2, slot_bytes_for(layout.chunk_bytes(BPC)), pin=False)
+    with pytest.raises(ValueError, match="do not match"):
+        DmaEngine(layout, {"other": caches["kv"]}, host, BPC)
+    with pytest.raises(ValueError, match="2 layers given, layout says 3"):
+        DmaEngine(layout, {"kv": caches["kv"][:2]}, host, BPC)
+    with pytest.raises(ValueError, match="block of 512 bytes, layout says 256"):
+        DmaEngine(KVLayout.flat(3, 256), {"kv": [[torch.zeros(4, 256, dtype=torch.float16)] * 2] * 3}, host, BPC)
+    with pytest.raises(ValueError, match="slots hold"):
+        DmaEngine(layout, caches, host, BPC * 8)
+    host.close()
+
+
+def test_cpu_path_batches_pooled_groups_into_one_gather(monkeypatch):
+    """A pooled group costs one numpy call per chunk, whatever its layer count."""
+    layout = KVLayout.flat(16, 128)
+    caches = make_caches(layout, torch.float16, pooled=True)
+    with create_host_arena(4, slot_bytes_for(layout.chunk_bytes(BPC)), pin=False) as host:
+        eng = DmaEngine(layout, caches, host, BPC)
+        calls = []
+        real_take = np.take
+        monkeypatch.setattr(np, "take", lambda *a, **k: calls.append(1) or real_take(*a, **k))
+        eng.submit_store(1, [([0, 1, 2, 3], 0), ([9, 8], 1)])
+        assert len(calls) == 2
+        assert eng.poll() == [1]
