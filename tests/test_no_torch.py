@@ -107,7 +107,7 @@ def test_cli_without_torch() -> None:
         import contextlib, io
         from kvtiers.cli import main
 
-        for argv in (["--help"], ["tiers"], ["tiers", "--help"], ["bench", "--help"]):
+        for argv in (["--help"], ["tiers"], ["tiers", "--help"], ["bench", "--help"], ["conformance", "--help"]):
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
                 rc = main(argv)
@@ -122,3 +122,4 @@ def test_cli_without_torch() -> None:
     assert any(line.startswith("memory\tkvtiers\t") for line in sections["tiers"].splitlines())
     assert "Usage: kvtiers tiers" in sections["tiers --help"]
     assert "arena" in sections["bench --help"]
+    assert "Usage: kvtiers conformance" in sections["conformance --help"]
