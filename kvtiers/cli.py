@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     get_registry().add_commands(cli)
     try:
-        cli.main(args=argv, prog_name="kvtiers", standalone_mode=False)
+        rc = cli.main(args=argv, prog_name="kvtiers", standalone_mode=False)
     except click.exceptions.Exit as e:
         return e.exit_code
     except click.Abort:
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TierError) as e:
         click.echo(f"kvtiers: error: {e}", err=True)
         return 2
-    return 0
+    return rc if isinstance(rc, int) else 0  # a command's click.exceptions.Exit(n) comes back as n
 
 
 if __name__ == "__main__":
