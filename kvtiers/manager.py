@@ -149,6 +149,8 @@ class _Transfer:
     failed: set[bytes] = field(default_factory=set)
     skipped: list[bytes] = field(default_factory=list)
     sources: dict[bytes, str] = field(default_factory=dict)
+    deferred: list[bytes] = field(default_factory=list)  # loads: no slot yet, next wave
+    copied: set[bytes] = field(default_factory=set)  # loads: on the device after earlier waves
     dma_started: float | None = None
     error: str | None = None
 
@@ -217,7 +219,8 @@ class TieringManager:
         self._evicted: list[bytes] = []
         self._ids = itertools.count(1)
         self._job_ids = itertools.count(1)
-        self._dma_pending: dict[int, _Transfer] = {}
+        self._dma_ids = itertools.count(1)
+        self._dma_pending: dict[int, _Transfer] = {}  # DMA transfer id -> transfer
         self._waiting: dict[int, _Transfer] = {}  # loads waiting for fills
         self._waiters: dict[bytes, list[_Transfer]] = defaultdict(list)  # key being filled -> loads
         self._store_fills: dict[int, list[tuple[bytes, int]]] = {}
@@ -446,16 +449,18 @@ class TieringManager:
             todo.append((key, blocks[j], slot))
         self.stats.skipped_stores += len(tr.skipped)
         if todo:
+            tr.dma_started = time.perf_counter()
+            dma_id = next(self._dma_ids)
             try:
-                self.dma.submit_store(tr.tid, [(b, s) for _, b, s in todo])
+                self.dma.submit_store(dma_id, [(b, s) for _, b, s in todo])
             except BaseException:
                 for key, _, slot in todo:
                     self.cache.unpin(slot)
                     self.cache.drop(key)
                 raise
-            tr.dma_started = time.perf_counter()
             tr.pins = {key: slot for key, _, slot in todo}
-            self._dma_pending[tr.tid] = tr
+            self._dma_pending[dma_id] = tr
+            self._poll_dma()  # a synchronous engine is done already
         else:
             self._finish(tr)
         self._flush_events()
@@ -465,7 +470,9 @@ class TieringManager:
         """Copy the chunks ``keys`` into ``device_blocks``: from the arena, after promoting
         each chunk the arena lacks from the first tier that has it. Returns the transfer id,
         or ``None`` for a cancelled request. Chunks no tier has, or whose promotion
-        fails, are reported as failed keys (recompute them)."""
+        fails, are reported as failed keys (recompute them). A load longer than the arena
+        has free slots for runs in waves: each wave promotes what fits, copies it to the
+        device and unpins it before the next."""
         keys = check_keys(keys)
         if len(set(keys)) != len(keys):
             raise ValueError("load: duplicate keys")
@@ -475,22 +482,7 @@ class TieringManager:
         self._progress()
         tr = _Transfer(next(self._ids), "load", keys, request, time.perf_counter())
         tr.blocks = dict(zip(keys, blocks, strict=True))
-        missing: list[bytes] = []
-        for key in keys:
-            st = self.cache.state(key)
-            if st is None:
-                missing.append(key)
-                continue
-            tr.pins[key] = self.cache.pin(key)
-            tr.sources[key] = HOST
-            self.cache.touch(key)
-            if st != READY:
-                tr.waiting.add(key)
-                self._waiters[key].append(tr)
-        if missing:
-            self._promote(tr, missing)
-        self._waiting[tr.tid] = tr
-        self._maybe_copy_in(tr)
+        self._start_wave(tr, list(keys))
         self._flush_events()
         return tr.tid
 
@@ -612,6 +604,31 @@ class TieringManager:
         else:
             log.debug("kvtiers: tier %s: %s failed: %s: %s", tier.name, what, type(e).__name__, e)
 
+    def _start_wave(self, tr: _Transfer, keys: list[bytes]) -> None:
+        """Pin the slots of ``keys`` in the host cache, promote the others, and copy to the
+        device once they are filled. Keys that find no free slot wait for the next wave;
+        a wave that can pin nothing fails them (all slots are busy: recompute)."""
+        missing: list[bytes] = []
+        for key in keys:
+            st = self.cache.state(key)
+            if st is None:
+                missing.append(key)
+                continue
+            tr.pins[key] = self.cache.pin(key)
+            tr.sources[key] = HOST
+            self.cache.touch(key)
+            if st != READY:
+                tr.waiting.add(key)
+                self._waiters[key].append(tr)
+        if missing:
+            self._promote(tr, missing)
+        if tr.deferred and not tr.pins:
+            self.stats.host_full += len(tr.deferred)
+            tr.failed.update(tr.deferred)
+            tr.deferred = []
+        self._waiting[tr.tid] = tr
+        self._maybe_copy_in(tr)
+
     def _promote(self, tr: _Transfer, keys: list[bytes]) -> None:
         """Start tier loads for ``keys`` (absent from the host cache) into new slots."""
         route: dict[bytes, _Tier] = {}
@@ -627,11 +644,12 @@ class TieringManager:
         per_tier: dict[int, list[tuple[bytes, int]]] = defaultdict(list)
         for key in keys:
             tier = route.get(key)
-            slot = self.cache.allocate(key, LOADING) if tier is not None else None
-            if slot is None:
-                if tier is not None:
-                    self.stats.host_full += 1
+            if tier is None:
                 tr.failed.add(key)
+                continue
+            slot = self.cache.allocate(key, LOADING) if not tr.deferred else None
+            if slot is None:
+                tr.deferred.append(key)
                 continue
             tr.pins[key] = self.cache.pin(key)  # the load's pin; allocate's pin is the job's
             tr.sources[key] = tier.name
@@ -708,37 +726,41 @@ class TieringManager:
             return
         del self._waiting[tr.tid]
         if tr.request is not None and tr.request.cancelled:
+            tr.failed.update(tr.deferred)
+            tr.deferred = []
             self._finish(tr)
             return
         chunks = [(tr.blocks[k], s) for k, s in tr.pins.items()]
         if not chunks:
-            self._finish(tr)
+            self._wave_done(tr)
             return
+        tr.dma_started = time.perf_counter()
+        dma_id = next(self._dma_ids)
         try:
-            self.dma.submit_load(tr.tid, chunks)
+            self.dma.submit_load(dma_id, chunks)
         except Exception as e:
             log.error("kvtiers: device copy of load %d failed to start: %s: %s", tr.tid, type(e).__name__, e)
             tr.error = f"{type(e).__name__}: {e}"
             tr.failed.update(tr.pins)
+            tr.failed.update(tr.deferred)
+            tr.deferred = []
             self._finish(tr)
             return
-        tr.dma_started = time.perf_counter()
-        self._dma_pending[tr.tid] = tr
+        self._dma_pending[dma_id] = tr
+        self._poll_dma()
 
     def _finish(self, tr: _Transfer) -> None:
         now = time.perf_counter()
         cancelled = tr.request is not None and tr.request.cancelled
         nbytes = 0
         if tr.kind == "load":
-            if cancelled and tr.dma_started is None:  # nothing was copied to the device
-                tr.failed.update(tr.pins)
-            ok = [k for k in tr.keys if k in tr.pins and k not in tr.failed]
+            if cancelled:  # what a wave had not copied yet is not on the device
+                tr.failed.update(k for k in tr.pins if k not in tr.copied)
+            ok = [k for k in tr.keys if k in tr.copied and k not in tr.failed]
             nbytes = len(ok) * self.chunk_bytes
             for k in ok:
                 self.stats.hits[tr.sources[k]] += 1
             self.stats.failed_loads += len(tr.failed)
-            if ok and tr.dma_started is not None:
-                self.stats.paths[f"{HOST}->device"].add(nbytes, len(ok), tr.dma_started, now)
         for slot in tr.pins.values():
             self.cache.unpin(slot)
         failed = tuple(k for k in tr.keys if k in tr.failed)
@@ -750,19 +772,37 @@ class TieringManager:
 
     def _progress(self) -> None:
         """Poll the DMA engine and every tier; advance whatever finished."""
-        if self._dma_pending:
-            for tid in self.dma.poll():
-                tr = self._dma_pending.pop(tid, None)
-                if tr is None:
-                    log.warning("kvtiers: DMA engine reported unknown transfer %s", tid)
-                    continue
-                if tr.kind == "store":
-                    self._stored(tr)
-                else:
-                    self._finish(tr)
+        self._poll_dma()
         self._poll_tiers()
         self._check_lost()
         self._flush_events()
+
+    def _poll_dma(self) -> None:
+        if not self._dma_pending:
+            return
+        for dma_id in self.dma.poll():
+            tr = self._dma_pending.pop(dma_id, None)
+            if tr is None:
+                log.warning("kvtiers: DMA engine reported unknown transfer %s", dma_id)
+            elif tr.kind == "store":
+                self._stored(tr)
+            else:
+                tr.copied.update(tr.pins)
+                n = len(tr.pins)
+                self.stats.paths[f"{HOST}->device"].add(n * self.chunk_bytes, n, tr.dma_started or tr.t0,
+                                                        time.perf_counter())
+                self._wave_done(tr)
+
+    def _wave_done(self, tr: _Transfer) -> None:
+        """A load's wave is on the device: unpin it, start the next wave or finish."""
+        if not tr.deferred or (tr.request is not None and tr.request.cancelled):
+            self._finish(tr)
+            return
+        for slot in tr.pins.values():
+            self.cache.unpin(slot)
+        tr.pins = {}
+        keys, tr.deferred = tr.deferred, []
+        self._start_wave(tr, keys)
 
     def _stored(self, tr: _Transfer) -> None:
         now = time.perf_counter()

@@ -235,6 +235,32 @@ def test_chunks_of_one_request_from_host_and_two_tiers(managers) -> None:
     assert mgr.stats.hits == {"host": 1, "tier-a": 1, "tier-b": 1}
 
 
+def test_a_load_longer_than_the_arena_runs_in_waves(managers) -> None:
+    mgr, kv, _ = managers(3, tiers=["memory"])
+    keys = [key(i) for i in range(8)]
+    for i, k in enumerate(keys):
+        store_all(mgr, [k], first_block_chunk=i)
+    settle(mgr)
+    assert mgr.lookup(keys).num_chunks == 8
+    res = load_and_check(mgr, kv, keys, list(range(8)))
+    assert res.ok and len(res.sources) == 8
+    assert mgr.stats.paths["host->device"].chunks == 8
+    assert mgr.cache.pinned_slots() == 0
+
+
+def test_a_load_finding_every_slot_busy_fails_instead_of_waiting(managers) -> None:
+    mgr, kv, gate = managers(2, tiers=["memory"])
+    for i in range(3):
+        store_all(mgr, [key(i)], first_block_chunk=i)
+    settle(mgr)
+    gate.closed = True
+    busy = mgr.store([key(5), key(6)], [chunk_blocks(5), chunk_blocks(6)])  # pins both slots
+    res = load_and_check(mgr, kv, [key(0)], [0])
+    assert res.failed_keys == (key(0),)
+    gate.closed = False
+    assert mgr.wait([busy])[0].ok
+
+
 def test_lookup_stops_at_the_first_chunk_nobody_has(managers) -> None:
     mgr, kv, _ = managers(4, tiers=["memory"])
     store_all(mgr, [key(0), key(2)])
