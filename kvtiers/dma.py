@@ -52,6 +52,7 @@ class _Group:
     rows: Any = None  # pooled: uint8 view [nrows, block_bytes] over the shared allocation
     row_off: np.ndarray | None = None  # pooled: first row of each tensor in `rows`
     np_rows: np.ndarray | None = None  # CPU, pooled
+    np_pool3: np.ndarray | None = None  # CPU, pooled at a uniform stride: [num_tensors, num_blocks, block_bytes]
     np_tensors: list[np.ndarray] | None = None  # CPU
     addrs: list[int] | None = None  # CPU: address of each tensor's block 0
     row_off_dev: Any = None  # accelerator, pooled: row_off on the device
@@ -84,6 +85,22 @@ def _pooled_rows(tensors: list[torch.Tensor], block_bytes: int) -> tuple[Any, np
     rows = torch.empty(0, dtype=torch.uint8, device=tensors[0].device)
     rows.set_(storage, base - storage.data_ptr(), (end // block_bytes, block_bytes), (block_bytes, 1))
     return rows, np.asarray([o // block_bytes for o in offs], dtype=np.int64)
+
+
+def _uniform_view(rows: np.ndarray, row_off: np.ndarray, num_blocks: int) -> np.ndarray | None:
+    """``[num_tensors, num_blocks, block_bytes]`` strided view of a pool whose tensors start at
+    equally spaced rows (e.g. one ``[layers, 2, blocks, ...]`` allocation), else None."""
+    step = int(row_off[1] - row_off[0]) if len(row_off) > 1 else num_blocks
+    if step <= 0 or np.any(np.diff(row_off) != step):
+        return None
+    base = rows[int(row_off[0]) :]
+    bb = rows.shape[1]
+    return np.lib.stride_tricks.as_strided(base, shape=(len(row_off), num_blocks, bb),
+                                           strides=(step * bb, bb, 1), writeable=True)
+
+
+def _is_run(ids: np.ndarray) -> bool:
+    return len(ids) > 0 and int(ids[-1]) - int(ids[0]) == len(ids) - 1 and bool(np.all(np.diff(ids) == 1))
 
 
 def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
@@ -183,6 +200,8 @@ class DmaEngine:
                 grp.addrs = [t.data_ptr() for t in grp.tensors]
                 if grp.rows is not None:
                     grp.np_rows = grp.rows.numpy()
+                    grp.np_pool3 = _uniform_view(grp.np_rows, grp.row_off, grp.num_blocks)
+            self._cpu_merge = all(g.np_pool3 is not None for g in self._groups)
         else:
             self._host_t = host.tensor()
             if not host.pinned and self.kind != "cpu":
@@ -203,8 +222,7 @@ class DmaEngine:
         """Copy each ``(device block ids, slot)`` chunk from the device into its arena slot."""
         tid, plan = self._check(transfer_id, chunks, load=False)
         if self._cpu:
-            for ids, slot in plan:
-                self._cpu_store(ids, slot)
+            self._cpu_transfer(plan, load=False)
             self._finish_now(tid)
         else:
             self._submit_accel(tid, plan, load=False)
@@ -213,8 +231,7 @@ class DmaEngine:
         """Copy each ``(device block ids, slot)`` chunk from its arena slot into the device blocks."""
         tid, plan = self._check(transfer_id, chunks, load=True)
         if self._cpu:
-            for ids, slot in plan:
-                self._cpu_load(ids, slot)
+            self._cpu_transfer(plan, load=True)
             self._finish_now(tid)
         else:
             self._submit_accel(tid, plan, load=True)
@@ -313,56 +330,73 @@ class DmaEngine:
             self._done.append(tid)
 
     # --- CPU -------------------------------------------------------------------------------
-    def _cpu_store(self, ids: np.ndarray, slot: int) -> None:
-        n = len(ids)
-        if n == 0:
-            return
+    def _cpu_transfer(self, plan: list[tuple[np.ndarray, int]], load: bool) -> None:
+        """Copy on the caller's thread. Full chunks of consecutive blocks going to consecutive
+        slots are merged into one strided copy per group where every group is a uniform pool."""
         bpc = self.blocks_per_chunk
-        slot_arr = self._arena_np[slot]
-        slot_addr = self.host.address + slot * self.host.slot_bytes
-        for grp in self._groups:
-            bb = grp.block_bytes
-            region = slot_arr[grp.offset : grp.offset + grp.num_tensors * bpc * bb].reshape(grp.num_tensors, bpc, bb)
-            if grp.np_rows is not None:
-                idx = grp.row_off[:, None] + ids[None, :]
-                np.take(grp.np_rows, idx, axis=0, out=region[:, :n], mode="clip")
-                continue
-            runs = _runs(ids)
-            if len(runs) > 4:
-                for lt, src in enumerate(grp.np_tensors):
-                    np.take(src, ids, axis=0, out=region[lt, :n], mode="clip")
-                continue
-            piece = bpc * bb
-            base = slot_addr + grp.offset
-            for lt, addr in enumerate(grp.addrs):
-                dst = base + lt * piece
-                for pos, first, count in runs:
-                    _memmove(dst + pos * bb, addr + first * bb, count * bb)
+        i, n = 0, len(plan)
+        while i < n:
+            ids, slot = plan[i]
+            j = i + 1
+            if self._cpu_merge and len(ids) == bpc and _is_run(ids):
+                while (j < n and plan[j][1] == plan[j - 1][1] + 1 and len(plan[j][0]) == bpc
+                       and plan[j][0][0] == plan[j - 1][0][-1] + 1 and _is_run(plan[j][0])):
+                    j += 1
+            if j - i > 1:
+                self._cpu_merged(int(ids[0]), slot, j - i, load)
+            elif len(ids):
+                self._cpu_chunk(ids, slot, load)
+            i = j
 
-    def _cpu_load(self, ids: np.ndarray, slot: int) -> None:
+    def _cpu_merged(self, first: int, slot: int, k: int, load: bool) -> None:
+        bpc = self.blocks_per_chunk
+        slots = self._arena_np[slot : slot + k]
+        for grp in self._groups:
+            lt, bb = grp.num_tensors, grp.block_bytes
+            region = slots[:, grp.offset : grp.offset + lt * bpc * bb].reshape(k, lt, bpc, bb)
+            dev = grp.np_pool3[:, first : first + k * bpc].reshape(lt, k, bpc, bb).transpose(1, 0, 2, 3)
+            if load:
+                np.copyto(dev, region)
+            else:
+                np.copyto(region, dev)
+
+    def _cpu_chunk(self, ids: np.ndarray, slot: int, load: bool) -> None:
         n = len(ids)
-        if n == 0:
-            return
         bpc = self.blocks_per_chunk
         slot_arr = self._arena_np[slot]
-        slot_addr = self.host.address + slot * self.host.slot_bytes
+        runs = _runs(ids)
         for grp in self._groups:
-            bb = grp.block_bytes
-            region = slot_arr[grp.offset : grp.offset + grp.num_tensors * bpc * bb].reshape(grp.num_tensors, bpc, bb)
-            if grp.np_rows is not None:
-                grp.np_rows[grp.row_off[:, None] + ids[None, :]] = region[:, :n]
-                continue
-            runs = _runs(ids)
-            if len(runs) > 4:
-                for lt, dst in enumerate(grp.np_tensors):
-                    dst[ids] = region[lt, :n]
-                continue
-            piece = bpc * bb
-            base = slot_addr + grp.offset
-            for lt, addr in enumerate(grp.addrs):
-                src = base + lt * piece
+            lt, bb = grp.num_tensors, grp.block_bytes
+            region = slot_arr[grp.offset : grp.offset + lt * bpc * bb].reshape(lt, bpc, bb)
+            if grp.np_pool3 is not None and len(runs) <= 4:  # uniform pool: one strided copy per run
                 for pos, first, count in runs:
-                    _memmove(addr + first * bb, src + pos * bb, count * bb)
+                    dev = grp.np_pool3[:, first : first + count]
+                    if load:
+                        np.copyto(dev, region[:, pos : pos + count])
+                    else:
+                        np.copyto(region[:, pos : pos + count], dev)
+            elif grp.np_rows is not None:  # pooled: one gather / scatter over the pool's rows
+                idx = grp.row_off[:, None] + ids[None, :]
+                if load:
+                    grp.np_rows[idx] = region[:, :n]
+                else:
+                    np.take(grp.np_rows, idx, axis=0, out=region[:, :n], mode="clip")
+            elif len(runs) > 4:  # separate tensors, scattered blocks: one gather per tensor
+                for k, t in enumerate(grp.np_tensors):
+                    if load:
+                        t[ids] = region[k, :n]
+                    else:
+                        np.take(t, ids, axis=0, out=region[k, :n], mode="clip")
+            else:  # separate tensors: one memmove per tensor per run
+                base = self.host.address + slot * self.host.slot_bytes + grp.offset
+                piece = bpc * bb
+                for k, addr in enumerate(grp.addrs):
+                    dst = base + k * piece
+                    for pos, first, count in runs:
+                        if load:
+                            _memmove(addr + first * bb, dst + pos * bb, count * bb)
+                        else:
+                            _memmove(dst + pos * bb, addr + first * bb, count * bb)
 
     # --- accelerators ----------------------------------------------------------------------
     def _submit_accel(self, tid: int, plan: list[tuple[np.ndarray, int]], load: bool) -> None:

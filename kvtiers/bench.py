@@ -1,0 +1,192 @@
+"""``kvtiers bench arena``: DMA-engine chunk copies against a raw copy of the same bytes.
+
+Flat layout, 32 layers, K and V; each chunk is 64 contiguous pieces (one per layer and K/V)
+of ``chunk_bytes / 64`` bytes (16 KiB for 1 MiB chunks). One round moves ``--chunks`` chunks
+device -> arena (``store``) and back (``load``) through :class:`kvtiers.dma.DmaEngine`, and
+the same total bytes with one raw copy between the same two buffers: ``np.copyto`` on CPU,
+``Tensor.copy_(non_blocking=True)`` + synchronize on an accelerator. Rounds interleave ours
+and the baseline (alternating which goes first); the figures are medians.
+
+The device cache is either one allocation per model with per-layer views (``pooled``, the
+default, as engines that allocate one KV pool do) or one allocation per layer tensor
+(``separate``, as vLLM allocates), which costs one copy call per piece on CPU.
+
+torch is imported inside functions only: ``kvtiers`` imports without it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import click
+
+MiB = 1 << 20
+LAYERS = 32
+PIECES = LAYERS * 2
+
+
+@dataclass
+class Setup:
+    """One chunk size's device cache, arena and engine."""
+
+    chunk_bytes: int
+    chunks: int
+    tensors: str
+    device: Any
+    host: Any
+    engine: Any
+    pool_flat: Any  # the device cache's bytes, flat (the baseline's source/destination)
+    arena_flat: Any  # the arena's bytes the round covers, flat
+
+    def close(self) -> None:
+        self.engine.close()
+        self.host.close()
+
+
+def make_setup(chunk_bytes: int, chunks: int, tensors: str = "pooled", device: str = "cpu") -> Setup:
+    """Build a flat 32-layer KV cache of ``chunks`` chunks, an arena of as many slots, an engine."""
+    import numpy as np
+    import torch
+
+    from .arena import create_host_arena, slot_bytes_for
+    from .dma import DmaEngine
+    from .layout import KVLayout
+
+    if chunk_bytes % (PIECES * 4096):
+        raise click.BadParameter(f"chunk size must be a multiple of {PIECES * 4096} (64 pieces of 4 KiB pages)")
+    piece = chunk_bytes // PIECES
+    block_bytes = min(piece, 16 * 1024)  # 16 KiB blocks; chunks of several blocks
+    bpc = piece // block_bytes
+    dev = torch.device(device)
+    nblocks = chunks * bpc
+    layout = KVLayout.flat(LAYERS, block_bytes)
+    gen = torch.Generator().manual_seed(chunk_bytes)
+    if tensors == "pooled":
+        pool = torch.randint(0, 256, (LAYERS, 2, nblocks, block_bytes), dtype=torch.uint8, generator=gen).to(dev)
+        caches = {"kv": [[pool[li, 0], pool[li, 1]] for li in range(LAYERS)]}
+        pool_flat = pool.view(-1)
+    else:
+        caches = {"kv": [[torch.randint(0, 256, (nblocks, block_bytes), dtype=torch.uint8, generator=gen).to(dev)
+                          for _ in range(2)] for _ in range(LAYERS)]}
+        pool_flat = torch.empty(chunks * chunk_bytes, dtype=torch.uint8, device=dev)  # same bytes, one buffer
+    host = create_host_arena(chunks, slot_bytes_for(layout.chunk_bytes(bpc)))
+    engine = DmaEngine(layout, caches, host, bpc)
+    if dev.type == "cpu":
+        arena_flat = np.asarray(host.ndarray()).reshape(-1)[: chunks * chunk_bytes]
+    else:
+        arena_flat = host.tensor().view(-1)[: chunks * chunk_bytes]
+    return Setup(chunk_bytes, chunks, tensors, dev, host, engine, pool_flat, arena_flat)
+
+
+def _timers(s: Setup) -> dict[str, tuple[Callable[[], None], Callable[[], None]]]:
+    """op -> (ours, baseline), each moving chunks * chunk_bytes bytes and returning when done."""
+    import numpy as np
+
+    eng = s.engine
+    bpc = eng.blocks_per_chunk
+    plan = [(list(range(c * bpc, (c + 1) * bpc)), c) for c in range(s.chunks)]
+    counter = iter(range(1 << 62))
+
+    def run(submit: Callable[[int, Any], None]) -> None:
+        tid = next(counter)
+        submit(tid, plan)
+        eng.wait(tid)
+        done = eng.poll()
+        assert tid in done, (tid, done)
+
+    if s.device.type == "cpu":
+        pool_np = s.pool_flat.numpy()
+
+        def base_store() -> None:
+            np.copyto(s.arena_flat, pool_np)
+
+        def base_load() -> None:
+            np.copyto(pool_np, s.arena_flat)
+    else:
+        import torch
+
+        def base_store() -> None:
+            s.arena_flat.copy_(s.pool_flat, non_blocking=True)
+            torch.accelerator.synchronize(s.device)
+
+        def base_load() -> None:
+            s.pool_flat.copy_(s.arena_flat, non_blocking=True)
+            torch.accelerator.synchronize(s.device)
+
+    return {
+        "store": (lambda: run(eng.submit_store), base_store),
+        "load": (lambda: run(eng.submit_load), base_load),
+    }
+
+
+def measure(s: Setup, rounds: int) -> list[dict[str, Any]]:
+    """Interleaved rounds (plus one warm-up) of ours vs the baseline; medians."""
+    total = s.chunks * s.chunk_bytes
+    timers = _timers(s)
+    times: dict[str, tuple[list[float], list[float]]] = {op: ([], []) for op in timers}
+    for r in range(rounds + 1):
+        for op, (ours, base) in timers.items():
+            order = [(0, ours), (1, base)] if r % 2 else [(1, base), (0, ours)]
+            for which, fn in order:
+                t0 = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - t0
+                if r:  # round 0 warms up
+                    times[op][which].append(dt)
+    out = []
+    for op, (ours_t, base_t) in times.items():
+        gbps = total / statistics.median(ours_t) / 1e9
+        bgbps = total / statistics.median(base_t) / 1e9
+        out.append({
+            "op": op, "chunk_bytes": s.chunk_bytes, "gbps": round(gbps, 3), "baseline_gbps": round(bgbps, 3),
+            "ratio": round(gbps / bgbps, 3), "tensors": s.tensors, "chunks": s.chunks, "bytes": total,
+            "rounds": rounds, "device": str(s.device),
+            "baseline": "np.copyto" if s.device.type == "cpu" else "torch copy_ (pinned, non_blocking) + sync",
+        })
+    return out
+
+
+def run_bench(chunk_sizes: list[int], chunks: int, rounds: int, tensors: list[str], device: str) -> list[dict]:
+    results = []
+    for t in tensors:
+        for cb in chunk_sizes:
+            s = make_setup(cb, chunks, t, device)
+            try:
+                results.extend(measure(s, rounds))
+            finally:
+                s.close()
+    return results
+
+
+@click.command("arena")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@click.option("--rounds", type=click.IntRange(3, None), default=5, show_default=True,
+              help="Timed rounds (the median is reported); at least 3.")
+@click.option("--chunk-mib", "chunk_mib", type=click.IntRange(1, None), multiple=True, default=(1, 4),
+              show_default=True, help="Chunk size in MiB (repeatable).")
+@click.option("--chunks", type=click.IntRange(1, None), default=16, show_default=True,
+              help="Chunks per transfer (one round moves chunks x chunk size each way).")
+@click.option("--tensors", type=click.Choice(["pooled", "separate", "both"]), default="both", show_default=True,
+              help="Device cache: one allocation with per-layer views, one per layer tensor, or both.")
+@click.option("--device", default="cpu", show_default=True,
+              help="Where the KV cache lives: cpu, or an accelerator (cuda, xpu, ...).")
+def arena(as_json: bool, rounds: int, chunk_mib: tuple[int, ...], chunks: int, tensors: str, device: str) -> None:
+    """Device<->arena chunk copies (flat, 32 layers, K and V) against one raw copy of the same bytes."""
+    kinds = ["pooled", "separate"] if tensors == "both" else [tensors]
+    results = run_bench([m * MiB for m in chunk_mib], chunks, rounds, kinds, device)
+    if as_json:
+        click.echo(json.dumps({"results": results}, indent=1))
+        return
+    base = results[0]["baseline"] if results else ""
+    click.echo(f"kvtiers bench arena: {LAYERS} layers x K,V, {chunks} chunks per transfer, "
+               f"median of {rounds} rounds, baseline {base}")
+    click.echo(f"{'op':<6} {'tensors':<9} {'chunk':>7} {'piece':>7} {'GB/s':>8} {'base GB/s':>10} {'ratio':>6}")
+    for r in results:
+        mib, kib = r["chunk_bytes"] // MiB, r["chunk_bytes"] // PIECES // 1024
+        click.echo(f"{r['op']:<6} {r['tensors']:<9} {mib:>5}Mi {kib:>5}Ki "
+                   f"{r['gbps']:>8.2f} {r['baseline_gbps']:>10.2f} {r['ratio']:>5.2f}x")
