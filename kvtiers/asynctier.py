@@ -171,7 +171,7 @@ class AsyncTier:
             failed.update((k, "cancelled on close") for k in job.keys)
             tasks = []
         else:
-            tasks = [asyncio.ensure_future(one(k, s)) for k, s in zip(job.keys, job.slots)]
+            tasks = [asyncio.ensure_future(one(k, s)) for k, s in zip(job.keys, job.slots, strict=True)]
         try:
             await asyncio.gather(*tasks)
         except asyncio.CancelledError:  # close gave up waiting: fail what is left, report once

@@ -58,7 +58,7 @@ class MemoryTier:
         failed: list[bytes] = []
         evicted: list[bytes] = []
         with self._lock:
-            for key, slot in zip(job.keys, job.slots):
+            for key, slot in zip(job.keys, job.slots, strict=True):
                 if self.max_bytes is not None and size > self.max_bytes:
                     failed.append(key)
                     continue
@@ -84,7 +84,7 @@ class MemoryTier:
         arena = self.ctx.arena
         failed: list[bytes] = []
         with self._lock:
-            for key, slot in zip(job.keys, job.slots):
+            for key, slot in zip(job.keys, job.slots, strict=True):
                 blob = self._data.get(key)
                 if blob is None:
                     failed.append(key)

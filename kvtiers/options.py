@@ -69,7 +69,7 @@ def matches(value: Any, tp: Any) -> bool:
         if not isinstance(value, (list, tuple)):
             return False
         if origin is tuple and args and args[-1] is not Ellipsis:
-            return len(value) == len(args) and all(matches(v, a) for v, a in zip(value, args))
+            return len(value) == len(args) and all(matches(v, a) for v, a in zip(value, args, strict=True))
         return not args or all(matches(v, args[0]) for v in value)
     if origin in (dict, typing.Mapping, Mapping) or tp is dict:
         if not isinstance(value, dict):
@@ -101,5 +101,6 @@ def check_options(name: str, cls: type, options: Mapping[str, Any]) -> dict[str,
             )
     missing = [p.name for p in params.values() if p.default is inspect.Parameter.empty and p.name not in options]
     if missing:
-        raise ConfigError(f"tier {name!r}: missing required option {missing[0]!r} ({describe(params[missing[0]].annotation)})")
+        expected = describe(params[missing[0]].annotation)
+        raise ConfigError(f"tier {name!r}: missing required option {missing[0]!r} ({expected})")
     return dict(options)

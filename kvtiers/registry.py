@@ -50,7 +50,9 @@ def tier_levels(cls: type) -> frozenset[str]:
     levels = frozenset(getattr(cls, "levels", None) or {"core"})
     unknown = levels - set(LEVELS)
     if unknown:
-        raise TierError(f"{cls.__qualname__}: unknown conformance level(s) {sorted(unknown)} (known: {', '.join(LEVELS)})")
+        raise TierError(
+            f"{cls.__qualname__}: unknown conformance level(s) {sorted(unknown)} (known: {', '.join(LEVELS)})"
+        )
     return levels
 
 
@@ -72,7 +74,9 @@ def validate_tier_class(name: str, cls: type) -> None:
         raise TierError(f"tier {name!r}: {_one_line(e)}") from None
     missing = [h for h in REQUIRED_TIER_HOOKS if not getattr(pm.hook, h).get_hookimpls()]
     if missing:
-        raise TierError(f"tier {name!r}: missing required hook(s) {', '.join(missing)} (mark them with @kvtiers.hookimpl)")
+        raise TierError(
+            f"tier {name!r}: missing required hook(s) {', '.join(missing)} (mark them with @kvtiers.hookimpl)"
+        )
     tier_levels(cls)
 
 
@@ -111,7 +115,8 @@ class Registry:
                 if not isinstance(name, str) or not name:
                     raise TierError(f"plugin {_p!r}: tier name must be a non-empty str")
                 if name in self._tiers:
-                    raise TierError(f"tier {name!r} registered twice (by {self._tiers[name].origin} and entry point {_p})")
+                    first = self._tiers[name].origin
+                    raise TierError(f"tier {name!r} registered twice (by {first} and entry point {_p})")
                 validate_tier_class(name, tier_class)
                 self._tiers[name] = TierInfo(name, tier_class, _d, _v, f"entry point {_p}")
 
