@@ -194,6 +194,7 @@ class Instance:
         self.pending: dict[int, tuple[str, tuple[bytes, ...], tuple[int, ...], bool]] = {}
         self.results: dict[int, JobResult] = {}
         self.last_submit_s = 0.0  #: seconds the last submit hook call took
+        self.absent: dict[int, frozenset[bytes]] = {}  #: job -> keys it must fail
 
     @property
     def tier(self) -> Any:
@@ -287,9 +288,10 @@ class Instance:
             pause = min(pause * 2, 0.05)
 
     def submit(self, kind: str, keys: Sequence[bytes], slots: Sequence[int] | None = None,
-               *, prepare: bool = True) -> int:
+               *, prepare: bool = True, absent: Iterable[bytes] = ()) -> int:
         """Submit a store (slots filled with each key's content) or a load (slots
-        poisoned first); return the job id. Slots are allocated unless given."""
+        poisoned first); return the job id. Slots are allocated unless given. A load of
+        keys in ``absent`` (never stored) must report them failed (rule 4)."""
         keys = tuple(keys)
         own = slots is None
         slots = tuple(self.alloc(len(keys)) if own else slots)
@@ -304,8 +306,11 @@ class Instance:
         except Exception as e:
             if own:
                 self.release(slots)
-            fail(f"rule 8: submit_{kind} of a valid {len(keys)}-key job raised {type(e).__name__}: {e}")
+            fail(f"rule 4: submit_{kind} of a valid {len(keys)}-key job raised {type(e).__name__}: {e} "
+                 "(failure is a result; submits raise only for caller errors, rule 8)")
         self.pending[job.job_id] = (kind, keys, slots, own)
+        if absent:
+            self.absent[job.job_id] = frozenset(absent)
         return job.job_id
 
     def poll(self) -> list[JobResult]:
@@ -335,10 +340,13 @@ class Instance:
         self.results[r.job_id] = r
         if kind == "load":
             failed = set(r.failed_keys)
+            absent = self.absent.pop(r.job_id, frozenset())
             size = self.slot_bytes
             for k, s in zip(keys, slots, strict=True):
                 if k in failed:
                     continue
+                if k in absent:
+                    fail(f"rule 4: load job {r.job_id} reported the never-stored key {qkey(k)} loaded successfully")
                 want = content(k, size)
                 got = self.arena[s]
                 if got != want:
@@ -400,7 +408,8 @@ class Instance:
 
     def expect_missing(self, keys: Sequence[bytes], why: str) -> None:
         """Loads of ``keys`` must all report them failed."""
-        r = self.load(keys)
+        jid = self.submit("load", keys, absent=keys)
+        r = self.wait([jid])[jid]
         ok = [k for k in keys if k not in set(r.failed_keys)]
         if ok:
             fail(f"{why}: load of absent key {qkey(ok[0])} reported success")

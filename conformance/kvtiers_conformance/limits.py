@@ -28,6 +28,7 @@ class Limits:
     ownership_wait_s: float = 0.3  #: rule 6: how long poisoned slots are watched
     examples: int = 100  #: Hypothesis examples of the stateful test
     steps: int = 20  #: steps per stateful example
+    shrink: bool = True  #: let Hypothesis shrink a failing stateful example (slower, clearer)
     slot_bytes: int = 4096  #: bytes per arena slot
     num_slots: int = 640  #: slots per instance arena (>= big_job_keys)
     bounded_slots: int = 16  #: rule 11: max_bytes = bounded_slots * slot_bytes

@@ -114,10 +114,7 @@ def run_check(check: Check, harness: Harness) -> CheckResult:
     """Run one check on ``harness`` (closing what it opened) and classify the outcome."""
     t0 = time.monotonic()
     try:
-        try:
-            check.func(harness)
-        finally:
-            harness.close_all()
+        run_closing(check, harness)
     except CheckSkipped as e:
         return CheckResult(check, "SKIP", str(e), time.monotonic() - t0)
     except ConformanceFailure as e:
@@ -126,6 +123,20 @@ def run_check(check: Check, harness: Harness) -> CheckResult:
         why = _one_line(f"{type(e).__name__}: {e}")
         return CheckResult(check, "FAIL", why, time.monotonic() - t0, traceback.format_exc())
     return CheckResult(check, "PASS", "", time.monotonic() - t0)
+
+
+def run_closing(check: Check, harness: Harness) -> None:
+    """Run ``check`` and close every instance it left open. When the check failed, a
+    failure while closing is not allowed to hide the first one."""
+    try:
+        check.func(harness)
+    except BaseException:
+        try:
+            harness.close_all()
+        except Exception:
+            pass
+        raise
+    harness.close_all()
 
 
 def _one_line(text: str, limit: int = 400) -> str:

@@ -27,7 +27,7 @@ from kvtiers.registry import tier_levels
 from .catalog import Check, all_checks
 from .harness import CheckSkipped, Harness, resolve_tier
 from .limits import DEFAULT_LIMITS, Limits
-from .runner import parse_levels
+from .runner import parse_levels, run_closing
 
 
 class TierTests:
@@ -70,10 +70,7 @@ def _make_test(c: Check):
         if c.level not in h.levels:
             pytest.skip(f"level {c.level} not claimed by the tier (set levels on the test class to force it)")
         try:
-            try:
-                c.func(h)
-            finally:
-                h.close_all()
+            run_closing(c, h)
         except CheckSkipped as e:
             pytest.skip(str(e))
 

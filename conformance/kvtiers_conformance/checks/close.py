@@ -17,10 +17,12 @@ TEMP_NAME = re.compile(r"(?i)(tmp|temp|\.part(ial)?$|~$|-journal$|-wal$|-shm$|\.
 
 
 def _fds() -> set[str]:
+    """Open fds (the one listing the directory is gone by the time we readlink)."""
     try:
-        return set(os.listdir("/proc/self/fd"))
+        names = os.listdir("/proc/self/fd")
     except OSError:  # not Linux: no fd check
         return set()
+    return {fd for fd in names if _fd_target(fd) != "?"}
 
 
 def _fd_target(fd: str) -> str:
@@ -31,7 +33,9 @@ def _fd_target(fd: str) -> str:
 
 
 def _threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if not is_io_thread(t)}
+    """Threads, less the SDK's I/O thread and its loop's default executor ("asyncio_N",
+    process-wide, used by e.g. getaddrinfo)."""
+    return {t for t in threading.enumerate() if not is_io_thread(t) and not t.name.startswith("asyncio_")}
 
 
 def _files(roots: list[pathlib.Path]) -> set[pathlib.Path]:
@@ -65,7 +69,7 @@ def clean_close(h: Harness) -> None:
             if left:
                 fail(f"rule 9: close left thread {left[0].name!r} running"
                      + (" (daemon)" if left[0].daemon else "") + (f" (+{len(left) - 1} more)" if len(left) > 1 else ""))
-            fd = sorted(fds)[0]
+            fd = sorted(fds, key=int)[0]
             fail(f"rule 9: close left {len(fds)} file descriptor(s) open, e.g. fd {fd} -> {_fd_target(fd)}")
         time.sleep(0.02)
     roots = h.path_roots() or roots0

@@ -63,7 +63,8 @@ def missing_keys_fail(h: Harness) -> None:
     absent = h.keys(6, b"A")
     t.expect_missing(absent, "rule 4")
     mixed = [k for pair in zip(present, absent, strict=True) for k in pair]
-    r = t.load(mixed)
+    jid = t.submit("load", mixed, absent=absent)
+    r = t.wait([jid])[jid]
     wrong = [k for k in absent if k not in r.failed_keys]
     if wrong:
         fail(f"rule 4: absent key {qkey(wrong[0])} loaded 'successfully' in a mixed job")

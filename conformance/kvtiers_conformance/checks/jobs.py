@@ -9,7 +9,7 @@ import time
 from kvtiers import Job
 
 from ..catalog import check
-from ..harness import Harness, fail, poison, qkey
+from ..harness import ConformanceFailure, Harness, fail, poison, qkey
 
 
 @check(5, "exactly_once_64_in_flight")
@@ -82,7 +82,11 @@ def slot_poisoning(h: Harness) -> None:
         t.poll()
         time.sleep(0.01)
     recheck()
-    t.load_all(keys, why="rule 6")  # a tier that kept a view of the slot now returns poison
+    try:
+        t.load_all(keys, why="rule 6")
+    except ConformanceFailure as e:  # e.g. the tier kept a view of the slot and now returns poison
+        fail(f"rule 6: after the slots of reported stores were poisoned, loading their keys went wrong "
+             f"(did the tier keep reading the slot after reporting the store?): {e}")
     recheck()
 
 
