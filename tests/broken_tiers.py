@@ -9,7 +9,6 @@ ones are built on the memory tier where that is the shortest way to the bug.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 import threading

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import pytest
 from broken_tiers import BROKEN, DirTier
-
 from kvtiers_conformance import Limits, run_conformance
 
-FAST = Limits(finish_s=3.0, retry_s=2.0, examples=25, crash_rounds=3)
+FAST = Limits(finish_s=3.0, retry_s=2.0, examples=25, crash_rounds=3, shrink=False)
 
 
 def _config(cls: type):

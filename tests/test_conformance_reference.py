@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 from broken_tiers import DictAsyncTier, DirTier
-
 from kvtiers_conformance import Limits, TierTests
 
 QUICK = Limits(examples=20)
