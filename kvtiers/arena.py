@@ -450,6 +450,10 @@ def create_host_arena(
         if want_pin:
             pinh = _cuda_register(_address(m), size)
             pinned = pinh is not None
+            if not pinned:  # e.g. a sandbox that refuses registration: torch's pinned allocator
+                buf.release()
+                m.close()
+                return _torch_pinned_arena(num_slots, slot_bytes, acc, what)
     return HostArena(mem=m, buf=buf, num_slots=num_slots, slot_bytes=slot_bytes, pinned=pinned, pin=pinh,
                      shared_memory=None, creator=True, fd=None, elastic=elastic,
                      elastic_max_bytes=max_bytes, elastic_reserve_bytes=elastic_reserve_bytes)

@@ -48,8 +48,10 @@ class Setup:
         self.host.close()
 
 
-def make_setup(chunk_bytes: int, chunks: int, tensors: str = "pooled", device: str = "cpu") -> Setup:
-    """Build a flat 32-layer KV cache of ``chunks`` chunks, an arena of as many slots, an engine."""
+def make_setup(chunk_bytes: int, chunks: int, tensors: str = "pooled", device: str = "cpu",
+               **engine_options: Any) -> Setup:
+    """Build a flat 32-layer KV cache of ``chunks`` chunks, an arena of as many slots, an engine
+    (``engine_options`` go to :class:`~kvtiers.dma.DmaEngine`)."""
     import numpy as np
     import torch
 
@@ -75,7 +77,7 @@ def make_setup(chunk_bytes: int, chunks: int, tensors: str = "pooled", device: s
                           for _ in range(2)] for _ in range(LAYERS)]}
         pool_flat = torch.empty(chunks * chunk_bytes, dtype=torch.uint8, device=dev)  # same bytes, one buffer
     host = create_host_arena(chunks, slot_bytes_for(layout.chunk_bytes(bpc)))
-    engine = DmaEngine(layout, caches, host, bpc)
+    engine = DmaEngine(layout, caches, host, bpc, **engine_options)
     if dev.type == "cpu":
         arena_flat = np.asarray(host.ndarray()).reshape(-1)[: chunks * chunk_bytes]
     else:

@@ -501,7 +501,7 @@ class DmaEngine:
                     torch.index_select(t, 0, flat, out=tmp[k])
                 gathered = tmp.view(lt, n, bpc, bb).permute(1, 0, 2, 3)
             dst = staging[:, grp.offset : grp.offset + lt * bpc * bb].view(n, lt, bpc, bb)
-            dst.copy_(gathered.reshape(n, lt, bpc, bb))
+            dst.copy_(gathered.view(n, lt, bpc, bb) if gathered.is_contiguous() else gathered)
         self._host_copies(staging, [s for _, s in plan], load=False)
 
     def _gather_load(self, plan: list[tuple[np.ndarray, int]]) -> None:
