@@ -119,8 +119,9 @@ def test_two_instances_share_a_root(tmp_path):
         assert tb.lookup(keys[:1]) == [RETRY]  # unknown: probed off-thread
         assert resolve(tb, keys[:1]) == [MISS]
         assert a.store(ta, keys).ok
-        # b remembered the MISS for negative_ttl; files written by a appear after it
-        assert resolve(tb, keys, timeout=5.0) == [HIT] * 8
+        # b remembers the MISS of keys[0] for negative_ttl (1 s); files written by a appear after it
+        assert resolve(tb, keys[1:]) == [HIT] * 7
+        wait_for(lambda: tb.lookup(keys) == [HIT] * 8, timeout=5.0, what="b to see a's files")
         assert b.load(tb, keys).ok
         b.check(keys)
         # concurrent stores of the same keys by both leave one valid copy each
@@ -134,6 +135,18 @@ def test_two_instances_share_a_root(tmp_path):
         assert len([f for f in chunk_files(str(tmp_path)) if "626f7468" in f]) == 8
         assert a.load(ta, same).ok
         a.check(same)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_negative_ttl_zero_sees_other_instances_at_once(tmp_path):
+    a, b = Env(str(tmp_path)), Env(str(tmp_path))
+    try:
+        ta, tb = a.open(), b.open(negative_ttl=0.0)
+        assert resolve(tb, [b"late"]) == [MISS]  # RETRY still resolves with no negative cache
+        assert a.store(ta, [b"late"]).ok
+        assert resolve(tb, [b"late"]) == [HIT]
     finally:
         a.close()
         b.close()
@@ -269,3 +282,15 @@ def test_fsync_option_round_trips(env):
     assert env.load(t, [b"durable"]).ok
     env.check([b"durable"])
 
+
+
+def test_scan_never_brings_back_a_key_removed_while_it_ran():
+    from kvtiers_fs.index import Index
+
+    idx = Index(negative_ttl=1.0)
+    idx.begin_scan()
+    idx.add(b"stored-meanwhile", 10)
+    idx.drop(b"listed-then-removed")
+    idx.merge_scan([(1.0, b"listed-then-removed", 10), (2.0, b"listed", 10), (3.0, b"stored-meanwhile", 10)])
+    assert list(idx.entries) == [b"listed", b"stored-meanwhile"] and idx.used == 20
+    assert b"listed-then-removed" in idx.absent

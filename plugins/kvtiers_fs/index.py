@@ -32,8 +32,10 @@ class Index:
         self.used = 0
         self.reserved = 0
         self.absent: dict[bytes, float] = {}  # key -> monotonic time the MISS expires
+        self.unread: set[bytes] = set()  # probed absent, not yet answered (so MISS comes even with ttl 0)
         self.negative_ttl = negative_ttl
         self.reading: dict[bytes, int] = {}
+        self.dropped_during_scan: set[bytes] | None = None  # removals the running scan may not see
 
     # -- updates (any thread) --------------------------------------------------------
     def add(self, key: bytes, nbytes: int) -> None:
@@ -45,6 +47,7 @@ class Index:
             self.entries[key] = nbytes
             self.used += nbytes
             self.absent.pop(key, None)
+            self.unread.discard(key)
 
     def touch(self, key: bytes) -> bool:
         """Mark ``key`` most recently used; False if unknown."""
@@ -60,6 +63,8 @@ class Index:
             n = self.entries.pop(key, None)
             if n is not None:
                 self.used -= n
+            if self.dropped_during_scan is not None:
+                self.dropped_during_scan.add(key)
             if absent:
                 self.absent[key] = time.monotonic() + self.negative_ttl
             return n is not None
@@ -70,19 +75,28 @@ class Index:
             for k in keys:
                 if k not in self.entries:
                     self.absent[k] = until
+                    self.unread.add(k)
             if len(self.absent) > 65536:
                 now = time.monotonic()
-                self.absent = {k: t for k, t in self.absent.items() if t > now}
+                self.absent = {k: t for k, t in self.absent.items() if t > now or k in self.unread}
+
+    def begin_scan(self) -> None:
+        """Start remembering removals, so a scan that listed a file before it was removed
+        does not bring it back."""
+        with self.lock:
+            self.dropped_during_scan = set()
 
     def merge_scan(self, found: list[tuple[float, bytes, int]]) -> None:
         """Put scanned files (mtime, key, bytes) before everything known so far, oldest
         first, keeping what stores and probes added since open as more recent."""
         found.sort()
         with self.lock:
+            gone = self.dropped_during_scan or set()
+            self.dropped_during_scan = None
             merged: OrderedDict[bytes, int] = OrderedDict()
             used = 0
             for _, k, n in found:
-                if k not in self.entries and k not in merged:
+                if k not in self.entries and k not in merged and k not in gone:
                     merged[k] = n
                     used += n
             for k, n in self.entries.items():
@@ -91,7 +105,9 @@ class Index:
             self.entries = merged
             self.used = used
             for _, k, _ in found:
-                self.absent.pop(k, None)
+                if k not in gone:
+                    self.absent.pop(k, None)
+                    self.unread.discard(k)
 
     # -- pins --------------------------------------------------------------------------
     def pin(self, key: bytes) -> None:
@@ -127,6 +143,8 @@ class Index:
                 n = self.entries.pop(k)
                 self.used -= n
                 excess -= n
+                if self.dropped_during_scan is not None:
+                    self.dropped_during_scan.add(k)
                 self.absent[k] = until
                 victims.append(k)
         return victims
@@ -147,6 +165,13 @@ class Prober:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._started = False
+
+    def start(self) -> None:
+        """Start the thread (idempotent; done by the first request otherwise)."""
+        with self._cond:
+            if not self._started and not self._stop:
+                self._started = True
+                self._thread.start()
 
     def request(self, keys: list[bytes]) -> None:
         """Ask for ``keys`` to be checked (never blocks on I/O)."""

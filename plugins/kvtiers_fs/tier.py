@@ -117,6 +117,7 @@ class FsTier:
         self._dirs: set[str] = set()
         self.scanned = threading.Event()
         self.stale_removed: list[str] = []
+        self.index.begin_scan()
         self._scanner = threading.Thread(target=self._scan, name=f"kvtiers-fs-scan-{tag}", daemon=True)
         self._scanner.start()
 
@@ -135,6 +136,7 @@ class FsTier:
         try:
             self._reads.start()  # here, not in the first submit: submits never wait on thread starts
             self._writes.start()
+            self._prober.start()
             found, removed = scan(self.nsdir, stale_after=self.stale_temp_seconds, stopping=lambda: self._stopping)
             self.stale_removed = removed
             if removed:
@@ -145,6 +147,7 @@ class FsTier:
         except Exception:
             log.exception("fs tier: scan of %s failed", self.nsdir)
         finally:
+            self.index.dropped_during_scan = None
             self.scanned.set()
 
     def _evict_to_bound(self) -> None:
@@ -161,6 +164,10 @@ class FsTier:
                 pass  # another instance removed it first
             except OSError as e:
                 log.warning("fs tier: could not remove %s: %s", self.path(k), e)
+        # a store of the same key may have found the old file and re-added it meanwhile
+        for k in [k for k in keys if k in self.index.entries]:
+            if not os.path.exists(self.path(k)):
+                self.index.drop(k)
         self.ctx.removed(keys, reason)
 
     # -- hooks -------------------------------------------------------------------------------
@@ -170,13 +177,14 @@ class FsTier:
         entries = self.index.entries
         out = [_HIT if k in entries else None for k in keys]
         if None in out:
-            absent = self.index.absent
+            absent, unread = self.index.absent, self.index.unread
             now = time.monotonic()
             probe = []
             for i, k in enumerate(keys):
                 if out[i] is None:
                     exp = absent.get(k)
-                    if exp is not None and exp > now:
+                    if exp is not None and (exp > now or k in unread):
+                        unread.discard(k)
                         out[i] = _MISS
                     elif k in self.index.entries:  # a probe or store landed meanwhile
                         out[i] = _HIT
