@@ -127,3 +127,11 @@ def test_plugin_imports_without_aiobotocore():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "pip install 'kvtiers[obj]'" in r.stdout
+
+
+def test_bounds_put_the_trailer_in_the_last_piece():
+    from kvtiers_obj.tier import _bounds
+
+    assert _bounds(10, 42, 4) == [(0, 4), (4, 8), (8, 42)]
+    assert _bounds(8, 40, 4) == [(0, 4), (4, 40)]
+    assert _bounds(3, 35, 4) == [(0, 35)]

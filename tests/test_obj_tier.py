@@ -71,7 +71,7 @@ def test_multipart_store_and_ranged_load(s3_server, obj_options):
     name = layout.object_name(obj_options["prefix"], ctx.namespace.digest, b"big")
     head = s3(s3_server, "head_object", Bucket=BUCKET, Key=name)
     assert head["ContentLength"] == (11 << 20) + 32
-    assert "-3" in head["ETag"]  # three parts: 5 + 5 + 1 MiB and the trailer
+    assert head["ETag"].strip('"').endswith("-3")  # three parts: 5 + 5 + 1 MiB and the trailer
     ups = s3(s3_server, "list_multipart_uploads", Bucket=BUCKET, Prefix=obj_options["prefix"])
     assert not ups.get("Uploads")
 

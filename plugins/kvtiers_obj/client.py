@@ -15,9 +15,23 @@ from aiobotocore.session import AioSession, get_session
 from botocore import UNSIGNED
 from botocore.exceptions import BotoCoreError, ClientError
 
-__all__ = ["AioSession", "BotoCoreError", "ChunkBody", "ClientError", "client_config", "error_code", "get_session"]
+__all__ = [
+    "AioSession", "BotoCoreError", "ChunkBody", "ClientError", "client_config", "error_code", "get_session",
+    "shared_session",
+]  # fmt: skip
 
 PIECE = 1 << 20
+_session: AioSession | None = None
+
+
+def shared_session() -> AioSession:
+    """One aiobotocore session per process: it caches the S3 service model (loading it
+    takes ~0.1 s) and the resolved credentials across tier instances."""
+    global _session
+    if _session is None:
+        _session = get_session()
+    return _session
+
 # From Python 3.12 the selector transport may keep a reference to unsent memory instead of
 # copying it; a cancelled upload must not read the slot after its job is reported, so
 # there each piece is copied (1 MiB at a time) before it is handed to the transport.

@@ -143,7 +143,7 @@ class SeaweedServer:
         self._signal(signal.SIGKILL)
         self._reap()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 3.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout``; wait for the process."""
         if self.proc is None:
             return

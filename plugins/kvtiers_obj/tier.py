@@ -27,6 +27,7 @@ log = logging.getLogger("kvtiers.obj")
 MIN_PART_SIZE = 5 << 20  # S3's smallest part (all but the last)
 PART_PARALLEL = 4  # parts of one chunk in flight at once (uploads and ranged GETs)
 PIECE = 1 << 20
+PROBE_TIMEOUT = 3.0  # a HEAD for lookup unanswered this long counts as a miss
 
 
 def _tname() -> str:
@@ -78,6 +79,14 @@ class _Target:
             self.trailer[t : t + len(mv)] = mv
 
 
+def _bounds(payload: int, size: int, step: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` pieces of an object of ``size`` bytes holding ``payload`` bytes, ``step``
+    apart; the trailer rides with the last piece (S3 parts may be larger than ``step``)."""
+    out = [(o, min(o + step, payload)) for o in range(0, payload, step)]
+    out[-1] = (out[-1][0], size)
+    return out
+
+
 def _slices(parts: Sequence[memoryview | bytes], start: int, end: int) -> list[memoryview]:
     """The pieces of the concatenation of ``parts`` covering ``[start, end)``, no copies."""
     out = []
@@ -104,7 +113,7 @@ class ObjTier(AsyncTier):
     ``max_bytes`` (LRU deletion by this instance), ``backend`` (``aiobotocore`` or ``nixl``).
     """
 
-    levels = frozenset({"core", "durable", "shared"})
+    levels = frozenset({"core", "durable", "shared", "bounded"})
 
     def __init__(
         self,
@@ -204,7 +213,7 @@ class ObjTier(AsyncTier):
     # -- opening ----------------------------------------------------------------------
     async def _open(self) -> None:
         c = self._c
-        session = c.get_session()
+        session = c.shared_session()
         key_id, secret = self._creds
         if key_id is None:
             creds = await session.get_credentials()
@@ -381,9 +390,11 @@ class ObjTier(AsyncTier):
 
     # -- the AsyncTier coroutines ---------------------------------------------------------
     async def exists(self, key: bytes) -> bool:
-        """HEAD the chunk; an unreachable server answers ``False`` (a miss, asked again later)."""
+        """HEAD the chunk; a server that fails or does not answer within ``PROBE_TIMEOUT``
+        answers ``False`` (a miss for ``negative_ttl``, then asked again)."""
         try:
-            return await self._head_size(self._name(key)) is not None
+            head = self._head_size(self._name(key))
+            return await asyncio.wait_for(head, min(self.op_timeout, PROBE_TIMEOUT)) is not None
         except Exception as e:
             log.debug("obj: HEAD %s failed: %s", key.hex(), e)
             return False
@@ -405,7 +416,7 @@ class ObjTier(AsyncTier):
         if found is not None:  # a short or foreign object blocks the write-once PUT
             await self._drop([key], "corrupt")
         trailer = layout.make_trailer(key, data)
-        if size > self.part_size:
+        if len(data) > self.part_size:
             await self._put_multipart(name, [data, trailer], size)
         else:
             body = self._c.ChunkBody([data, trailer])
@@ -422,7 +433,8 @@ class ObjTier(AsyncTier):
         upload_id = up["UploadId"]
         completed = False
         try:
-            bounds = [(i, o, min(o + self.part_size, size)) for i, o in enumerate(range(0, size, self.part_size), 1)]
+            n = size - layout.TRAILER_BYTES
+            bounds = [(i, lo, hi) for i, (lo, hi) in enumerate(_bounds(n, size, self.part_size), 1)]
 
             async def part(num: int, lo: int, hi: int) -> dict:
                 body = self._c.ChunkBody(_slices(parts, lo, hi))
@@ -453,7 +465,7 @@ class ObjTier(AsyncTier):
         target = _Target(out)
         self._busy[key] = self._busy.get(key, 0) + 1
         try:
-            if target.size > self.part_size:
+            if target.n > self.part_size:
                 found = await self._get_ranged(name, target)
             else:
                 found = await self._get_range(name, target, 0, target.size, ranged=False)
@@ -510,10 +522,9 @@ class ObjTier(AsyncTier):
 
     async def _get_ranged(self, name: str, target: _Target) -> bool:
         """Parallel ranged GETs of ``part_size`` each; the first also checks the size."""
-        size, step = target.size, self.part_size
-        if not await self._get_range(name, target, 0, min(step, size)):
+        first, *rest = _bounds(target.n, target.size, self.part_size)
+        if not await self._get_range(name, target, *first):
             return False
-        rest = [(o, min(o + step, size)) for o in range(step, size, step)]
 
         async def one(lo: int, hi: int) -> None:
             if not await self._get_range(name, target, lo, hi):
