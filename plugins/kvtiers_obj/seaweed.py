@@ -174,11 +174,16 @@ class SeaweedServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvtiers_obj.seaweed DIR``: run a server until Ctrl-C."""
+    """``python -m kvtiers_obj.seaweed DIR``: run a server until Ctrl-C or SIGTERM."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m kvtiers_obj.seaweed DATA_DIR", file=sys.stderr)
         return 2
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)  # stop the server on kill too, not only on Ctrl-C
+    signal.signal(signal.SIGINT, interrupt)  # also when started in the background
     with SeaweedServer(args[0]) as srv:
         print(f"SeaweedFS S3 at {srv.endpoint_url} (data in {args[0]}); Ctrl-C stops it", flush=True)
         try:
