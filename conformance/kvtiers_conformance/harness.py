@@ -150,8 +150,10 @@ class Harness:
             removed.append((tuple(keys), reason))
 
         ctx = TierContext(arena, self.namespace(slot_bytes), removed=on_removed)
-        handle = open_tier(self.info.cls if isinstance(self.tier_type, type) else self.tier_type,
-                           self.options(max_bytes), ctx)
+        # registered names resolve by a dict lookup; import paths were resolved once above
+        # (resolving one scans every installed distribution's metadata)
+        by_name = isinstance(self.tier_type, str) and ":" not in self.tier_type
+        handle = open_tier(self.tier_type if by_name else self.info.cls, self.options(max_bytes), ctx)
         inst = Instance(self, handle, arena, removed)
         self.instances.append(inst)
         return inst

@@ -171,6 +171,13 @@ def run_conformance(
             raise ConfigError(f"tier {info.name!r} has no conformance_config(scratch); pass --config")
         config = factory
     seed = random.randrange(2**32) if seed is None else seed
+    with _scratch(config) as options:  # a bad option is one clear error, not a FAIL per check
+        preflight = Harness(tier_type, options, levels=chosen, limits=limits, seed=seed)
+        try:
+            preflight.open()
+        finally:
+            with contextlib.suppress(ConformanceFailure):
+                preflight.close_all()
     report = Report(info.name, chosen, seed)
     t_start = time.monotonic()
     wanted = set(rules) if rules is not None else None

@@ -110,8 +110,9 @@ def stateful(h: Harness) -> None:
                 phases=[p for p in hypothesis.Phase if lim.shrink or p is not hypothesis.Phase.shrink],
             ))
         except ConformanceFailure as e:
-            steps = "; ".join(x.strip() for x in "\n".join(lines).splitlines() if x.strip())
-            raise ConformanceFailure(f"{e} [stateful, seed {h.seed}; steps: {steps[:400]}]") from None
+            text = "\n".join(lines + list(getattr(e, "__notes__", ()))).split("Explanation:")[0]
+            steps = "; ".join(x.strip() for x in text.splitlines() if x.strip().startswith("state."))
+            raise ConformanceFailure(f"{e} [stateful steps: {steps[:400]}]") from None
         finally:
             for inst in h.instances:  # examples that failed mid-way leave instances open
                 if not inst.closed:

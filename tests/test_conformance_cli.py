@@ -1,0 +1,83 @@
+"""``kvtiers conformance`` end to end, in subprocesses: report lines, summary, exit codes,
+JUnit XML, --level, --seed, --config errors."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+TESTS = pathlib.Path(__file__).parent
+KVTIERS = [sys.executable, "-c", "import sys; from kvtiers.cli import main; sys.exit(main())"]
+LINE = re.compile(r"^rule (\d+) ([a-z-]+) \[(core|durable|shared|bounded)\]: (PASS|FAIL|SKIP)( \(.+\))?$")
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([*KVTIERS, "conformance", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def lines(out: str) -> dict[tuple[int, str], str]:
+    found = {}
+    for line in out.splitlines():
+        m = LINE.match(line)
+        if m:
+            found[int(m.group(1)), m.group(3)] = m.group(4)
+    return found
+
+
+def test_memory_passes_core_and_bounded_within_a_minute(tmp_path: pathlib.Path) -> None:
+    junit = tmp_path / "report.xml"
+    t0 = time.monotonic()
+    p = run("memory", "--seed", "7", "--junit-xml", str(junit))
+    took = time.monotonic() - t0
+    assert p.returncode == 0, p.stdout + p.stderr
+    status = lines(p.stdout)
+    assert len(status) == 15  # every (rule, level) pair has its line
+    for rule in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12):
+        assert status[rule, "core"] == "PASS"
+    assert status[11, "bounded"] == "PASS"
+    assert status[10, "durable"] == "SKIP" and status[2, "shared"] == "SKIP"
+    assert "rule 10 crash-safety [durable]: SKIP (level durable not claimed)" in p.stdout
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("summary: PASSED: 11 passed, 0 failed, 4 skipped") and last.endswith("seed 7")
+    assert took < 60, f"kvtiers conformance memory took {took:.1f} s"
+    suite = ET.parse(junit).getroot()
+    assert suite.tag == "testsuite" and suite.get("failures") == "0"
+    names = {c.get("name") for c in suite.iter("testcase")}
+    assert "test_rule02_read_your_writes" in names and "test_rule10_crash_safety" in names
+
+
+def test_broken_tier_fails_with_exit_1_and_junit_failure(tmp_path: pathlib.Path) -> None:
+    junit = tmp_path / "report.xml"
+    p = run("broken_tiers:NonIdempotentTier", "--config", "{}", "--level", "core", "--examples", "10",
+            "--junit-xml", str(junit))
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert re.search(r"^rule 7 idempotent-stores \[core\]: FAIL \(test_rule07_idempotent_stores: rule 7: ",
+                     p.stdout, re.M), p.stdout
+    assert lines(p.stdout)[1, "core"] == "PASS"
+    assert "summary: FAILED:" in p.stdout
+    failures = [c.get("name") for c in ET.parse(junit).getroot().iter("testcase") if c.find("failure") is not None]
+    assert "test_rule07_idempotent_stores" in failures
+
+
+def test_level_runs_unclaimed_levels() -> None:
+    """--level durable on the memory tier runs durable checks it cannot pass."""
+    p = run("memory", "--level", "durable")
+    assert p.returncode == 1
+    status = lines(p.stdout)
+    assert status[2, "durable"] == "FAIL" and status[1, "core"] == "SKIP"
+    assert "rule 1 non-blocking-lookup [core]: SKIP (level core not selected)" in p.stdout
+
+
+def test_config_errors_are_one_line_exit_2() -> None:
+    p = run("memory", "--config", '{"max_bytez": 1}')
+    assert p.returncode == 2 and "max_bytez" in p.stderr and "Traceback" not in p.stderr
+    p = run("memory", "--level", "core,everything")
+    assert p.returncode == 2 and "unknown conformance level(s) everything" in p.stderr
+    p = run("broken_tiers:DirTier")
+    assert p.returncode == 2 and "conformance_config" in p.stderr
