@@ -7,20 +7,27 @@ just wrote, and a load does not overwrite blocks still being read); completion i
 per transfer, queried by :meth:`DmaEngine.poll`. CPU tensors (no accelerator) are copied
 with numpy / ``memmove`` on the caller's thread and complete at once.
 
-Batching: when a group's tensors are views of one allocation at block-aligned offsets (one
-KV pool, as many engines allocate), a chunk's blocks of *all* layers are one gather
-(``index_select``) or one scatter (``index_copy_``) over the pool; otherwise one per tensor
-per transfer. On an accelerator the gather lands in a device staging buffer laid out like
-the slots, then one device->host copy per chunk (one per run of consecutive slots where the
-slots hold exactly one chunk); loads mirror that. ``strategy="direct"`` instead copies each
-(tensor, run of consecutive blocks) straight between device and slot; it exists to measure
-against.
+Accelerators: every KV tensor of every group is reached through one *span*, a row view over
+the device memory from the lowest tensor to the end of the highest (rows of the largest size
+that divides every block and every tensor's offset; an alias made with
+``torch._C._construct_storage_from_data_pointer``, so separate per-layer allocations, as vLLM
+makes them, cost the same as one pool). A store is one ``index_select`` from the span into a
+device staging buffer laid out like the slots, then one device->host copy per run of
+consecutive slots (per chunk where slots are padded); a load is the host->device copies, then
+one ``index_copy_`` into the span. Indices are computed on the device from the block ids: no
+per-block or per-tensor Python work, no synchronisation.
+
+CPU tensors (no accelerator) are copied with numpy / ``memmove`` on the caller's thread: full
+chunks of consecutive blocks going to consecutive slots cost one strided ``np.copyto`` per
+tensor (one per group for a uniform pool) for the whole run of chunks; other chunks one copy
+per tensor per run of blocks, or one gather per tensor when the blocks are scattered.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import operator
 import threading
 import time
@@ -49,13 +56,16 @@ class _Group:
     num_blocks: int
     offset: int  # byte offset of the group's region in a slot
     tensors: list[Any]  # uint8 views [num_blocks, block_bytes], slot order (layer, tensor)
-    rows: Any = None  # pooled: uint8 view [nrows, block_bytes] over the shared allocation
-    row_off: np.ndarray | None = None  # pooled: first row of each tensor in `rows`
+    rows: Any = None  # CPU, pooled: uint8 view [nrows, block_bytes] over the shared allocation
+    row_off: np.ndarray | None = None  # CPU, pooled: first row of each tensor in `rows`
     np_rows: np.ndarray | None = None  # CPU, pooled
     np_pool3: np.ndarray | None = None  # CPU, pooled at a uniform stride: [num_tensors, num_blocks, block_bytes]
     np_tensors: list[np.ndarray] | None = None  # CPU
     addrs: list[int] | None = None  # CPU: address of each tensor's block 0
-    row_off_dev: Any = None  # accelerator, pooled: row_off on the device
+    span_rows: Any = None  # accelerator: [num_tensors, 1, rows per block]: span row of each
+    # (tensor, block 0, sub-row); block b adds b * rows per block
+    stage_rows: Any = None  # accelerator: [num_tensors, 1, rows per block]: row of each
+    # (tensor, position 0, sub-row) in a chunk's staging rows; position p adds p * rows per block
 
     @property
     def num_tensors(self) -> int:
@@ -133,7 +143,6 @@ class DmaEngine:
         host: HostArena,
         blocks_per_chunk: int,
         *,
-        strategy: str = "gather",
         staging_bytes: int = 64 << 20,
         _torch_path_on_cpu: bool = False,
     ) -> None:
@@ -142,13 +151,10 @@ class DmaEngine:
         bpc = operator.index(blocks_per_chunk)
         if bpc <= 0:
             raise ValueError(f"blocks_per_chunk must be positive, got {bpc}")
-        if strategy not in ("gather", "direct"):
-            raise ValueError(f"strategy must be 'gather' or 'direct', got {strategy!r}")
         self.layout = layout
         self.host = host
         self.blocks_per_chunk = bpc
         self.chunk_bytes = layout.chunk_bytes(bpc)
-        self.strategy = strategy
         if self.chunk_bytes > host.slot_bytes:
             raise ValueError(f"a chunk of {bpc} blocks is {self.chunk_bytes} bytes; "
                              f"the arena's slots hold {host.slot_bytes}")
@@ -175,11 +181,7 @@ class DmaEngine:
                                          f"layout says {g.block_bytes}")
                     devices.add(t.device)
                     flat.append(_u8_rows(t, bb))
-            grp = _Group(g.name, g.block_bytes, min(t.shape[0] for t in flat), goff, flat)
-            pooled = _pooled_rows(flat, g.block_bytes)
-            if pooled is not None:
-                grp.rows, grp.row_off = pooled
-            self._groups.append(grp)
+            self._groups.append(_Group(g.name, g.block_bytes, min(t.shape[0] for t in flat), goff, flat))
         if len(devices) != 1:
             raise ValueError(f"all KV tensors must be on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop()
@@ -196,12 +198,14 @@ class DmaEngine:
         if self._cpu:
             self._arena_np = host.ndarray()
             for grp in self._groups:
+                pooled = _pooled_rows(grp.tensors, grp.block_bytes)
+                if pooled is not None:
+                    grp.rows, grp.row_off = pooled
                 grp.np_tensors = [t.numpy() for t in grp.tensors]
                 grp.addrs = [t.data_ptr() for t in grp.tensors]
                 if grp.rows is not None:
                     grp.np_rows = grp.rows.numpy()
                     grp.np_pool3 = _uniform_view(grp.np_rows, grp.row_off, grp.num_blocks)
-            self._cpu_merge = all(g.np_pool3 is not None for g in self._groups)
         else:
             self._host_t = host.tensor()
             if not host.pinned and self.kind != "cpu":
@@ -213,9 +217,16 @@ class DmaEngine:
             if self.kind != "cpu":
                 self._store_stream = torch.Stream(device=self.device)
                 self._load_stream = torch.Stream(device=self.device)
+            self._span, self._unit, self._span_base = _make_span(self._groups, self.device)
+            self._chunk_rows = self.chunk_bytes // self._unit
             for grp in self._groups:
-                if grp.row_off is not None:
-                    grp.row_off_dev = torch.from_numpy(grp.row_off).to(self.device)
+                rpb = grp.block_bytes // self._unit
+                sub = torch.arange(rpb, dtype=torch.int64).view(1, 1, rpb)
+                first = torch.tensor([(t.data_ptr() - self._span_base) // self._unit for t in grp.tensors],
+                                     dtype=torch.int64).view(-1, 1, 1)
+                grp.span_rows = (first + sub).to(self.device)
+                k = torch.arange(grp.num_tensors, dtype=torch.int64).view(-1, 1, 1)
+                grp.stage_rows = (grp.offset // self._unit + k * (bpc * rpb) + sub).to(self.device)
 
     # --- public API ------------------------------------------------------------------------
     def submit_store(self, transfer_id: int, chunks: Chunks) -> None:
@@ -338,7 +349,7 @@ class DmaEngine:
         while i < n:
             ids, slot = plan[i]
             j = i + 1
-            if self._cpu_merge and len(ids) == bpc and _is_run(ids):
+            if len(ids) == bpc and _is_run(ids):
                 while (j < n and plan[j][1] == plan[j - 1][1] + 1 and len(plan[j][0]) == bpc
                        and plan[j][0][0] == plan[j - 1][0][-1] + 1 and _is_run(plan[j][0])):
                     j += 1
@@ -349,16 +360,27 @@ class DmaEngine:
             i = j
 
     def _cpu_merged(self, first: int, slot: int, k: int, load: bool) -> None:
+        """``k`` full chunks of blocks ``first ..`` to slots ``slot ..``: one strided copy per
+        tensor (per group for a uniform pool) covering every chunk."""
         bpc = self.blocks_per_chunk
         slots = self._arena_np[slot : slot + k]
+        end = first + k * bpc
         for grp in self._groups:
             lt, bb = grp.num_tensors, grp.block_bytes
             region = slots[:, grp.offset : grp.offset + lt * bpc * bb].reshape(k, lt, bpc, bb)
-            dev = grp.np_pool3[:, first : first + k * bpc].reshape(lt, k, bpc, bb).transpose(1, 0, 2, 3)
-            if load:
-                np.copyto(dev, region)
-            else:
-                np.copyto(region, dev)
+            if grp.np_pool3 is not None:
+                dev = grp.np_pool3[:, first:end].reshape(lt, k, bpc, bb).transpose(1, 0, 2, 3)
+                if load:
+                    np.copyto(dev, region)
+                else:
+                    np.copyto(region, dev)
+                continue
+            for t, tensor in enumerate(grp.np_tensors):
+                dev = tensor[first:end].reshape(k, bpc, bb)
+                if load:
+                    np.copyto(dev, region[:, t])
+                else:
+                    np.copyto(region[:, t], dev)
 
     def _cpu_chunk(self, ids: np.ndarray, slot: int, load: bool) -> None:
         n = len(ids)
@@ -413,16 +435,9 @@ class DmaEngine:
         with ctx:
             if stream is not None:
                 stream.wait_event(ready)
-            if self.strategy == "direct":
-                for ids, slot in plan:
-                    self._direct(ids, slot, load)
-            else:
-                step = self._batch_chunks
-                for i in range(0, len(plan), step):
-                    if load:
-                        self._gather_load(plan[i : i + step])
-                    else:
-                        self._gather_store(plan[i : i + step])
+            step = self._batch_chunks
+            for i in range(0, len(plan), step):
+                self._staged(plan[i : i + step], load)
             if stream is None:
                 self._finish_now(tid)
                 return
@@ -431,22 +446,51 @@ class DmaEngine:
         with self._lock:
             self._pending[tid] = done
 
-    def _direct(self, ids: np.ndarray, slot: int, load: bool) -> None:
+    def _staged(self, plan: list[tuple[np.ndarray, int]], load: bool) -> None:
+        """One batch of chunks through a staging buffer laid out like the slots."""
+        import torch
+
+        n, bpc = len(plan), self.blocks_per_chunk
+        counts = np.fromiter((len(a) for a, _ in plan), dtype=np.int64, count=n)
+        full = bool((counts == bpc).all())
+        # block ids per position; a partial chunk's missing positions repeat its first block
+        # (a store copies it to the unused part of the slot; a load writes that block again
+        # with its own bytes, see below)
+        pos = np.broadcast_to(np.arange(bpc, dtype=np.int64), (n, bpc))
+        if not full:
+            pos = np.where(pos < counts[:, None], pos, 0)
+        ids = np.empty((2 if load and not full else 1, n, bpc), dtype=np.int64)
+        for c, (a, _) in enumerate(plan):
+            ids[0, c, : len(a)] = a
+            ids[0, c, len(a) :] = a[0]
+        if len(ids) == 2:
+            ids[1] = pos
+        ids_d = torch.from_numpy(ids).to(self.device, non_blocking=True)
+        span_idx = self._rows_index([g.span_rows for g in self._groups], ids_d[0], n)
+        staging = torch.empty((n, self.chunk_bytes), dtype=torch.uint8, device=self.device)
+        srows = staging.view(self._span.dtype).view(n * self._chunk_rows, -1)
+        slots = [s for _, s in plan]
+        if not load:
+            torch.index_select(self._span, 0, span_idx, out=srows)
+            self._host_copies(staging, slots, load=False)
+            return
+        self._host_copies(staging, slots, load=True)
+        if not full:  # read each padded position from the chunk's position 0: same block, same bytes
+            base = torch.arange(n, dtype=torch.int64, device=self.device).view(n, 1, 1, 1) * self._chunk_rows
+            srows = srows.index_select(0, self._rows_index([g.stage_rows for g in self._groups], ids_d[1], n, base))
+        self._span.index_copy_(0, span_idx, srows)
+
+    def _rows_index(self, firsts: list[torch.Tensor], per_pos: torch.Tensor, n: int, base: Any = 0) -> torch.Tensor:
+        """Rows of every (chunk, group, tensor, position, sub-row), in slot order, flat:
+        ``firsts[g][k, 0, r] + per_pos[c, p] * rows_per_block (+ base[c])``."""
+        import torch
+
         bpc = self.blocks_per_chunk
-        slot_t = self._host_t[slot]
-        runs = _runs(ids)
-        for grp in self._groups:
-            bb = grp.block_bytes
-            piece = bpc * bb
-            for lt, t in enumerate(grp.tensors):
-                base = grp.offset + lt * piece
-                for pos, first, count in runs:
-                    h = slot_t[base + pos * bb : base + (pos + count) * bb].view(count, bb)
-                    d = t[first : first + count]
-                    if load:
-                        d.copy_(h, non_blocking=True)
-                    else:
-                        h.copy_(d, non_blocking=True)
+        parts = []
+        for grp, first in zip(self._groups, firsts, strict=True):
+            rpb = grp.block_bytes // self._unit
+            parts.append((first.unsqueeze(0) + per_pos.view(n, 1, bpc, 1) * rpb + base).view(n, -1))
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).view(-1)
 
     def _host_copies(self, staging: torch.Tensor, slots: list[int], load: bool) -> None:
         """Copy staging rows <-> slots: one copy per run of consecutive slots when slots hold
@@ -467,85 +511,26 @@ class DmaEngine:
                 h.copy_(s, non_blocking=True)
             i = j
 
-    def _group_staging(self, staging: torch.Tensor, grp: _Group) -> torch.Tensor:
-        """The group's region of every staging chunk: [N, num_tensors * bpc, block_bytes]."""
-        nb = grp.num_tensors * self.blocks_per_chunk
-        region = staging[:, grp.offset : grp.offset + nb * grp.block_bytes]
-        return region.view(len(staging), nb, grp.block_bytes) if region.is_contiguous() else region.reshape(
-            len(staging), nb, grp.block_bytes)
 
-    def _gather_store(self, plan: list[tuple[np.ndarray, int]]) -> None:
-        import torch
+def _make_span(groups: list[_Group], device: torch.device) -> tuple[torch.Tensor, int, int]:
+    """A row view over the device memory of every group's tensors, from the lowest to the end
+    of the highest: ``(rows, unit, base address)``; rows are ``unit`` bytes (the largest size
+    dividing every block and every tensor's offset from the base) as the widest integer type
+    that divides ``unit``. Only rows inside the tensors are ever indexed."""
+    import torch
 
-        n, bpc = len(plan), self.blocks_per_chunk
-        staging = torch.empty((n, self.chunk_bytes), dtype=torch.uint8, device=self.device)
-        ids = np.empty((n, bpc), dtype=np.int64)
-        for c, (a, _) in enumerate(plan):  # pad partial chunks with their first block
-            ids[c, : len(a)] = a
-            ids[c, len(a) :] = a[0]
-        ids_d = torch.from_numpy(ids).to(self.device, non_blocking=True)
-        for grp in self._groups:
-            lt, bb = grp.num_tensors, grp.block_bytes
-            gathered: torch.Tensor
-            single = len(self._groups) == 1
-            if grp.rows is not None:
-                rows = (grp.row_off_dev.view(1, lt, 1) + ids_d.view(n, 1, bpc)).reshape(-1)
-                if single:
-                    torch.index_select(grp.rows, 0, rows, out=staging.view(n * lt * bpc, bb))
-                    continue
-                gathered = grp.rows.index_select(0, rows).view(n, lt * bpc, bb)
-            else:
-                flat = ids_d.view(-1)
-                tmp = torch.empty((lt, n * bpc, bb), dtype=torch.uint8, device=self.device)
-                for k, t in enumerate(grp.tensors):
-                    torch.index_select(t, 0, flat, out=tmp[k])
-                gathered = tmp.view(lt, n, bpc, bb).permute(1, 0, 2, 3)
-            dst = staging[:, grp.offset : grp.offset + lt * bpc * bb].view(n, lt, bpc, bb)
-            dst.copy_(gathered.view(n, lt, bpc, bb) if gathered.is_contiguous() else gathered)
-        self._host_copies(staging, [s for _, s in plan], load=False)
-
-    def _gather_load(self, plan: list[tuple[np.ndarray, int]]) -> None:
-        import torch
-
-        n, bpc = len(plan), self.blocks_per_chunk
-        staging = torch.empty((n, self.chunk_bytes), dtype=torch.uint8, device=self.device)
-        self._host_copies(staging, [s for _, s in plan], load=True)
-        full = all(len(a) == bpc for a, _ in plan)
-        ids_np = np.concatenate([a for a, _ in plan])
-        ids_d = torch.from_numpy(ids_np).to(self.device, non_blocking=True)
-        counts = [len(a) for a, _ in plan]
-        for grp in self._groups:
-            lt, bb = grp.num_tensors, grp.block_bytes
-            src = self._group_staging(staging, grp).reshape(-1, bb)  # rows in (chunk, tensor, block) order
-            if grp.rows is not None:
-                if full:
-                    rows = (grp.row_off_dev.view(1, lt, 1) + ids_d.view(n, 1, bpc)).reshape(-1)
-                else:
-                    rows_np = np.concatenate([(grp.row_off[:, None] + a[None, :]).reshape(-1) for a, _ in plan])
-                    rows = torch.from_numpy(rows_np).to(self.device, non_blocking=True)
-                    src = src.index_select(0, self._dev(_positions(counts, lt, bpc, tensor_major=False)))
-                grp.rows.index_copy_(0, rows, src)
-            else:
-                per = src.index_select(0, self._dev(_positions(counts, lt, bpc, tensor_major=True)))
-                per = per.view(lt, len(ids_np), bb)
-                for k, t in enumerate(grp.tensors):
-                    t.index_copy_(0, ids_d, per[k])
-
-    def _dev(self, a: np.ndarray) -> torch.Tensor:
-        import torch
-
-        return torch.from_numpy(a).to(self.device, non_blocking=True)
-
-
-def _positions(counts: list[int], lt: int, bpc: int, tensor_major: bool) -> np.ndarray:
-    """Row positions in a staging region [n, lt, bpc] of the real (non-padding) blocks."""
-    parts = []
-    if tensor_major:
-        for k in range(lt):
-            for c, m in enumerate(counts):
-                parts.append(c * lt * bpc + k * bpc + np.arange(m))
-    else:
-        for c, m in enumerate(counts):
-            for k in range(lt):
-                parts.append(c * lt * bpc + k * bpc + np.arange(m))
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+    tensors = [(t, g.block_bytes) for g in groups for t in g.tensors]
+    base = min(t.data_ptr() for t, _ in tensors)
+    end = max(t.data_ptr() + t.shape[0] * bb for t, bb in tensors)
+    unit = 0
+    for t, bb in tensors:
+        unit = math.gcd(unit, bb, t.data_ptr() - base)
+    elsz = 8
+    while unit % elsz or base % elsz:
+        elsz //= 2
+    dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[elsz]
+    storage = torch._C._construct_storage_from_data_pointer(base, device, end - base)
+    rows = torch.empty(0, dtype=dtype, device=device)
+    w = unit // elsz
+    rows.set_(storage, 0, ((end - base) // unit, w), (w, 1))
+    return rows, unit, base

@@ -5,8 +5,9 @@
     python3 scripts/gpu_check.py --device cpu    # the same script on CPU tensors (self-test)
 
 1. Correctness: a pinned host arena; flat K/V, MLA and a two-group (target + draft) layout;
-   device tensors pooled (one allocation) and separate (one per layer tensor); the engine's
-   'gather' strategy (staged batches, also one chunk per batch) and 'direct'. Each case stores
+   device tensors pooled (one allocation), separate (one per layer tensor) and unaligned
+   (separate, at small odd offsets: the engine's span rows shrink to a few bytes); staged
+   batches of many chunks and of one chunk. Each case stores
    full, partial, non-consecutive and reversed chunks into a poisoned arena, checks every
    byte of the slots, poisons the device, loads into other blocks and checks every byte of
    every block. One more case writes the cache on the compute stream and stores at once (the
@@ -54,12 +55,23 @@ LOAD = [([64, 65, 66, 67], 0), ([68, 69, 70, 71], 1), ([8, 9, 13], 2), ([72, 74,
         ([14, 15, 16, 17], 5), ([95], 6), ([80, 81, 82, 83], 7), ([84, 86, 85, 87], 8)]
 
 
-def make_caches(layout: KVLayout, dtype: torch.dtype, pooled: bool, device: torch.device, seed: int) -> dict:
+def make_caches(layout: KVLayout, dtype: torch.dtype, pooled: bool | str, device: torch.device, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     caches = {}
     for grp in layout.groups:
         shape = (grp.num_layers, grp.tensors_per_layer, NUM_BLOCKS, grp.block_bytes)
-        if pooled:
+        if pooled == "unaligned":  # separate buffers, tensors at 0, 1, 2 elements from their starts
+            esz = torch.empty(0, dtype=dtype).element_size()
+            caches[grp.name] = []
+            for li in range(grp.num_layers):
+                layer = []
+                for ti in range(grp.tensors_per_layer):
+                    skip = esz * ((li * grp.tensors_per_layer + ti) % 3)
+                    buf = torch.randint(0, 256, (skip + NUM_BLOCKS * grp.block_bytes,), dtype=torch.uint8,
+                                        generator=g).to(device)
+                    layer.append(buf[skip:].view(NUM_BLOCKS, grp.block_bytes).view(dtype))
+                caches[grp.name].append(layer)
+        elif pooled:
             pool = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(device).view(dtype)
             caches[grp.name] = [[pool[li, ti] for ti in range(grp.tensors_per_layer)] for li in range(grp.num_layers)]
         else:
@@ -76,7 +88,7 @@ def host_bytes(caches: dict) -> dict:
             for n, layers in caches.items()}
 
 
-def check_case(layout: KVLayout, dtype: torch.dtype, pooled: bool, device: torch.device, opts: dict,
+def check_case(layout: KVLayout, dtype: torch.dtype, pooled: bool | str, device: torch.device, opts: dict,
                seed: int) -> str | None:
     """One round trip; None if every byte is right, else what was wrong."""
     caches = make_caches(layout, dtype, pooled, device, seed)
@@ -196,11 +208,11 @@ def measure(s, device: torch.device, rounds: int, chunks: int) -> dict[str, tupl
 def bench(device: torch.device, rounds: int, chunks: int) -> list[dict]:
     """DmaEngine store/load against one raw pinned copy of the same bytes."""
     rows = []
-    strategies = ["gather", "direct"] if device.type != "cpu" else ["cpu"]
+    strategies = ["staged"] if device.type != "cpu" else ["cpu"]
     for tensors in ("pooled", "separate"):
         for mib in (1, 4):
             for strat in strategies:
-                opts = {} if strat == "cpu" else {"strategy": strat}
+                opts: dict = {}
                 s = make_setup(mib << 20, chunks, tensors, str(device), **opts)
                 try:
                     for op, (g, b) in measure(s, device, rounds, chunks).items():
@@ -227,15 +239,14 @@ def main() -> int:
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
     failures = 0
     if device.type == "cpu":
-        paths = {"cpu": {}, "torch-gather": {"_torch_path_on_cpu": True},
-                 "torch-gather-1": {"_torch_path_on_cpu": True, "staging_bytes": 1},
-                 "torch-direct": {"_torch_path_on_cpu": True, "strategy": "direct"}}
+        paths = {"cpu": {}, "torch-staged": {"_torch_path_on_cpu": True},
+                 "torch-staged-1": {"_torch_path_on_cpu": True, "staging_bytes": 1}}
     else:
-        paths = {"gather": {}, "gather-1": {"staging_bytes": 1}, "direct": {"strategy": "direct"}}
+        paths = {"staged": {}, "staged-1": {"staging_bytes": 1}}
     print(f"\n{'layout':<7} {'tensors':<9} {'path':<15} result")
     seed = 0
     for name, (layout, dtype) in LAYOUTS.items():
-        for pooled in (True, False):
+        for pooled in (True, False, "unaligned"):
             for pname, opts in paths.items():
                 seed += 1
                 try:
@@ -244,7 +255,7 @@ def main() -> int:
                     err = "exception: " + traceback.format_exc().strip().splitlines()[-1]
                     traceback.print_exc()
                 failures += err is not None
-                kind = "pooled" if pooled else "separate"
+                kind = pooled if isinstance(pooled, str) else "pooled" if pooled else "separate"
                 print(f"{name:<7} {kind:<9} {pname:<15} {'ok' if err is None else 'FAIL ' + err}")
     try:
         err = check_stream_order(device)

@@ -30,7 +30,7 @@ PATHS = {
     "cpu": {},
     "torch-staged": {"_torch_path_on_cpu": True},
     "torch-staged-1": {"_torch_path_on_cpu": True, "staging_bytes": 1},  # one chunk per batch
-    "torch-direct": {"_torch_path_on_cpu": True, "strategy": "direct"},
+    "torch-staged-2": {"_torch_path_on_cpu": True, "staging_bytes": 1},  # two chunks per batch (set below)
 }
 
 # (block ids, slot): full chunks of consecutive blocks into consecutive slots (merged into one
@@ -53,13 +53,26 @@ LOAD = [  # the same slots into other blocks
 ]
 
 
-def make_caches(layout: KVLayout, dtype: torch.dtype, pooled: bool, seed: int = 0):
+def make_caches(layout: KVLayout, dtype: torch.dtype, pooled: bool | str, seed: int = 0):
+    """pooled=True: views of one pool; False: one allocation per tensor; "unaligned": one
+    allocation per tensor, each tensor 0, 1 or 2 elements past its allocation's start (so the
+    accelerator path's span rows are a few bytes, not a block)."""
     g = torch.Generator().manual_seed(seed)
     caches = {}
     for grp in layout.groups:
-        per_block = grp.block_bytes // torch.empty(0, dtype=dtype).element_size()
+        esz = torch.empty(0, dtype=dtype).element_size()
+        per_block = grp.block_bytes // esz
         shape = (grp.num_layers, grp.tensors_per_layer, NUM_BLOCKS, per_block)
-        if pooled:
+        if pooled == "unaligned":
+            caches[grp.name] = []
+            for li in range(grp.num_layers):
+                layer = []
+                for ti in range(grp.tensors_per_layer):
+                    skip = esz * ((li * grp.tensors_per_layer + ti) % 3)
+                    buf = torch.randint(0, 256, (skip + NUM_BLOCKS * grp.block_bytes,), dtype=torch.uint8, generator=g)
+                    layer.append(buf[skip:].view(NUM_BLOCKS, grp.block_bytes).view(dtype))
+                caches[grp.name].append(layer)
+        elif pooled:
             pool = torch.empty(shape[:-1] + (grp.block_bytes,), dtype=torch.uint8)
             pool.copy_(torch.randint(0, 256, pool.shape, dtype=torch.uint8, generator=g))
             pool = pool.view(dtype)
@@ -95,7 +108,7 @@ def expected_slot_pieces(layout, caches, ids):
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-@pytest.mark.parametrize("pooled", [False, True], ids=["separate", "pooled"])
+@pytest.mark.parametrize("pooled", [False, True, "unaligned"], ids=["separate", "pooled", "unaligned"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_round_trip_every_byte(name, pooled, path):
     layout = LAYOUTS[name]
@@ -103,10 +116,15 @@ def test_round_trip_every_byte(name, pooled, path):
     assert KVLayout.from_tensors(caches) == layout
     host = create_host_arena(8, slot_bytes_for(layout.chunk_bytes(BPC)), pin=False)
     host.ndarray()[:] = POISON
-    eng = DmaEngine(layout, caches, host, BPC, **PATHS[path])
+    opts = dict(PATHS[path])
+    if path == "torch-staged-2":
+        opts["staging_bytes"] = 2 * layout.chunk_bytes(BPC)
+    eng = DmaEngine(layout, caches, host, BPC, **opts)
     assert eng.kind == "cpu"
     if path == "cpu":
-        assert (eng._groups[0].rows is not None) == pooled  # the pooled fast path was found
+        assert (eng._groups[0].rows is not None) == (pooled is True)  # the pooled fast path was found
+    elif pooled == "unaligned":
+        assert eng._unit < 8  # rows of a few bytes: the span still reaches every tensor
 
     eng.submit_store(1, STORE)
     assert eng.poll() == [1]
@@ -217,3 +235,35 @@ def test_cpu_path_batches_pooled_groups(monkeypatch):
         for li in range(16):
             for ti in range(2):
                 assert block_bytes_of(caches, "kv", li, ti, 22) == block_bytes_of(caches, "kv", li, ti, 2)
+
+
+def test_cpu_path_one_copy_per_tensor_for_runs_of_chunks(monkeypatch):
+    """Separate tensors: full chunks of consecutive blocks to consecutive slots cost one strided
+    copy per tensor for the whole run, whatever the number of chunks; every byte lands."""
+    layout = KVLayout.flat(5, 128)
+    caches = make_caches(layout, torch.float16, pooled=False, seed=3)
+    with create_host_arena(6, slot_bytes_for(layout.chunk_bytes(BPC)), pin=False) as host:
+        host.ndarray()[:] = POISON
+        eng = DmaEngine(layout, caches, host, BPC)
+        calls = []
+        real_copyto = np.copyto
+        monkeypatch.setattr(np, "copyto", lambda *a, **k: calls.append(1) or real_copyto(*a, **k))
+        eng.submit_store(1, [([8, 9, 10, 11], 1), ([12, 13, 14, 15], 2), ([16, 17, 18, 19], 3)])
+        assert len(calls) == 10  # 5 layers x K,V
+        arena = host.ndarray()
+        for c, slot in enumerate((1, 2, 3)):
+            for off, want in expected_slot_pieces(layout, caches, list(range(8 + 4 * c, 12 + 4 * c))):
+                assert arena[slot, off : off + len(want)].tobytes() == want
+        assert (arena[0] == POISON).all() and (arena[4] == POISON).all()
+        before = snapshot(caches)
+        for layer in caches["kv"]:
+            for t in layer:
+                t.view(torch.uint8).fill_(POISON)
+        eng.submit_load(2, [([20, 21, 22, 23], 1), ([24, 25, 26, 27], 2)])
+        assert len(calls) == 20
+        assert sorted(eng.poll()) == [1, 2]
+        for li in range(5):
+            for ti in range(2):
+                for b in range(NUM_BLOCKS):
+                    want = block_bytes_of(before, "kv", li, ti, b - 12) if 20 <= b < 28 else bytes([POISON]) * 128
+                    assert block_bytes_of(caches, "kv", li, ti, b) == want, (li, ti, b)
