@@ -9,7 +9,7 @@ and the baseline (alternating which goes first); the figures are medians.
 
 The device cache is either one allocation per model with per-layer views (``pooled``, the
 default, as engines that allocate one KV pool do) or one allocation per layer tensor
-(``separate``, as vLLM allocates), which costs one copy call per piece on CPU.
+(``separate``, as vLLM allocates): on CPU one strided copy per tensor per run of chunks.
 
 torch is imported inside functions only: ``kvtiers`` imports without it.
 """
