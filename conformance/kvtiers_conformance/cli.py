@@ -10,6 +10,7 @@ import click
 
 from kvtiers.config import parse_json_option
 
+from .catalog import RULE_LEVELS
 from .limits import DEFAULT_LIMITS
 from .runner import CheckResult, Report, run_conformance
 
@@ -37,17 +38,33 @@ def conformance(tier_type: str, config_json: str | None, config_file: str | None
     if config_json is not None or config_file is not None:
         config = parse_json_option(config_json, config_file)
 
+    shown: list[tuple[int, str]] = []  # (rule, level) groups already printed
+    current: list[Report] = []
+
+    def start(report: Report) -> None:
+        current.append(report)
+        levels = ",".join(sorted(report.levels)) or "none"
+        click.echo(f"kvtiers conformance {report.tier}: levels {levels}, seed {report.seed}")
+
+    def flush(until: tuple[int, str] | None) -> None:
+        """Print the lines of every group before ``until`` (all when ``None``)."""
+        for rl in RULE_LEVELS:
+            if rl == until:
+                return
+            if rl not in shown:
+                shown.append(rl)
+                click.echo(current[0].rule_result(*rl).line())
+
     def progress(r: CheckResult) -> None:
+        flush((r.check.rule, r.check.level))
         if verbose:
             why = f" ({r.why})" if r.why else ""
             click.echo(f"  {r.check.test_name} [{r.check.level}]: {r.status}{why} {r.seconds:.2f}s", err=True)
 
     limits = DEFAULT_LIMITS.replace(examples=examples)
-    report = run_conformance(tier_type, config, levels=levels, seed=seed, limits=limits, on_result=progress)
-    levels = ",".join(sorted(report.levels)) or "none"
-    click.echo(f"kvtiers conformance {report.tier}: levels {levels}, seed {report.seed}")
-    for line in report.rules():
-        click.echo(line.line())
+    report = run_conformance(tier_type, config, levels=levels, seed=seed, limits=limits,
+                             on_start=start, on_result=progress)
+    flush(None)
     click.echo(report.summary())
     if junit_xml:
         write_junit(report, junit_xml)

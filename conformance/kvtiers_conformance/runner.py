@@ -65,21 +65,19 @@ class Report:
 
     def rules(self) -> list[RuleResult]:
         """One :class:`RuleResult` per (rule, level), in report order."""
-        out = []
-        for rule, level in RULE_LEVELS:
-            mine = tuple(r for r in self.results if (r.check.rule, r.check.level) == (rule, level))
-            failed = [r for r in mine if r.status == "FAIL"]
-            passed = [r for r in mine if r.status == "PASS"]
-            if failed:
-                f = failed[0]
-                more = f"; +{len(failed) - 1} more failing check(s)" if len(failed) > 1 else ""
-                out.append(RuleResult(rule, level, "FAIL", f"{f.check.test_name}: {f.why}{more}", mine))
-            elif passed:
-                out.append(RuleResult(rule, level, "PASS", "", mine))
-            else:
-                why = mine[0].why if mine else "not run"
-                out.append(RuleResult(rule, level, "SKIP", why, mine))
-        return out
+        return [self.rule_result(rule, level) for rule, level in RULE_LEVELS]
+
+    def rule_result(self, rule: int, level: str) -> RuleResult:
+        """The report line of ``rule`` at ``level``, from the checks run so far."""
+        mine = tuple(r for r in self.results if (r.check.rule, r.check.level) == (rule, level))
+        failed = [r for r in mine if r.status == "FAIL"]
+        if failed:
+            f = failed[0]
+            more = f"; +{len(failed) - 1} more failing check(s)" if len(failed) > 1 else ""
+            return RuleResult(rule, level, "FAIL", f"{f.check.test_name}: {f.why}{more}", mine)
+        if any(r.status == "PASS" for r in mine):
+            return RuleResult(rule, level, "PASS", "", mine)
+        return RuleResult(rule, level, "SKIP", mine[0].why if mine else "not run", mine)
 
     def status(self, rule: int, level: str = "core") -> str:
         """The status of one report line."""
@@ -153,6 +151,7 @@ def run_conformance(
     limits: Limits = DEFAULT_LIMITS,
     seed: int | None = None,
     on_result: Callable[[CheckResult], None] | None = None,
+    on_start: Callable[[Report], None] | None = None,
 ) -> Report:
     """Run the suite against a tier type and return a :class:`Report`.
 
@@ -160,7 +159,8 @@ def run_conformance(
     them (called once per check); ``None`` uses the tier class's
     ``conformance_config(scratch)``. ``levels`` defaults to the levels the tier claims;
     checks of other levels are reported as SKIP. ``rules`` restricts the run to some rule
-    numbers. ``on_result`` sees each check result as it comes.
+    numbers. ``on_start`` sees the (empty) report before the first check, ``on_result``
+    each check result as it comes.
     """
     info = resolve_tier(tier_type)
     claimed = tier_levels(info.cls)
@@ -179,6 +179,8 @@ def run_conformance(
             with contextlib.suppress(ConformanceFailure):
                 preflight.close_all()
     report = Report(info.name, chosen, seed)
+    if on_start:
+        on_start(report)
     t_start = time.monotonic()
     wanted = set(rules) if rules is not None else None
     for i, c in enumerate(all_checks()):
