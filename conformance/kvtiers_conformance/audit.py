@@ -3,7 +3,8 @@
 Audit hooks cannot be removed, so one hook is installed on first use and does nothing
 unless :func:`watch` is active on the calling thread. It sees what CPython audits:
 ``open``, directory listings, renames and removals, sockets, subprocesses, SQLite
-connections and (3.11+) ``time.sleep``; it does not see ``os.stat``.
+connections and (from Python 3.12) ``time.sleep``; it does not see ``os.stat``. Sleeps and
+I/O it cannot see still show in the timed lookup check.
 """
 
 from __future__ import annotations
