@@ -191,6 +191,7 @@ class ObjTier(AsyncTier):
         self._create_bucket = create_bucket
         self._client: Any = None
         self._client_cm: Any = None
+        self._nixl: Any = None  # kvtiers_obj.nixl_path.NixlObjPath with backend "nixl"
         self._busy: dict[bytes, int] = {}  # key -> loads in flight (loop thread only)
         self._bg: set[asyncio.Task] = set()
         self._cap_lock = threading.Lock()
@@ -244,6 +245,14 @@ class ObjTier(AsyncTier):
         await self._check_namespace()
         if self._lru is not None:
             await self._seed_capacity()
+        if self.backend == "nixl":
+            from .nixl_path import NixlObjPath
+
+            self._nixl = NixlObjPath(
+                bucket=self.bucket, endpoint_url=self.endpoint_url, region=region,
+                credentials=self._creds, addressing_style=self.addressing_style,
+                slot_bytes=self.ctx.arena.slot_bytes, max_concurrency=self.max_concurrency, part_size=self.part_size,
+            )  # fmt: skip
 
     def _translate(self, e: BaseException, what: str) -> Exception:
         """A one-line ConfigError/TierError for an error met while opening."""
@@ -416,7 +425,9 @@ class ObjTier(AsyncTier):
         if found is not None:  # a short or foreign object blocks the write-once PUT
             await self._drop([key], "corrupt")
         trailer = layout.make_trailer(key, data)
-        if len(data) > self.part_size:
+        if self._nixl is not None:
+            await self._nixl.write(name, data, trailer)
+        elif len(data) > self.part_size:
             await self._put_multipart(name, [data, trailer], size)
         else:
             body = self._c.ChunkBody([data, trailer])
@@ -465,7 +476,9 @@ class ObjTier(AsyncTier):
         target = _Target(out)
         self._busy[key] = self._busy.get(key, 0) + 1
         try:
-            if target.n > self.part_size:
+            if self._nixl is not None:
+                found = await self._get_nixl(key, name, target)
+            elif target.n > self.part_size:
                 found = await self._get_ranged(name, target)
             else:
                 found = await self._get_range(name, target, 0, target.size, ranged=False)
@@ -481,6 +494,22 @@ class ObjTier(AsyncTier):
             if n:
                 self._busy[key] = n
         await self._record(key, target.size)
+        return True
+
+    async def _get_nixl(self, key: bytes, name: str, target: _Target) -> bool:
+        """Load through NIXL; a failed transfer is classified by a HEAD (missing -> ``False``,
+        wrong size -> corrupt, else the error stands)."""
+        from .nixl_path import TransferFailed
+
+        try:
+            target.trailer[:] = await self._nixl.read(name, target.out)
+        except TransferFailed:
+            size = await self._head_size(name)
+            if size is None:
+                return False
+            if size != target.size:
+                raise layout.CorruptObject(f"object is {size} bytes, expected {target.size}") from None
+            raise
         return True
 
     async def _get_range(self, name: str, target: _Target, lo: int, hi: int, ranged: bool = True) -> bool:
@@ -544,6 +573,9 @@ class ObjTier(AsyncTier):
     async def _close_client(self) -> None:
         if self._bg:
             await asyncio.wait(list(self._bg), timeout=10)
+        nixl, self._nixl = self._nixl, None
+        if nixl is not None:
+            await nixl.aclose()
         cm, self._client_cm, self._client = self._client_cm, None, None
         if cm is not None:
             await cm.__aexit__(None, None, None)
