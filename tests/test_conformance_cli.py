@@ -54,15 +54,15 @@ def test_memory_passes_core_and_bounded_within_a_minute(tmp_path: pathlib.Path) 
 
 def test_broken_tier_fails_with_exit_1_and_junit_failure(tmp_path: pathlib.Path) -> None:
     junit = tmp_path / "report.xml"
-    p = run("broken_tiers:NonIdempotentTier", "--config", "{}", "--level", "core", "--examples", "10",
+    p = run("broken_tiers:WrongErrorTier", "--config", "{}", "--level", "core", "--examples", "10",
             "--junit-xml", str(junit))
     assert p.returncode == 1, p.stdout + p.stderr
-    assert re.search(r"^rule 7 idempotent-stores \[core\]: FAIL \(test_rule07_idempotent_stores: rule 7: ",
+    assert re.search(r"^rule 8 non-blocking-submit \[core\]: FAIL \(test_rule08_caller_errors: rule 8: .*RuntimeError",
                      p.stdout, re.M), p.stdout
     assert lines(p.stdout)[1, "core"] == "PASS"
     assert "summary: FAILED:" in p.stdout
     failures = [c.get("name") for c in ET.parse(junit).getroot().iter("testcase") if c.find("failure") is not None]
-    assert "test_rule07_idempotent_stores" in failures
+    assert failures == ["test_rule08_caller_errors"]
 
 
 def test_level_runs_unclaimed_levels() -> None:
