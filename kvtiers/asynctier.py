@@ -26,13 +26,16 @@ class AsyncTier:
     Subclasses call ``super().__init__(ctx)`` and may set ``max_concurrency`` (coroutines in
     flight per tier), ``op_timeout`` (seconds one ``put``/``get_into``/``exists`` may take
     before its key fails) and ``negative_ttl`` (seconds a ``MISS`` is remembered) from their
-    own options. ``put`` and ``get_into`` must stop touching their buffer once cancelled.
+    own options; ``probe_timeout`` bounds a lookup probe (an ``exists`` that errs or takes
+    longer answers ``MISS``, so ``RETRY`` always resolves). ``put`` and ``get_into`` must
+    stop touching their buffer once cancelled.
     """
 
     levels = frozenset({"core"})
     max_concurrency: int = 16
     op_timeout: float = 30.0
     negative_ttl: float = 1.0
+    probe_timeout: float = 3.0
     close_timeout: float = 60.0
 
     def __init__(self, ctx: TierContext) -> None:
@@ -42,6 +45,7 @@ class AsyncTier:
         self._present: set[bytes] = set()
         self._absent: dict[bytes, float] = {}  # key -> when the MISS expires
         self._probing: set[bytes] = set()
+        self._unanswered: set[bytes] = set()  # probed MISSes not yet answered (negative_ttl 0)
         self._finished: deque[JobResult] = deque()
         self._tasks: set[asyncio.Task] = set()  # touched on the loop thread only
         self._cancelling = False
@@ -95,7 +99,8 @@ class AsyncTier:
                     out.append(Lookup.HIT)
                     continue
                 expiry = self._absent.get(k)
-                if expiry is not None and expiry > now:
+                if expiry is not None and (expiry > now or k in self._unanswered):
+                    self._unanswered.discard(k)  # a probe's MISS is answered at least once
                     out.append(Lookup.MISS)
                     continue
                 if k not in self._probing:
@@ -110,19 +115,25 @@ class AsyncTier:
         asyncio.ensure_future(self._probe(keys))
 
     async def _probe(self, keys: list[bytes]) -> None:
+        async def ask(k: bytes) -> bool:
+            async with self._semaphore():
+                return await self.exists(k)
+
         async def one(k: bytes) -> None:
             try:
-                async with self._semaphore():
-                    found = await asyncio.wait_for(self.exists(k), self.op_timeout)
+                found = bool(await asyncio.wait_for(ask(k), self.probe_timeout))
             except Exception:
-                found = None  # unknown: ask again next time
+                # A backend that errs or hangs must not keep the key at RETRY (rule 1):
+                # answer MISS (the engine recomputes) and ask again after negative_ttl.
+                found = False
             with self._lock:
                 self._probing.discard(k)
                 if found:
                     self._present.add(k)
                     self._absent.pop(k, None)
-                elif found is False:
+                else:
                     self._absent[k] = time.monotonic() + self.negative_ttl
+                    self._unanswered.add(k)
 
         await asyncio.gather(*(one(k) for k in keys))
 

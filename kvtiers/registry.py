@@ -88,6 +88,7 @@ class Registry:
         self.pm.add_hookspecs(RegistrationSpec)
         self._tiers: dict[str, TierInfo] = {}
         self._policies: dict[str, Any] = {}
+        self._by_path: dict[str, TierInfo] = {}  # import path -> resolved tier
         self.errors: dict[str, str] = {}  # plugin name -> why it failed to load
         self._dists: dict[str, tuple[str, str]] = {}
         self._load(group)
@@ -139,7 +140,10 @@ class Registry:
         if type_name in self._tiers:
             return self._tiers[type_name]
         if ":" in type_name:
-            return self._import_path(type_name)
+            info = self._by_path.get(type_name)
+            if info is None:  # resolved once: finding the distribution scans every installed one
+                info = self._by_path[type_name] = self._import_path(type_name)
+            return info
         known = ", ".join(sorted(self._tiers)) or "none installed"
         raise ConfigError(f"unknown tier type {type_name!r} (registered: {known}; or use 'pkg.module:Class')")
 

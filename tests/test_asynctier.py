@@ -245,17 +245,39 @@ def test_forget_drops_cached_answers(tier: DictTier, ctx: TierContext) -> None:
     assert settle(tier, [b"k"]) == [Lookup.MISS]
 
 
-def test_failing_exists_keeps_answering_retry_until_it_recovers(ctx: TierContext) -> None:
+def test_failing_exists_answers_miss_then_hit_after_recovery(ctx: TierContext) -> None:
+    # Rule 1: RETRY resolves within 5 s even when the backend errs; a failing probe is a
+    # MISS (the engine recomputes), never a HIT, and is asked again after negative_ttl.
     tier = DictTier(ctx, backend={b"k": b"z" * SLOT})
+    tier.negative_ttl = 0.05
     tier.exists_fault = raising(ConnectionError("server down"))
     try:
-        deadline = time.monotonic() + 10
-        while tier.exists_calls < 3:  # asked again and again, never a wrong MISS
-            assert tier.lookup([b"k"]) == [Lookup.RETRY]
-            assert time.monotonic() < deadline
-            time.sleep(0.002)
+        assert settle(tier, [b"k"], timeout=5.0) == [Lookup.MISS]
         tier.exists_fault = None
-        assert settle(tier, [b"k"]) == [Lookup.HIT]
+        deadline = time.monotonic() + 5.0
+        while tier.lookup([b"k"]) != [Lookup.HIT]:  # MISS until negative_ttl passes, then a probe
+            assert time.monotonic() < deadline, "never HIT after the backend recovered"
+            time.sleep(0.005)
+    finally:
+        tier.close()
+
+
+def test_hanging_exists_answers_miss_within_probe_timeout(ctx: TierContext) -> None:
+    tier = DictTier(ctx, backend={b"k": b"z" * SLOT})
+    tier.probe_timeout = 0.2
+    tier.exists_fault = sleeping(60)
+    try:
+        assert settle(tier, [b"k"], timeout=5.0) == [Lookup.MISS]
+    finally:
+        tier.exists_fault = None
+        tier.close()
+
+
+def test_zero_negative_ttl_still_answers_miss(ctx: TierContext) -> None:
+    tier = DictTier(ctx)
+    tier.negative_ttl = 0.0
+    try:
+        assert settle(tier, [b"absent"], timeout=5.0) == [Lookup.MISS]
     finally:
         tier.close()
 
