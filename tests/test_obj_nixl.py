@@ -65,7 +65,7 @@ def test_each_backend_reads_what_the_other_wrote(s3_server, slot_bytes, part_siz
     "damage,why",
     [
         (lambda b: b[:100] + bytes([b[100] ^ 1]) + b[101:], "checksum"),
-        (lambda b: b[:-1000], "bytes"),  # ends inside the payload: the trailer GET fails
+        (lambda b: b[:-1000], "magic|bytes"),  # ends inside the payload: the trailer is pattern
         (lambda b: b[:-10], "checksum|another key|magic|bytes"),  # a torn trailer
         (lambda b: b + b"extra", "longer"),
         (lambda b: b + b"\0" * 100, "longer"),

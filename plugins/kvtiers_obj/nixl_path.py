@@ -22,9 +22,9 @@ How the bytes move (what NIXL's OBJ plugin allows, nixl-cu12 1.5.1):
   trailer written after it, and ``payload || trailer`` PUT. There is no conditional PUT:
   write-once is the tier's HEAD before the PUT; two writers racing on one key both write a
   complete, valid object of that key (the last one stays).
-* **Load**: one transfer of ranged GETs into staging: the payload in ``part_size`` pieces
-  (fetched in parallel) and ``[N, N+64)``, the trailer plus 32 bytes preset to a fresh
-  random pattern. A longer object overwrites the pattern (found unless its extra bytes
+* **Load**: one transfer of ranged GETs of ``[0, N+64)`` into staging, in ``part_size``
+  pieces fetched in parallel (one GET up to ``part_size``): payload, trailer, and 32 bytes
+  preset to a fresh random pattern. A longer object overwrites the pattern (found unless its extra bytes
   happen to equal it); a shorter one leaves the trailer torn or fails the ranged GET. The
   trailer is then checked exactly as on the aiobotocore path and the payload copied into
   the slot.
@@ -123,6 +123,9 @@ class NixlObjPath:
         self.slot_bytes = slot_bytes
         self.name = f"kvtiers-obj-{uuid.uuid4().hex[:12]}"
         params = {"bucket": bucket, "region": region, "req_checksum": "required"}
+        # the plugin's SDK thread pool defaults to half the cores (one here): one thread per
+        # operation the tier runs at once, or NIXL serialises them
+        params["num_threads"] = str(max_concurrency)
         if endpoint_url:
             params["endpoint_override"] = endpoint_url
             params["scheme"] = urlsplit(endpoint_url).scheme or "https"
@@ -261,7 +264,7 @@ class NixlObjPath:
             pattern = os.urandom(SCRATCH)
             view[n:] = pattern
             pieces = [(a, min(a + self.part_size, n) - a) for a in range(0, n, self.part_size)]
-            pieces.append((n, SCRATCH))
+            pieces[-1] = (pieces[-1][0], n + SCRATCH - pieces[-1][0])  # the tail rides with the last
             await self._run("READ", name, n + SCRATCH, pieces, lease)
             if view[n + layout.TRAILER_BYTES :] != pattern[layout.TRAILER_BYTES :]:
                 raise layout.CorruptObject(f"object is longer than {n + layout.TRAILER_BYTES} bytes")
