@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)" -e ".[obj,test]" -e ./examples/kvtiers-sqlite
+	$(BIN)/pip install -q "$(TORCH)" -e ".[obj,test,nixl]" -e ./examples/kvtiers-sqlite
 	touch $(STAMP)
 
 venv: $(STAMP)
