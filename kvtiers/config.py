@@ -64,7 +64,6 @@ class Config:
     shared_memory: str | None = None
     elastic: bool = False
     elastic_reserve_bytes: int = 1 << 30
-    kv_events: dict[str, Any] | None = None
     tiers: tuple[TierConfig, ...] = ()
     ignored: tuple[str, ...] = ()
 
@@ -99,7 +98,6 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "shared_memory": (lambda v: v is None or (isinstance(v, str) and v != ""), "a shared-memory name or null"),
     "elastic": (lambda v: isinstance(v, bool), "true or false"),
     "elastic_reserve_bytes": (lambda v: _int(v) and v >= 0, "an int >= 0 (bytes)"),
-    "kv_events": (lambda v: v is None or isinstance(v, dict), "an object or null"),
     "tiers": (lambda v: isinstance(v, list), "a list of tier objects"),
 }
 
