@@ -3,6 +3,7 @@ per rule and level, then a summary; exit 1 on any FAIL."""
 
 from __future__ import annotations
 
+import os
 import sys
 import xml.etree.ElementTree as ET
 
@@ -12,7 +13,7 @@ from kvtiers.config import parse_json_option
 
 from .catalog import RULE_LEVELS
 from .limits import DEFAULT_LIMITS
-from .runner import CheckResult, Report, run_conformance
+from .runner import CheckResult, Report, run_conformance, stuck_checks
 
 
 @click.command(name="conformance")
@@ -26,9 +27,12 @@ from .runner import CheckResult, Report, run_conformance
 @click.option("--seed", type=int, help="Seed of the random choices and the stateful test (printed in the summary).")
 @click.option("--examples", type=click.IntRange(1), default=DEFAULT_LIMITS.examples, show_default=True,
               help="Examples of the Hypothesis stateful test.")
+@click.option("--check-timeout", type=click.FloatRange(min=1), default=DEFAULT_LIMITS.check_s, show_default=True,
+              help="Seconds one check may run before it FAILs as hung (the run goes on).")
 @click.option("-v", "--verbose", is_flag=True, help="Also print one line per check.")
 def conformance(tier_type: str, config_json: str | None, config_file: str | None, levels: str | None,
-                junit_xml: str | None, seed: int | None, examples: int, verbose: bool) -> None:
+                junit_xml: str | None, seed: int | None, examples: int, check_timeout: float,
+                verbose: bool) -> None:
     """Run the conformance suite against tier TYPE (a registered name or pkg.module:Class).
 
     Without --config the tier's conformance_config(scratch) gives the options, in a scratch
@@ -61,13 +65,17 @@ def conformance(tier_type: str, config_json: str | None, config_file: str | None
             why = f" ({r.why})" if r.why else ""
             click.echo(f"  {r.check.test_name} [{r.check.level}]: {r.status}{why} {r.seconds:.2f}s", err=True)
 
-    limits = DEFAULT_LIMITS.replace(examples=examples)
+    limits = DEFAULT_LIMITS.replace(examples=examples, check_s=check_timeout)
     report = run_conformance(tier_type, config, levels=levels, seed=seed, limits=limits,
                              on_start=start, on_result=progress)
     flush(None)
     click.echo(report.summary())
     if junit_xml:
         write_junit(report, junit_xml)
+    if stuck_checks():  # a tier thread that never returns must not keep the process alive
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     if report.failed:
         sys.exit(1)
 

@@ -36,6 +36,7 @@ class Limits:
     crash_slot_bytes: int = 256 * 1024  #: rule 10: bigger slots widen the torn-write window
     async_op_timeout: float = 1.0  #: AsyncTier fault injection: op_timeout set on the instance
     close_grace_s: float = 2.0  #: rule 9: time allowed for a closed tier's threads to end
+    check_s: float = 600.0  #: watchdog: a check still running after this FAILs (a hook blocked)
 
     def replace(self, **changes: object) -> Limits:
         """A copy with ``changes`` applied."""

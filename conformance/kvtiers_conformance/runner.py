@@ -8,6 +8,7 @@ import pathlib
 import random
 import shutil
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -108,19 +109,56 @@ def parse_levels(text: str | Iterable[str] | None) -> frozenset[str] | None:
     return frozenset(items)
 
 
+class CheckStuck(Exception):
+    """A check outlived ``Limits.check_s``: some hook of the tier never returned."""
+
+
 def run_check(check: Check, harness: Harness) -> CheckResult:
-    """Run one check on ``harness`` (closing what it opened) and classify the outcome."""
+    """Run one check on ``harness`` (closing what it opened) and classify the outcome.
+
+    The check runs on a watchdog thread: if it is still running after
+    ``harness.limits.check_s`` it FAILs, and the run goes on (the stuck thread is left
+    behind as a daemon; :func:`stuck_checks` tells the CLI to exit without waiting for it).
+    """
     t0 = time.monotonic()
-    try:
-        run_closing(check, harness)
-    except CheckSkipped as e:
-        return CheckResult(check, "SKIP", str(e), time.monotonic() - t0)
-    except ConformanceFailure as e:
-        return CheckResult(check, "FAIL", _one_line(str(e)), time.monotonic() - t0, traceback.format_exc())
-    except Exception as e:  # a hook raising outside the harness's guards, or a broken open
-        why = _one_line(f"{type(e).__name__}: {e}")
-        return CheckResult(check, "FAIL", why, time.monotonic() - t0, traceback.format_exc())
-    return CheckResult(check, "PASS", "", time.monotonic() - t0)
+    outcome: list[BaseException | None] = []
+    tb: list[str] = []
+
+    def body() -> None:
+        try:
+            run_closing(check, harness)
+            outcome.append(None)
+        except BaseException as e:  # handed to the caller's thread below
+            tb.append(traceback.format_exc())
+            outcome.append(e)
+
+    worker = threading.Thread(target=body, name=f"kvtiers-conformance:{check.test_name}", daemon=True)
+    worker.start()
+    worker.join(harness.limits.check_s)
+    if worker.is_alive():
+        _stuck.append(check.test_name)
+        why = (f"did not finish within {harness.limits.check_s:g} s: a hook of the tier never "
+               f"returned (nothing may hang: rules 1, 5, 8 and 9)")
+        return CheckResult(check, "FAIL", why, time.monotonic() - t0)
+    err = outcome[0] if outcome else None
+    if err is None:
+        return CheckResult(check, "PASS", "", time.monotonic() - t0)
+    if isinstance(err, CheckSkipped):
+        return CheckResult(check, "SKIP", str(err), time.monotonic() - t0)
+    if isinstance(err, ConformanceFailure):
+        return CheckResult(check, "FAIL", _one_line(str(err)), time.monotonic() - t0, tb[0])
+    if isinstance(err, Exception):  # a hook raising outside the harness's guards, or a broken open
+        why = _one_line(f"{type(err).__name__}: {err}")
+        return CheckResult(check, "FAIL", why, time.monotonic() - t0, tb[0])
+    raise err  # KeyboardInterrupt and the like stop the run
+
+
+_stuck: list[str] = []
+
+
+def stuck_checks() -> list[str]:
+    """Names of checks abandoned by the watchdog in this process."""
+    return list(_stuck)
 
 
 def run_closing(check: Check, harness: Harness) -> None:
