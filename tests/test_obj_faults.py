@@ -35,10 +35,10 @@ def test_paused_server_fails_jobs_in_bounded_time_then_recovers(fault_server):
         t0 = time.monotonic()
         h.submit_store(Job(2, (b"k1",), (1,)))
         h.submit_load(Job(3, (b"k0",), (2,)))
-        assert time.monotonic() - t0 < 0.5  # submits never block
+        assert time.monotonic() - t0 < 2.0  # submits never block (the server would hold them for seconds)
         t1 = time.monotonic()
         ans = h.lookup([b"unknown"])
-        assert time.monotonic() - t1 < 0.5 and ans == [Lookup.RETRY]
+        assert time.monotonic() - t1 < 2.0 and ans == [Lookup.RETRY]
         got = wait_jobs(h, [2, 3], timeout=30)
         assert got[2].failed_keys == (b"k1",) and got[3].failed_keys == (b"k0",)
         assert time.monotonic() - t0 < 20
