@@ -17,6 +17,7 @@ torch is imported inside functions only: ``kvtiers`` imports without it.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ import click
 MiB = 1 << 20
 LAYERS = 32
 PIECES = LAYERS * 2
+SAMPLE_S = 0.02  # seconds one timed sample of the baseline lasts at least
 
 
 @dataclass
@@ -75,7 +77,8 @@ def make_setup(chunk_bytes: int, chunks: int, tensors: str = "pooled", device: s
     else:
         caches = {"kv": [[torch.randint(0, 256, (nblocks, block_bytes), dtype=torch.uint8, generator=gen).to(dev)
                           for _ in range(2)] for _ in range(LAYERS)]}
-        pool_flat = torch.empty(chunks * chunk_bytes, dtype=torch.uint8, device=dev)  # same bytes, one buffer
+        # the same number of bytes in one buffer, filled: untouched pages would read as the zero page
+        pool_flat = torch.randint(0, 256, (chunks * chunk_bytes,), dtype=torch.uint8, generator=gen).to(dev)
     host = create_host_arena(chunks, slot_bytes_for(layout.chunk_bytes(bpc)))
     engine = DmaEngine(layout, caches, host, bpc, **engine_options)
     if dev.type == "cpu":
@@ -130,14 +133,23 @@ def measure(s: Setup, rounds: int) -> list[dict[str, Any]]:
     """Interleaved rounds (plus one warm-up) of ours vs the baseline; medians."""
     total = s.chunks * s.chunk_bytes
     timers = _timers(s)
+    # One transfer of a few MiB takes ~1 ms, shorter than the scheduling noise of a busy
+    # machine: each sample repeats the same transfer (same bytes, same buffers) `reps`
+    # times, enough for the baseline to run >= SAMPLE_S; ours and the baseline alike.
+    _, probe = timers["store"]
+    probe()
+    t0 = time.perf_counter()
+    probe()
+    reps = max(1, math.ceil(SAMPLE_S / max(time.perf_counter() - t0, 1e-6)))
     times: dict[str, tuple[list[float], list[float]]] = {op: ([], []) for op in timers}
     for r in range(rounds + 1):
         for op, (ours, base) in timers.items():
             order = [(0, ours), (1, base)] if r % 2 else [(1, base), (0, ours)]
             for which, fn in order:
                 t0 = time.perf_counter()
-                fn()
-                dt = time.perf_counter() - t0
+                for _ in range(reps):
+                    fn()
+                dt = (time.perf_counter() - t0) / reps
                 if r:  # round 0 warms up
                     times[op][which].append(dt)
     out = []
@@ -147,7 +159,7 @@ def measure(s: Setup, rounds: int) -> list[dict[str, Any]]:
         out.append({
             "op": op, "chunk_bytes": s.chunk_bytes, "gbps": round(gbps, 3), "baseline_gbps": round(bgbps, 3),
             "ratio": round(gbps / bgbps, 3), "tensors": s.tensors, "chunks": s.chunks, "bytes": total,
-            "rounds": rounds, "device": str(s.device),
+            "rounds": rounds, "reps": reps, "device": str(s.device),
             "baseline": "np.copyto" if s.device.type == "cpu" else "torch copy_ (pinned, non_blocking) + sync",
         })
     return out

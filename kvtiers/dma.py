@@ -25,10 +25,12 @@ per tensor per run of blocks, or one gather per tensor when the blocks are scatt
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import math
 import operator
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -109,6 +111,14 @@ def _uniform_view(rows: np.ndarray, row_off: np.ndarray, num_blocks: int) -> np.
                                            strides=(step * bb, bb, 1), writeable=True)
 
 
+PARALLEL_MIN_BYTES = 4 << 20  # CPU: transfers at least this large use two threads
+
+
+def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in pairs:
+        np.copyto(dst, src)
+
+
 def _is_run(ids: np.ndarray) -> bool:
     return len(ids) > 0 and int(ids[-1]) - int(ids[0]) == len(ids) - 1 and bool(np.all(np.diff(ids) == 1))
 
@@ -144,6 +154,7 @@ class DmaEngine:
         blocks_per_chunk: int,
         *,
         staging_bytes: int = 64 << 20,
+        cpu_threads: int | None = None,
         _torch_path_on_cpu: bool = False,
     ) -> None:
         import torch
@@ -195,6 +206,9 @@ class DmaEngine:
         self._pending: dict[int, Any] = {}  # transfer id -> event (accelerator)
         self._done: list[int] = []  # finished, not yet polled
         self._closed = False
+        # CPU copies of large transfers are split over this many threads (caller included)
+        self._cpu_threads = max(1, cpu_threads if cpu_threads is not None else min(2, os.cpu_count() or 1))
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         if self._cpu:
             self._arena_np = host.ndarray()
             for grp in self._groups:
@@ -292,6 +306,9 @@ class DmaEngine:
             events = list(self._pending.values())
         for ev in events:
             ev.synchronize()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     # --- validation ------------------------------------------------------------------------
     def _check(self, transfer_id: int, chunks: Chunks, load: bool) -> tuple[int, list[tuple[np.ndarray, int]]]:
@@ -365,22 +382,48 @@ class DmaEngine:
         bpc = self.blocks_per_chunk
         slots = self._arena_np[slot : slot + k]
         end = first + k * bpc
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []  # (dst, src)
         for grp in self._groups:
             lt, bb = grp.num_tensors, grp.block_bytes
             region = slots[:, grp.offset : grp.offset + lt * bpc * bb].reshape(k, lt, bpc, bb)
             if grp.np_pool3 is not None:
                 dev = grp.np_pool3[:, first:end].reshape(lt, k, bpc, bb).transpose(1, 0, 2, 3)
-                if load:
-                    np.copyto(dev, region)
-                else:
-                    np.copyto(region, dev)
+                pairs.append((dev, region) if load else (region, dev))
                 continue
             for t, tensor in enumerate(grp.np_tensors):
                 dev = tensor[first:end].reshape(k, bpc, bb)
-                if load:
-                    np.copyto(dev, region[:, t])
-                else:
-                    np.copyto(region[:, t], dev)
+                pairs.append((dev, region[:, t]) if load else (region[:, t], dev))
+        self._copy_pairs(pairs)
+
+    def _copy_pairs(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Copy ``src`` into ``dst`` for each pair; a large batch is split in two halves by
+        bytes, one on a helper thread (numpy releases the GIL while it copies): one core
+        cannot saturate memory bandwidth, and small pieces cannot use the non-temporal stores
+        glibc uses for one big copy."""
+        total = sum(d.nbytes for d, _ in pairs)
+        if self._cpu_threads < 2 or total < PARALLEL_MIN_BYTES:
+            _copy_all(pairs)
+            return
+        if len(pairs) == 1:  # one big strided copy: split it along its first axis
+            d, src = pairs[0]
+            if d.shape[0] < 2:
+                np.copyto(d, src)
+                return
+            h = d.shape[0] // 2
+            pairs = [(d[:h], src[:h]), (d[h:], src[h:])]
+        acc, cut = 0, len(pairs) - 1
+        for i, (d, _) in enumerate(pairs):
+            acc += d.nbytes
+            if 2 * acc >= total:
+                cut = i + 1
+                break
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self._cpu_threads - 1, thread_name_prefix="kvtiers-dma")
+        fut = self._pool.submit(_copy_all, pairs[cut:])
+        try:
+            _copy_all(pairs[:cut])
+        finally:
+            fut.result()
 
     def _cpu_chunk(self, ids: np.ndarray, slot: int, load: bool) -> None:
         n = len(ids)

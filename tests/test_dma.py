@@ -267,3 +267,44 @@ def test_cpu_path_one_copy_per_tensor_for_runs_of_chunks(monkeypatch):
                 for b in range(NUM_BLOCKS):
                     want = block_bytes_of(before, "kv", li, ti, b - 12) if 20 <= b < 28 else bytes([POISON]) * 128
                     assert block_bytes_of(caches, "kv", li, ti, b) == want, (li, ti, b)
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["separate", "pooled"])
+def test_cpu_path_splits_large_runs_over_two_threads(monkeypatch, pooled):
+    """Runs of chunks above PARALLEL_MIN_BYTES are copied half on the caller's thread, half on a
+    helper thread; every byte still lands, and close() ends the helper thread."""
+    import threading
+
+    import kvtiers.dma as dma
+
+    monkeypatch.setattr(dma, "PARALLEL_MIN_BYTES", 1)  # the split, on test-sized data
+    layout = KVLayout.flat(4, 256)
+    caches = make_caches(layout, torch.float16, pooled=pooled, seed=5)
+    with create_host_arena(6, slot_bytes_for(layout.chunk_bytes(BPC)), pin=False) as host:
+        host.ndarray()[:] = POISON
+        eng = DmaEngine(layout, caches, host, BPC, cpu_threads=2)
+        threads = set()
+        real_copyto = np.copyto
+        monkeypatch.setattr(np, "copyto", lambda *a, **k: threads.add(threading.current_thread().name)
+                            or real_copyto(*a, **k))
+        plan = [([4 * c + b for b in range(BPC)], c + 1) for c in range(4)]  # 4 chunks -> slots 1..4
+        eng.submit_store(1, plan)
+        assert len(threads) == 2 and any(n.startswith("kvtiers-dma") for n in threads)
+        arena = host.ndarray()
+        for ids, slot in plan:
+            for off, want in expected_slot_pieces(layout, caches, ids):
+                assert arena[slot, off : off + len(want)].tobytes() == want, (slot, off)
+        assert (arena[0] == POISON).all() and (arena[5] == POISON).all()
+        before = snapshot(caches)
+        for layer in caches["kv"]:
+            for t in layer:
+                t.view(torch.uint8).fill_(POISON)
+        eng.submit_load(2, [([20 + 4 * c + b for b in range(BPC)], c + 1) for c in range(4)])
+        assert sorted(eng.poll()) == [1, 2]
+        for li in range(4):
+            for ti in range(2):
+                for b in range(NUM_BLOCKS):
+                    want = block_bytes_of(before, "kv", li, ti, b - 20) if 20 <= b < 36 else bytes([POISON]) * 256
+                    assert block_bytes_of(caches, "kv", li, ti, b) == want, (li, ti, b)
+        eng.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvtiers-dma")]
