@@ -9,7 +9,7 @@ from .asynctier import AsyncTier
 from .errors import ConfigError, TierError
 from .hookspecs import hookimpl, hookspec
 from .registry import TierHandle, TierInfo, get_registry, open_tier
-from .types import Arena, Job, JobResult, Lookup, Namespace, TierContext
+from .types import Arena, Job, JobResult, Lookup, Namespace, TierContext, accept_job
 
 __version__ = "0.1.0"
 
@@ -48,6 +48,7 @@ __all__ = [
     "TierError",
     "TierHandle",
     "TierInfo",
+    "accept_job",
     "get_registry",
     "hookimpl",
     "hookspec",

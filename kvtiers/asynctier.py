@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from .hookspecs import hookimpl
-from .types import Job, JobResult, Lookup, TierContext, check_keys
+from .types import Job, JobResult, Lookup, TierContext, accept_job, check_keys, drain
 
 
 class AsyncTier:
@@ -143,11 +143,7 @@ class AsyncTier:
         return self._sem
 
     def _submit(self, job: Job, store: bool) -> None:
-        if not isinstance(job, Job):
-            raise TypeError(f"expected a kvtiers.Job, got {type(job).__name__}")
-        if self._closed:
-            raise ValueError(f"job {job.job_id}: tier is closed")
-        self.ctx.arena.check_job(job)
+        accept_job(job, self.ctx.arena, closed=self._closed)
         t0 = time.perf_counter()
         with self._lock:
             self._inflight += 1
@@ -224,10 +220,7 @@ class AsyncTier:
 
     @hookimpl
     def get_finished_jobs(self) -> list[JobResult]:
-        out = []
-        while self._finished:
-            out.append(self._finished.popleft())
-        return out
+        return drain(self._finished)
 
     @hookimpl
     def backlog(self) -> int:

@@ -13,7 +13,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from .hookspecs import hookimpl
-from .types import Job, JobResult, Lookup, TierContext, check_keys
+from .types import Job, JobResult, Lookup, TierContext, accept_job, check_keys, drain
 
 
 class MemoryTier:
@@ -37,11 +37,7 @@ class MemoryTier:
         return {}
 
     def _check(self, job: Job) -> None:
-        if not isinstance(job, Job):
-            raise TypeError(f"expected a kvtiers.Job, got {type(job).__name__}")
-        if self._closed:
-            raise ValueError(f"job {job.job_id}: tier is closed")
-        self.ctx.arena.check_job(job)
+        accept_job(job, self.ctx.arena, closed=self._closed)
 
     @hookimpl
     def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
@@ -97,10 +93,7 @@ class MemoryTier:
 
     @hookimpl
     def get_finished_jobs(self) -> list[JobResult]:
-        out = []
-        while self._finished:
-            out.append(self._finished.popleft())
-        return out
+        return drain(self._finished)
 
     @hookimpl
     def touch(self, keys: Sequence[bytes]) -> None:

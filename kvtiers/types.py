@@ -12,6 +12,7 @@ import json
 import mmap
 import operator
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -226,6 +227,28 @@ class Namespace:
                 f"(stored digest {doc.get('digest')!r}, fields {doc.get('fields')!r}; "
                 f"expected {self.fields!r})"
             )
+
+
+def accept_job(job: object, arena: Arena, *, closed: bool = False) -> Job:
+    """The caller-error checks of a submit (rule 8): ``job`` is a :class:`Job`, the tier is
+    not ``closed``, and every slot is inside ``arena``. Raises ``TypeError``, ``ValueError``
+    or ``IndexError`` naming the fault; returns ``job``."""
+    if not isinstance(job, Job):
+        raise TypeError(f"expected a kvtiers.Job, got {type(job).__name__}")
+    if closed:
+        raise ValueError(f"job {job.job_id}: tier is closed")
+    arena.check_job(job)
+    return job
+
+
+def drain(results: deque) -> list:
+    """Pop everything from a deque of results, oldest first (for ``get_finished_jobs``);
+    safe against appends from other threads while it runs."""
+    out = []
+    pop = results.popleft
+    while results:
+        out.append(pop())
+    return out
 
 
 RemovedSink = Callable[[Sequence[bytes], str], None]

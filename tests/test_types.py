@@ -326,3 +326,22 @@ def test_tiercontext_keeps_a_falsy_callable_sink() -> None:
     sink = Sink()
     TierContext(Arena.allocate(1, 4096), removed=sink).removed([b"k"], "corrupt")
     assert sink == [((b"k",), "corrupt")]
+
+
+def test_accept_job_names_each_caller_error() -> None:
+    from collections import deque
+
+    from kvtiers import accept_job
+    from kvtiers.types import drain
+
+    arena = Arena.allocate(2, 4096)
+    job = Job(7, (b"a",), (1,))
+    assert accept_job(job, arena) is job
+    with pytest.raises(TypeError, match="expected a kvtiers.Job, got tuple"):
+        accept_job((7, (b"a",), (1,)), arena)
+    with pytest.raises(ValueError, match="job 7: tier is closed"):
+        accept_job(job, arena, closed=True)
+    with pytest.raises(IndexError, match="job 8: slot 2 out of range"):
+        accept_job(Job(8, (b"a", b"b"), (0, 2)), arena)
+    d = deque([1, 2, 3])
+    assert drain(d) == [1, 2, 3] and not d and drain(d) == []

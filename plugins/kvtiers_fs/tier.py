@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from kvtiers import Job, JobResult, Lookup, TierContext, hookimpl
-from kvtiers.types import check_keys
+from kvtiers.types import accept_job, check_keys, drain
 
 from . import direct as _direct
 from . import layout
@@ -196,11 +196,7 @@ class FsTier:
         return out
 
     def _accept(self, job: Job) -> _JobState:
-        if not isinstance(job, Job):
-            raise TypeError(f"expected a kvtiers.Job, got {type(job).__name__}")
-        if self._closed:
-            raise ValueError(f"job {job.job_id}: fs tier is closed")
-        self.arena.check_job(job)
+        accept_job(job, self.arena, closed=self._closed)
         js = _JobState(job.job_id, len(job.keys), time.perf_counter())
         with self._lock:
             self._pending += 1
@@ -224,11 +220,7 @@ class FsTier:
 
     @hookimpl
     def get_finished_jobs(self) -> list[JobResult]:
-        out = []
-        pop = self._finished.popleft
-        while self._finished:
-            out.append(pop())
-        return out
+        return drain(self._finished)
 
     @hookimpl
     def touch(self, keys: Sequence[bytes]) -> None:
