@@ -7,20 +7,12 @@ import os
 import threading
 import time
 
-import pytest
 from kvtiers_fs import layout
 from test_fs_helpers import SLOT, Env, chunk_files, resolve, wait_for
 
 from kvtiers import Job, Lookup
 
 FILE = layout.file_bytes(SLOT)
-
-
-@pytest.fixture
-def env(tmp_path):
-    e = Env(str(tmp_path / "root"))
-    yield e
-    e.close()
 
 
 def test_stores_keep_succeeding_and_evict_lru(env):

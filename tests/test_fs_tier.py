@@ -18,13 +18,6 @@ from kvtiers import Arena, Job, Lookup, Namespace, TierContext
 HIT, MISS, RETRY = Lookup.HIT, Lookup.MISS, Lookup.RETRY
 
 
-@pytest.fixture
-def env(tmp_path):
-    e = Env(str(tmp_path / "root"))
-    yield e
-    e.close()
-
-
 def test_registered_by_entry_point_and_opens_with_root_dir_only(tmp_path):
     info = kvtiers.get_registry().tier_info("fs")
     assert info.cls is FsTier and info.origin == "entry point fs"
