@@ -155,3 +155,26 @@ def test_two_bounded_instances_on_one_root_stay_correct(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def test_a_chunk_being_stored_is_neither_counted_twice_nor_evicted():
+    """The start-up scan can list a chunk renamed into place before its store has indexed it.
+    It must not count that chunk next to the store's reservation (the bound would then evict
+    fresh chunks, and the store would index a deleted file), and a chunk being written is never
+    an eviction victim, however it entered the index."""
+    from kvtiers_fs.index import Index
+
+    idx = Index(negative_ttl=1.0)
+    idx.begin_scan()
+    assert idx.reserve(FILE, 2 * FILE, b"a") == []
+    assert idx.reserve(FILE, 2 * FILE, b"b") == []
+    idx.merge_scan([(1.0, b"a", FILE), (2.0, b"b", FILE)])  # both already renamed into place
+    assert idx.reserve(0, 2 * FILE) == []  # the scan's eviction to the bound
+    idx.add(b"a", FILE)  # e.g. a lookup probe found the renamed file first
+    assert idx.reserve(FILE, 2 * FILE, b"c") == []  # "a" and "b" are still being written
+    idx.commit(b"a", FILE)
+    idx.commit(b"b", FILE)
+    assert list(idx.entries) == [b"a", b"b"] and idx.used == 2 * FILE
+    assert idx.reserve(0, 2 * FILE) == [b"a"]  # stores done: "a" is evictable again, LRU first
+    idx.unreserve(FILE, b"c")
+    assert idx.writing == {} and idx.reserved == 0

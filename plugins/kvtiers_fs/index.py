@@ -35,19 +35,23 @@ class Index:
         self.unread: set[bytes] = set()  # probed absent, not yet answered (so MISS comes even with ttl 0)
         self.negative_ttl = negative_ttl
         self.reading: dict[bytes, int] = {}
+        self.writing: dict[bytes, int] = {}  # keys this instance is storing: counted in `reserved`
         self.dropped_during_scan: set[bytes] | None = None  # removals the running scan may not see
 
     # -- updates (any thread) --------------------------------------------------------
     def add(self, key: bytes, nbytes: int) -> None:
         """``key`` is on disk with ``nbytes``: most recently used."""
         with self.lock:
-            old = self.entries.pop(key, None)
-            if old is not None:
-                self.used -= old
-            self.entries[key] = nbytes
-            self.used += nbytes
-            self.absent.pop(key, None)
-            self.unread.discard(key)
+            self._add(key, nbytes)
+
+    def _add(self, key: bytes, nbytes: int) -> None:
+        old = self.entries.pop(key, None)
+        if old is not None:
+            self.used -= old
+        self.entries[key] = nbytes
+        self.used += nbytes
+        self.absent.pop(key, None)
+        self.unread.discard(key)
 
     def touch(self, key: bytes) -> bool:
         """Mark ``key`` most recently used; False if unknown."""
@@ -96,7 +100,8 @@ class Index:
             merged: OrderedDict[bytes, int] = OrderedDict()
             used = 0
             for _, k, n in found:
-                if k not in self.entries and k not in merged and k not in gone:
+                # a key being stored is already counted in `reserved`; its store adds it
+                if k not in self.entries and k not in merged and k not in gone and k not in self.writing:
                     merged[k] = n
                     used += n
             for k, n in self.entries.items():
@@ -123,12 +128,16 @@ class Index:
                 del self.reading[key]
 
     # -- capacity ----------------------------------------------------------------------
-    def reserve(self, nbytes: int, max_bytes: int | None) -> list[bytes]:
+    def reserve(self, nbytes: int, max_bytes: int | None, key: bytes | None = None) -> list[bytes]:
         """Reserve room for a file of ``nbytes``; return the LRU keys to evict for it
-        (already dropped from the index; the caller unlinks them)."""
+        (already dropped from the index; the caller unlinks them). ``key``: the chunk being
+        stored, until :meth:`commit` or :meth:`unreserve`; keys being stored or read are
+        never chosen as victims."""
         victims: list[bytes] = []
         with self.lock:
             self.reserved += nbytes
+            if key is not None:
+                self.writing[key] = self.writing.get(key, 0) + 1
             if max_bytes is None:
                 return victims
             excess = self.used + self.reserved - max_bytes
@@ -138,7 +147,7 @@ class Index:
             for k in list(self.entries):
                 if excess <= 0:
                     break
-                if k in self.reading:
+                if k in self.reading or k in self.writing:
                     continue
                 n = self.entries.pop(k)
                 self.used -= n
@@ -149,9 +158,23 @@ class Index:
                 victims.append(k)
         return victims
 
-    def unreserve(self, nbytes: int) -> None:
+    def unreserve(self, nbytes: int, key: bytes | None = None) -> None:
         with self.lock:
-            self.reserved -= nbytes
+            self._unreserve(nbytes, key)
+
+    def commit(self, key: bytes, nbytes: int) -> None:
+        """The store of ``key`` reserved with :meth:`reserve` is on disk: index it and
+        release the reservation in one step (no window in which it counts twice)."""
+        with self.lock:
+            self._unreserve(nbytes, key)
+            self._add(key, nbytes)
+
+    def _unreserve(self, nbytes: int, key: bytes | None) -> None:
+        self.reserved -= nbytes
+        if key is not None:
+            n = self.writing.pop(key) - 1
+            if n:
+                self.writing[key] = n
 
 
 class Prober:

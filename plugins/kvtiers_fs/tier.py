@@ -287,15 +287,16 @@ class FsTier:
         if self.max_bytes is not None and nbytes > self.max_bytes:
             self._key_done(js, key, 0, f"chunk file of {nbytes} bytes exceeds max_bytes={self.max_bytes}")
             return
-        self._remove(self.index.reserve(nbytes, self.max_bytes), "evicted")
+        self._remove(self.index.reserve(nbytes, self.max_bytes, key), "evicted")
         try:
             self._write(key, final, self.arena[slot], scratch)
-        except OSError as e:
-            self.index.unreserve(nbytes)
+        except BaseException as e:
+            self.index.unreserve(nbytes, key)
+            if not isinstance(e, OSError):
+                raise
             self._key_done(js, key, 0, f"{key.hex()}: {_oserror(e)}")
             return
-        self.index.add(key, nbytes)
-        self.index.unreserve(nbytes)
+        self.index.commit(key, nbytes)
         self._key_done(js, key, self.slot_bytes, None)
 
     def _write(self, key: bytes, final: str, data: memoryview, trailer: memoryview) -> None:
