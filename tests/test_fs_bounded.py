@@ -88,7 +88,7 @@ def test_a_file_being_read_is_never_evicted(env, monkeypatch):
     monkeypatch.setattr(t, "_read", slow_read)
     env.poison([10])
     t.submit_load(Job(500, (b"reading",), (10,)))
-    assert entered.wait(10)
+    assert entered.wait(10), f"the load never read the file: {t.get_finished_jobs()}"
     for i in range(3):  # "reading" is the least recently used, but pinned
         assert env.store(t, [b"push-%d" % i], [i]).ok
     assert os.path.exists(t.path(b"reading"))
