@@ -1,8 +1,8 @@
 """kvtiers: a pluggable storage-tier SDK for LLM KV-cache offloading.
 
 The tier contract (v1) lives in :mod:`kvtiers.hookspecs` and :mod:`kvtiers.types`.
-Nothing here imports torch; only the engine side (:mod:`kvtiers.dma`, the tiering
-manager) does.
+Nothing here imports torch; only the engine side, :mod:`kvtiers.engine` (host arena,
+DMA engine, tiering manager), does.
 """
 
 from .asynctier import AsyncTier
@@ -13,30 +13,23 @@ from .types import Arena, Job, JobResult, Lookup, Namespace, TierContext, accept
 
 __version__ = "0.1.0"
 
-# The engine side, imported on first use: `import kvtiers` stays light (and torch-free).
-_LAZY = {
-    "TieringManager": "kvtiers.manager",
-    "Request": "kvtiers.engine_types",
-    "LookupResult": "kvtiers.engine_types",
-    "TransferResult": "kvtiers.engine_types",
-    "CacheEvent": "kvtiers.engine_types",
-    "KVLayout": "kvtiers.layout",
-    "KVGroup": "kvtiers.layout",
-    "DmaEngine": "kvtiers.dma",
-    "create_host_arena": "kvtiers.arena",
-}
+# The engine side (kvtiers.engine), imported on first use: `import kvtiers` stays light and torch-free.
+_ENGINE_NAMES = (
+    "TieringManager", "Request", "LookupResult", "TransferResult", "CacheEvent",
+    "KVLayout", "KVGroup", "DmaEngine", "create_host_arena",
+)
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
+    if name in _ENGINE_NAMES:
+        from . import engine
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        return getattr(engine, name)
     raise AttributeError(f"module 'kvtiers' has no attribute {name!r}")
 
 
 __all__ = [
-    *_LAZY,
+    *_ENGINE_NAMES,
     "Arena",
     "AsyncTier",
     "ConfigError",

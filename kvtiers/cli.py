@@ -53,7 +53,7 @@ class LazyGroup(click.Group):
     cls=LazyGroup,
     lazy={
         "conformance": ("kvtiers_conformance.cli:conformance", "Run the conformance suite against a tier."),
-        "demo": ("kvtiers.demo:demo", "Serve simulated conversations through the tiers (the main job)."),
+        "demo": ("kvtiers.engine.demo:demo", "Serve simulated conversations through the tiers (the main job)."),
     },
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -65,7 +65,10 @@ def cli(verbose: int) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
 
 
-@cli.group(cls=LazyGroup, lazy={"arena": ("kvtiers.bench:arena", "Device<->arena chunk copies against np.copyto.")})
+@cli.group(
+    cls=LazyGroup,
+    lazy={"arena": ("kvtiers.engine.bench:arena", "Device<->arena chunk copies against np.copyto.")},
+)
 def bench() -> None:
     """Measure a part of kvtiers against a raw baseline on the same data, in one run."""
 

@@ -35,10 +35,10 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kvtiers.arena import create_host_arena, slot_bytes_for  # noqa: E402
-from kvtiers.bench import make_setup  # noqa: E402
-from kvtiers.dma import DmaEngine  # noqa: E402
-from kvtiers.layout import KVGroup, KVLayout  # noqa: E402
+from kvtiers.engine.arena import create_host_arena, slot_bytes_for  # noqa: E402
+from kvtiers.engine.bench import make_setup  # noqa: E402
+from kvtiers.engine.dma import DmaEngine  # noqa: E402
+from kvtiers.engine.layout import KVGroup, KVLayout  # noqa: E402
 
 POISON = 0xA5
 NUM_BLOCKS = 96

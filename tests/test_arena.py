@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from kvtiers import Arena, ConfigError
-from kvtiers import arena as arena_mod
-from kvtiers.arena import ArenaSpaceError, arena_size, create_host_arena, slot_bytes_for
+from kvtiers.engine import arena as arena_mod
+from kvtiers.engine.arena import ArenaSpaceError, arena_size, create_host_arena, slot_bytes_for
 
 MiB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -112,7 +112,7 @@ def test_elastic_budget_shortfall_is_an_error():
 
 RANK = textwrap.dedent("""
     import sys
-    from kvtiers.arena import create_host_arena
+    from kvtiers.engine.arena import create_host_arena
     name, rank, shard = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     host = create_host_arena(4, 2 * shard, pin=False, shared_memory=name, attach=True)
     assert host.shared_memory == name and not host.creator

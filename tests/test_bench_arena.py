@@ -6,7 +6,7 @@ import sys
 
 from click.testing import CliRunner
 
-from kvtiers.bench import arena
+from kvtiers.engine.bench import arena
 
 
 def test_bench_arena_json_shape_and_sanity():

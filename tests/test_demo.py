@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from kvtiers import Job, hookimpl
-from kvtiers.demo import chunk_keys, merge_config
+from kvtiers.engine.demo import chunk_keys, merge_config
 from kvtiers.memory import MemoryTier
 
 TESTS = Path(__file__).resolve().parent

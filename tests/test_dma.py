@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvtiers.arena import create_host_arena, slot_bytes_for
-from kvtiers.dma import DmaEngine
-from kvtiers.layout import KVGroup, KVLayout
+from kvtiers.engine.arena import create_host_arena, slot_bytes_for
+from kvtiers.engine.dma import DmaEngine
+from kvtiers.engine.layout import KVGroup, KVLayout
 
 POISON = 0xA5
 NUM_BLOCKS = 48
@@ -275,7 +275,7 @@ def test_cpu_path_splits_large_runs_over_two_threads(monkeypatch, pooled):
     helper thread; every byte still lands, and close() ends the helper thread."""
     import threading
 
-    import kvtiers.dma as dma
+    import kvtiers.engine.dma as dma
 
     monkeypatch.setattr(dma, "PARALLEL_MIN_BYTES", 1)  # the split, on test-sized data
     layout = KVLayout.flat(4, 256)

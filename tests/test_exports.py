@@ -7,10 +7,10 @@ import kvtiers
 
 
 def test_engine_names_resolve_lazily_to_their_modules() -> None:
-    from kvtiers.arena import create_host_arena
-    from kvtiers.engine_types import Request, TransferResult
-    from kvtiers.layout import KVLayout
-    from kvtiers.manager import TieringManager
+    from kvtiers.engine.arena import create_host_arena
+    from kvtiers.engine.layout import KVLayout
+    from kvtiers.engine.manager import TieringManager
+    from kvtiers.engine.types import Request, TransferResult
 
     assert kvtiers.TieringManager is TieringManager
     assert kvtiers.Request is Request and kvtiers.TransferResult is TransferResult
@@ -20,7 +20,7 @@ def test_engine_names_resolve_lazily_to_their_modules() -> None:
 
 def test_import_kvtiers_does_not_load_the_engine_side() -> None:
     code = ("import sys, kvtiers; "
-            "print(sorted(m for m in ('kvtiers.manager', 'kvtiers.dma', 'torch') if m in sys.modules))")
+            "print(sorted(m for m in ('kvtiers.engine.manager', 'kvtiers.engine.dma', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

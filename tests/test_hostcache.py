@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtiers.hostcache import LOADING, READY, STORING, HostCache
-from kvtiers.policies import LRUPolicy
+from kvtiers.engine.hostcache import LOADING, READY, STORING, HostCache
+from kvtiers.engine.policies import LRUPolicy
 
 
 def k(i: int) -> bytes:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtiers import Namespace
-from kvtiers.layout import KVGroup, KVLayout
+from kvtiers.engine.layout import KVGroup, KVLayout
 
 
 def test_flat_mla_multi_chunk_bytes():

@@ -4,7 +4,7 @@ degrade to misses, per-request limits, listeners.
 
 The device is CPU tensors; tiers are real (the memory tier, and memory-tier subclasses that
 hold or fail results for fault injection); copies go through the DMA engine of
-:mod:`kvtiers.dma`, behind a gate that can hold completions to observe in-flight states.
+:mod:`kvtiers.engine.dma`, behind a gate that can hold completions to observe in-flight states.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 
 import kvtiers
 from kvtiers import Job, JobResult, TierContext, hookimpl
+from kvtiers.engine.hostcache import LOADING, READY
+from kvtiers.engine.layout import KVLayout
+from kvtiers.engine.manager import CacheEvent, Request, TieringManager
 from kvtiers.errors import TierError
-from kvtiers.hostcache import LOADING, READY
-from kvtiers.layout import KVLayout
-from kvtiers.manager import CacheEvent, Request, TieringManager
 from kvtiers.memory import MemoryTier
 
 NUM_LAYERS = 2
@@ -81,8 +81,8 @@ class Gate:
 
 
 def make_manager(num_slots: int, *, tiers=(), kv=None, **kw) -> tuple[TieringManager, dict, Gate]:
-    from kvtiers.arena import create_host_arena, slot_bytes_for
-    from kvtiers.dma import DmaEngine
+    from kvtiers.engine.arena import create_host_arena, slot_bytes_for
+    from kvtiers.engine.dma import DmaEngine
 
     kv = kv if kv is not None else kv_caches()
     layout = KVLayout.from_tensors(kv)
@@ -151,7 +151,7 @@ def test_store_lookup_load_from_host(managers) -> None:
     keys = [key(i) for i in range(3)]
     res = store_all(mgr, keys)
     assert res.ok and res.kind == "store" and not res.skipped_keys
-    assert mgr.lookup(keys + [key(99)]) == kvtiers.manager.LookupResult(3, ("host",) * 3, False)
+    assert mgr.lookup(keys + [key(99)]) == kvtiers.engine.manager.LookupResult(3, ("host",) * 3, False)
     res = load_and_check(mgr, kv, keys, [0, 1, 2])
     assert res.ok and res.sources == dict.fromkeys(keys, "host")
     assert mgr.stats.hits["host"] == 3
@@ -341,7 +341,7 @@ def test_retry_while_a_promotion_is_in_flight(managers, held) -> None:
     held.clear()
     (res,) = mgr.wait([tid])
     assert res.ok
-    assert mgr.lookup([key(0)]) == kvtiers.manager.LookupResult(1, ("host",), False)
+    assert mgr.lookup([key(0)]) == kvtiers.engine.manager.LookupResult(1, ("host",), False)
 
 
 def test_cancelled_request_keeps_slots_pinned_until_the_transfer_ends(managers, held) -> None:
@@ -439,7 +439,7 @@ def test_a_failing_tier_degrades_to_a_miss(managers, mode, caplog) -> None:
 def test_a_tier_whose_lookup_raises_answers_miss(managers) -> None:
     mgr, kv = evicted_setup(managers)
     mgr.tiers[0].handle.add_wrapper(LookupBoom())
-    assert mgr.lookup([key(0)]) == kvtiers.manager.LookupResult(0, (), False)
+    assert mgr.lookup([key(0)]) == kvtiers.engine.manager.LookupResult(0, (), False)
     res = load_and_check(mgr, kv, [key(0)], [0])
     assert res.failed_keys == (key(0),)
 

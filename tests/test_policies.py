@@ -9,9 +9,9 @@ import textwrap
 import pytest
 
 import kvtiers
+from kvtiers.engine.hostcache import READY, STORING, HostCache
+from kvtiers.engine.policies import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
 from kvtiers.errors import ConfigError
-from kvtiers.hostcache import READY, STORING, HostCache
-from kvtiers.policies import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
 
 
 def k(i: int) -> bytes:

@@ -35,13 +35,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import ConfigError
-from .types import PAGE, Arena
+from ..errors import ConfigError
+from ..types import PAGE, Arena
 
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("kvtiers.arena")
+log = logging.getLogger("kvtiers.engine.arena")
 
 SHM_DIR = "/dev/shm"
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux value; Python < 3.13 lacks the name

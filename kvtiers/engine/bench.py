@@ -2,7 +2,7 @@
 
 Flat layout, 32 layers, K and V; each chunk is 64 contiguous pieces (one per layer and K/V)
 of ``chunk_bytes / 64`` bytes (16 KiB for 1 MiB chunks). One round moves ``--chunks`` chunks
-device -> arena (``store``) and back (``load``) through :class:`kvtiers.dma.DmaEngine`, and
+device -> arena (``store``) and back (``load``) through :class:`kvtiers.engine.dma.DmaEngine`, and
 the same total bytes with one raw copy between the same two buffers: ``np.copyto`` on CPU,
 ``Tensor.copy_(non_blocking=True)`` + synchronize on an accelerator. Rounds interleave ours
 and the baseline (alternating which goes first); the figures are medians.
@@ -53,7 +53,7 @@ class Setup:
 def make_setup(chunk_bytes: int, chunks: int, tensors: str = "pooled", device: str = "cpu",
                **engine_options: Any) -> Setup:
     """Build a flat 32-layer KV cache of ``chunks`` chunks, an arena of as many slots, an engine
-    (``engine_options`` go to :class:`~kvtiers.dma.DmaEngine`)."""
+    (``engine_options`` go to :class:`~kvtiers.engine.dma.DmaEngine`)."""
     import numpy as np
     import torch
 

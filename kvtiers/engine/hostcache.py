@@ -4,7 +4,7 @@ A slot is *pinned* (reference-counted) while a transfer or a request uses it: a 
 copy into or out of it, a tier store reading it, a promotion writing it, a load waiting
 for it. Pinned slots are never evicted, also when the request that pinned them was
 cancelled: the pin is released when the transfer ends. Unpinned, ready slots are evicted
-in the order an :mod:`~kvtiers.policies` policy chooses.
+in the order an :mod:`~kvtiers.engine.policies` policy chooses.
 
 An entry is in one of three states:
 

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 Evictable = Callable[[bytes], bool]
 
@@ -157,7 +157,7 @@ def policy_class(name: str) -> type:
     """Resolve a policy name: built-in, registered by a plugin, or ``pkg.module:Class``."""
     if name in BUILTIN_POLICIES:
         return BUILTIN_POLICIES[name]
-    from .registry import get_registry
+    from ..registry import get_registry
 
     registered = get_registry().eviction_policies()
     if name in registered:

@@ -138,7 +138,7 @@ def pick_device(name: str | None) -> Any:
 
 
 def default_config(tier_dir: str, slot_bytes: int) -> dict[str, Any]:
-    from .registry import get_registry
+    from ..registry import get_registry
 
     have_fs = any(t.name == "fs" for t in get_registry().tiers())
     tier = {"type": "fs", "root_dir": tier_dir} if have_fs else {"type": "memory"}
@@ -152,7 +152,7 @@ def default_config(tier_dir: str, slot_bytes: int) -> dict[str, Any]:
 
 def merge_config(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     """Top-level keys of ``override`` replace ours (an alias replaces its target too)."""
-    from .config import VLLM_ALIASES
+    from ..config import VLLM_ALIASES
 
     out = dict(base)
     for k in override:
@@ -337,7 +337,7 @@ def demo(turns: int, conversations: int, directory: str | None, keep: bool, conf
 
     Exits 1 if any loaded chunk differs from what was stored.
     """
-    from .config import parse_json_option
+    from ..config import parse_json_option
 
     override = parse_json_option(config_text, None)
     tmp = None

@@ -1,5 +1,5 @@
 """The engine-facing value types of the tiering manager: per-request limits, lookup and
-transfer results, cache events and transfer statistics. :mod:`kvtiers.manager` uses them;
+transfer results, cache events and transfer statistics. :mod:`kvtiers.engine.manager` uses them;
 they are also exported from :mod:`kvtiers`."""
 
 from __future__ import annotations

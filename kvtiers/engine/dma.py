@@ -225,7 +225,7 @@ class DmaEngine:
             if not host.pinned and self.kind != "cpu":
                 import logging
 
-                logging.getLogger("kvtiers.dma").warning(
+                logging.getLogger("kvtiers.engine.dma").warning(
                     "DMA engine on %s with an unpinned arena: copies will be synchronous and slow", self.device)
             self._store_stream = self._load_stream = None
             if self.kind != "cpu":

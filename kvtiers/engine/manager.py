@@ -26,15 +26,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine_types import CacheEvent, LookupResult, ManagerStats, PathStats, Request, TransferResult
+from ..registry import TierHandle, open_tier
+from ..types import Arena, Job, JobResult, Lookup, Namespace, TierContext, check_keys
 from .hostcache import LOADING, READY, STORING, HostCache
 from .policies import make_policy
-from .registry import TierHandle, open_tier
-from .types import Arena, Job, JobResult, Lookup, Namespace, TierContext, check_keys
+from .types import CacheEvent, LookupResult, ManagerStats, PathStats, Request, TransferResult
 
 __all__ = ["CacheEvent", "LookupResult", "ManagerStats", "PathStats", "Request", "TieringManager", "TransferResult"]
 
-log = logging.getLogger("kvtiers.manager")
+log = logging.getLogger("kvtiers.engine.manager")
 
 HOST = "host"
 
@@ -81,7 +81,7 @@ class TieringManager:
     Most engines build it with :meth:`from_config`. The constructor takes the parts for
     engines (and tests) that build them themselves: ``arena`` (a :class:`kvtiers.Arena`),
     ``dma`` (an object with ``submit_store(tid, chunks)``, ``submit_load(tid, chunks)``
-    and ``poll() -> [tid]``, like :class:`kvtiers.dma.DmaEngine`), and optionally ``host``
+    and ``poll() -> [tid]``, like :class:`kvtiers.engine.dma.DmaEngine`), and optionally ``host``
     (closed with the manager).
     """
 
@@ -148,15 +148,15 @@ class TieringManager:
         vLLM's ``kv_connector_extra_config``; a mapping, JSON text or a file path).
 
         ``kv_caches``: group name -> per layer -> list of device tensors ``[num_blocks, ...]``
-        (see :class:`kvtiers.layout.KVLayout`). ``namespace_fields``: what else changes a
+        (see :class:`kvtiers.engine.layout.KVLayout`). ``namespace_fields``: what else changes a
         chunk's bytes (model, dtype, parallel layout, hash seed); the layout description,
         ``blocks_per_chunk`` and the chunk size are added. ``tokens_per_block``: the
         engine's block size in tokens (needed for token limits and vLLM's ``block_size``).
         """
+        from ..config import Config, load_config
+        from ..errors import ConfigError
         from .arena import arena_size, create_host_arena, slot_bytes_for
-        from .config import Config, load_config
         from .dma import DmaEngine
-        from .errors import ConfigError
         from .layout import KVLayout
 
         cfg = config if isinstance(config, Config) else load_config(config)

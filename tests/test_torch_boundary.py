@@ -1,0 +1,75 @@
+"""The torch boundary is a folder boundary: only ``kvtiers/engine/`` imports torch.
+
+Tier authors read and install everything else (the contract, the SDK, the first-party tiers,
+the conformance suite, the example tier) without torch. The check reads every shipped module's
+syntax tree, so an ``import torch`` inside a function, which no import-time test would see,
+still fails it.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from test_no_torch import BLOCKER
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ["kvtiers", "plugins", "conformance", "examples"]
+ENGINE = ROOT / "kvtiers" / "engine"
+
+
+def torch_imports(path: Path) -> list[int]:
+    """Line numbers of every ``import torch...`` / ``from torch... import`` in ``path``."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        if any(n == "torch" or n.startswith("torch.") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def shipped_modules() -> list[Path]:
+    return sorted(p for d in SHIPPED for p in (ROOT / d).rglob("*.py") if "tests" not in p.parts)
+
+
+def test_the_scan_sees_torch_imports() -> None:
+    # the engine does import torch, inside functions: a scan that finds none there is broken
+    found = {p.name for p in ENGINE.glob("*.py") if torch_imports(p)}
+    assert {"dma.py", "arena.py"} <= found, found
+
+
+def test_nothing_outside_kvtiers_engine_imports_torch() -> None:
+    offenders = [
+        f"{p.relative_to(ROOT)}:{line}"
+        for p in shipped_modules()
+        if ENGINE not in p.parents
+        for line in torch_imports(p)
+    ]
+    assert offenders == [], f"torch imported outside kvtiers/engine/: {offenders}"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    if parts[0] in ("plugins", "conformance"):  # installed as top-level packages
+        parts = parts[1:]
+    return ".".join(p for p in parts if p != "__init__")
+
+
+def test_every_module_outside_the_engine_imports_without_torch() -> None:
+    names = [
+        module_name(p)
+        for p in shipped_modules()
+        if ENGINE not in p.parents and p.name != "__main__.py" and "examples" not in p.parts
+    ]
+    assert "kvtiers.cli" in names and "kvtiers_fs.tier" in names and "kvtiers_conformance" in names, names
+    code = BLOCKER + f"import importlib\nfor n in {names!r}:\n    importlib.import_module(n)\nprint('imported', len({names!r}))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"imported {len(names)}"
