@@ -69,7 +69,8 @@ def test_every_module_outside_the_engine_imports_without_torch() -> None:
         if ENGINE not in p.parents and p.name != "__main__.py" and "examples" not in p.parts
     ]
     assert "kvtiers.cli" in names and "kvtiers_fs.tier" in names and "kvtiers_conformance" in names, names
-    code = BLOCKER + f"import importlib\nfor n in {names!r}:\n    importlib.import_module(n)\nprint('imported', len({names!r}))"
+    code = BLOCKER + f"import importlib\nnames = {names!r}\nfor n in names:\n    importlib.import_module(n)\n"
+    code += "print('imported', len(names))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"imported {len(names)}"
