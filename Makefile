@@ -2,21 +2,28 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# torch is pinned in the same pip command that installs it, so pip never picks a CUDA build.
+# torch is pinned in every pip command that could install it, so pip never picks another build.
 TORCH ?= torch==2.13.0
+# Where the CPU build of that torch comes from: PyTorch's CPU wheel index, searched for the torch
+# install step only (on PyPI the same pin is a multi-GB CUDA build). `make TORCH_INDEX= ...` turns
+# it off, e.g. to keep a CUDA torch you installed yourself. --retries 2: where the index cannot
+# be reached, pip gives up on it in about a second per package and takes torch from elsewhere.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_FROM := $(if $(TORCH_INDEX),--retries 2 --extra-index-url $(TORCH_INDEX))
 BASE := $(VENV)/.base
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test lint wheels clean
 
 # what the demo needs: the core, the fs tier and torch (CPU build)
 $(BASE): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH_FROM) "$(TORCH)"
 	$(BIN)/pip install -q "$(TORCH)" -e .
 	touch $(BASE)
 
-# what the tests need besides: S3 client and server, NIXL, the example tier, test tools
+# what the tests need besides: S3 client and server, NIXL, the example tier, test and build tools
 $(STAMP): $(BASE)
 	$(BIN)/pip install -q "$(TORCH)" -e ".[obj,test,nixl]" -e ./examples/kvtiers-sqlite
 	touch $(STAMP)
@@ -33,5 +40,12 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# wheels of kvtiers and the example tier in dist/, checked as PyPI would check them
+wheels: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m build --wheel --outdir dist .
+	$(BIN)/python -m build --wheel --outdir dist examples/kvtiers-sqlite
+	$(BIN)/twine check --strict dist/*.whl
+
 clean:
-	rm -rf $(VENV) build *.egg-info */*.egg-info
+	rm -rf $(VENV) build dist *.egg-info */*.egg-info examples/*/build examples/*/*.egg-info
