@@ -1,0 +1,98 @@
+"""Building a :class:`~kvtiers.engine.manager.TieringManager` from a config: the chunk
+geometry (blocks per chunk, tokens per chunk, chunk and slot bytes), the arena size and the
+namespace, then the host arena, the DMA engine, the manager and its tiers. On any failure
+what was built is closed again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..types import Namespace
+
+if TYPE_CHECKING:
+    from .manager import TieringManager
+
+__all__ = ["build_from_config"]
+
+
+def build_from_config(
+    cls: type[TieringManager],
+    config: Any,
+    kv_caches: Any,
+    *,
+    layout: Any,
+    namespace_fields: Mapping[str, Any] | None,
+    tokens_per_block: int | None,
+    num_workers: int,
+    pin: bool | None,
+    tier_job_timeout: float,
+) -> TieringManager:
+    """What :meth:`TieringManager.from_config <kvtiers.engine.manager.TieringManager.from_config>`
+    does (see there), for the manager class ``cls``."""
+    from ..config import Config, load_config
+    from ..errors import ConfigError
+    from .arena import arena_size, create_host_arena, slot_bytes_for
+    from .dma import DmaEngine
+    from .layout import KVLayout
+
+    cfg = config if isinstance(config, Config) else load_config(config)
+    layout = layout if layout is not None else KVLayout.from_tensors(kv_caches)
+    bpc = cfg.blocks_per_chunk
+    tokens_per_chunk = None
+    if cfg.block_size is not None:  # vLLM: tokens per offloaded block
+        if not tokens_per_block:
+            raise ConfigError("config: 'block_size' needs the engine's tokens_per_block to derive blocks_per_chunk")
+        if cfg.block_size % tokens_per_block:
+            raise ConfigError(
+                f"config: 'block_size' {cfg.block_size} is not a multiple of the engine's block size "
+                f"{tokens_per_block} tokens"
+            )
+        bpc = cfg.block_size // tokens_per_block
+    if tokens_per_block:
+        tokens_per_chunk = tokens_per_block * bpc
+    chunk_bytes = layout.chunk_bytes(bpc)
+    slot_bytes = slot_bytes_for(chunk_bytes)
+    device_chunks = _device_blocks(kv_caches) // bpc
+    num_slots = arena_size(
+        cfg.host_bytes, slot_bytes, host_blocks_factor=cfg.host_blocks_factor,
+        device_chunk_capacity=device_chunks, num_workers=num_workers,
+    )
+    fields = {**cfg.namespace, **dict(namespace_fields or {})}
+    fields.update(layout=layout.describe(), blocks_per_chunk=bpc, chunk_bytes=chunk_bytes)
+    namespace = Namespace(fields)
+    host = create_host_arena(
+        num_slots, slot_bytes, pin=pin, shared_memory=cfg.shared_memory, elastic=cfg.elastic,
+        elastic_reserve_bytes=cfg.elastic_reserve_bytes,
+    )
+    mgr = None
+    try:
+        dma = DmaEngine(layout, kv_caches, host, bpc)
+        mgr = cls(
+            arena=host.arena, dma=dma, blocks_per_chunk=bpc, chunk_bytes=chunk_bytes,
+            tokens_per_chunk=tokens_per_chunk, eviction_policy=cfg.eviction_policy,
+            store_threshold=cfg.store_threshold, offload_prompt_only=cfg.offload_prompt_only,
+            max_offload_tokens=cfg.max_offload_tokens, namespace=namespace, host=host,
+            tier_job_timeout=tier_job_timeout,
+        )
+        for t in cfg.tiers:
+            mgr.add_tier(t.type, t.options, name=t.name)
+    except BaseException:
+        if mgr is not None:
+            mgr.close(timeout=5.0)
+        else:
+            host.close()
+        raise
+    return mgr
+
+
+def _device_blocks(kv_caches: Any) -> int:
+    """The number of device blocks: dim 0 of the first KV tensor."""
+    obj = kv_caches
+    while not hasattr(obj, "shape"):
+        if isinstance(obj, Mapping):
+            obj = next(iter(obj.values()))
+        else:
+            obj = next(iter(obj))
+    return int(obj.shape[0])
