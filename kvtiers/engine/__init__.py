@@ -1,11 +1,19 @@
 """The engine side of kvtiers: what an inference-engine integrator wires in once.
 
-The host arena (:mod:`.arena`), KV layouts (:mod:`.layout`), the device DMA engine
-(:mod:`.dma`), the host cache and its eviction policies (:mod:`.hostcache`,
-:mod:`.policies`), the tiering manager and its value types (:mod:`.manager`, :mod:`.types`),
-the demo and the arena bench. This package is the only place kvtiers imports torch; the tier
-contract and SDK one level up never do. Names are imported on first use, so
-``import kvtiers.engine`` costs nothing until one of them is touched.
+- :mod:`.arena`: the host arena (page-aligned, pinned with an accelerator, shared or elastic);
+- :mod:`.layout`: KV layouts (flat, MLA, several groups) and a chunk's place in a slot;
+- :mod:`.dma`: the DMA engine between device KV tensors and arena slots;
+- :mod:`.hostcache`, :mod:`.policies`: key -> slot, pins, LRU / ARC / plugin eviction;
+- :mod:`.manager`: :class:`TieringManager`, composed of :mod:`.loads` (lookups, load waves,
+  promotion), :mod:`.stores` (device -> arena copies and the store cascade),
+  :mod:`.transfers` (transfer ids and results), :mod:`.tiers` (the tier stack, its jobs and
+  timeouts), :mod:`.events` (cache events) and :mod:`.build` (``from_config``);
+  :mod:`.types` holds the values the engine sees (``Request``, ``LookupResult``, ...);
+- :mod:`.demo`, :mod:`.bench`: ``kvtiers demo`` and ``kvtiers bench arena``.
+
+This package is the only place kvtiers imports torch; the tier contract and SDK one level up
+never do. Names are imported on first use, so ``import kvtiers.engine`` costs nothing until
+one of them is touched.
 """
 
 from __future__ import annotations
