@@ -24,11 +24,12 @@ class AsyncTier:
     """Base class for tiers written as coroutines; see the module docstring.
 
     Subclasses call ``super().__init__(ctx)`` and may set ``max_concurrency`` (coroutines in
-    flight per tier), ``op_timeout`` (seconds one ``put``/``get_into``/``exists`` may take
+    flight per tier), ``op_timeout`` (seconds one ``put``/``get_into`` may take
     before its key fails) and ``negative_ttl`` (seconds a ``MISS`` is remembered) from their
     own options; ``probe_timeout`` bounds a lookup probe (an ``exists`` that errs or takes
     longer answers ``MISS``, so ``RETRY`` always resolves). ``put`` and ``get_into`` must
-    stop touching their buffer once cancelled.
+    stop touching their buffer once cancelled. docs/writing-a-tier.md says when each
+    attribute is read.
     """
 
     levels = frozenset({"core"})

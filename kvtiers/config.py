@@ -50,7 +50,7 @@ class TierConfig:
 
 @dataclass(frozen=True)
 class Config:
-    """A parsed, checked kvtiers configuration. See README "Configuration"."""
+    """A parsed, checked kvtiers configuration. See docs/configuration.md."""
 
     host_bytes: int | None = None
     host_blocks_factor: float | None = None

@@ -4,7 +4,7 @@ A tier is a plain class whose methods are implementations of :class:`TierSpec`, 
 with :data:`hookimpl`. Plugin *modules* (found through the ``kvtiers`` entry-point group)
 implement :class:`RegistrationSpec`. Hooks are called from one engine thread at a time;
 a tier's own work runs on its threads or on ``ctx.loop``. The numbered rules are those of
-README "The contract".
+docs/contract.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The types of the tier contract (v1): what engines and tiers exchange.
 
-Everything here is exported from :mod:`kvtiers`. See README "The contract" for the rules
+Everything here is exported from :mod:`kvtiers`. See docs/contract.md for the rules
 these types serve.
 """
 

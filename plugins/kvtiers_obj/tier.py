@@ -103,7 +103,7 @@ def _slices(parts: Sequence[memoryview | bytes], start: int, end: int) -> list[m
 class ObjTier(AsyncTier):
     """Chunks in an S3-compatible bucket under ``prefix/<namespace digest>/``.
 
-    Options (see README "obj tier"): ``bucket`` (required), ``prefix``, ``endpoint_url``
+    Options (see docs/obj.md): ``bucket`` (required), ``prefix``, ``endpoint_url``
     (alias ``endpoint_override``), ``region``, ``aws_access_key_id`` /
     ``aws_secret_access_key`` (else the default credential chain; with none found requests
     go unsigned), ``addressing_style`` (``path``/``virtual``/``auto``; default ``path``
