@@ -33,18 +33,33 @@ def _collect() -> tuple[dict[str, list[Block]], list[str]]:
 BLOCKS, ERRORS = _collect()
 ALL = [b for bs in BLOCKS.values() for b in bs]
 PY_PAGES = sorted({b.path for b in ALL if b.lang == "python"})
-SKIPPED = [b for b in ALL if b.skip]
-COMMANDS = [c for b in ALL if b.lang == "console" and not b.skip for c in commands(b)]
-JSON = [b for b in ALL if b.lang == "json" and not b.skip]
+GPU = None  # whether torch finds an accelerator; asked once, at collection, only if a page needs one
 
 
 def have_accelerator() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    acc = getattr(torch, "accelerator", None)
-    return bool(acc and acc.is_available())
+    global GPU
+    if GPU is None:
+        try:
+            import torch
+
+            GPU = bool(getattr(torch, "accelerator", None) and torch.accelerator.is_available())
+        except ImportError:
+            GPU = False
+    return GPU
+
+
+def why_not_run(b: Block) -> str | None:
+    """Why a python block does not run here (None: it runs)."""
+    if b.skip:
+        return b.skip
+    if "gpu" in b.needs and not have_accelerator():
+        return "needs a GPU (torch finds no accelerator here)"
+    return None
+
+
+NOT_RUN = [b for b in ALL if b.lang == "python" and why_not_run(b)]
+COMMANDS = [c for b in ALL if b.lang == "console" and not b.skip for c in commands(b)]
+JSON = [b for b in ALL if b.lang == "json" and not b.skip]
 
 
 def run_page(blocks_: list[Block], cwd: Path, s3_endpoint: str | None = None) -> subprocess.CompletedProcess:
@@ -69,8 +84,7 @@ def test_pages_follow_the_conventions() -> None:
 
 @pytest.mark.parametrize("page", PY_PAGES)
 def test_python_blocks_run(page: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    gpu = have_accelerator()
-    todo = [b for b in BLOCKS[page] if b.lang == "python" and not b.skip and ("gpu" not in b.needs or gpu)]
+    todo = [b for b in BLOCKS[page] if b.lang == "python" and not why_not_run(b)]
     endpoint = None
     if any("s3" in b.needs for b in todo):
         endpoint = request.getfixturevalue("s3_server").endpoint_url
@@ -79,9 +93,9 @@ def test_python_blocks_run(page: str, tmp_path: Path, request: pytest.FixtureReq
     assert r.stdout.rstrip().endswith("docs: ran ok"), r.stdout[-2000:]
 
 
-@pytest.mark.parametrize("block", SKIPPED, ids=[b.where for b in SKIPPED])
-def test_skipped_blocks_say_why(block: Block) -> None:
-    pytest.skip(f"{block.where}: {block.skip}")
+@pytest.mark.parametrize("block", NOT_RUN, ids=[b.where for b in NOT_RUN])
+def test_blocks_not_run_say_why(block: Block) -> None:
+    pytest.skip(f"{block.where}: {why_not_run(block)}")
 
 
 @pytest.mark.parametrize("cmd", COMMANDS, ids=[c.where for c in COMMANDS])
