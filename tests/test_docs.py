@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from docs_blocks import DRIVER, Block, DocsError, blocks, check_json, commands, output_matches, python_source
 
+from kvtiers.errors import ConfigError
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 BIN = str(Path(sys.executable).parent)
@@ -138,7 +140,7 @@ def test_a_broken_example_fails(tmp_path: Path) -> None:
     assert output_matches(help_cmd.expected, out)
     assert not output_matches(tiers_cmd.expected, run_command(tiers_cmd.command, tmp_path).stdout.splitlines())
 
-    with pytest.raises(Exception, match="max_byte"):
+    with pytest.raises(ConfigError, match="unknown option .max_byte."):
         check_json(bs[4])
 
 
