@@ -64,17 +64,21 @@ COMMANDS = [c for b in ALL if b.lang == "console" and not b.skip for c in comman
 JSON = [b for b in ALL if b.lang == "json" and not b.skip]
 
 
+def venv_env(**extra: str) -> dict[str, str]:
+    """This environment with the venv's bin first on PATH (so `kvtiers` is this checkout's)."""
+    return {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", ""), **extra}
+
+
 def run_page(blocks_: list[Block], cwd: Path, s3_endpoint: str | None = None) -> subprocess.CompletedProcess:
     """Run ``blocks_`` in one fresh interpreter, in order, in one namespace."""
     payload = [{"path": b.path, "line": b.line, "text": python_source(b, s3_endpoint)} for b in blocks_]
-    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", "")}
     return subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(payload), capture_output=True,
-                          text=True, cwd=cwd, env=env, timeout=300)
+                          text=True, cwd=cwd, env=venv_env(), timeout=300)
 
 
 def run_command(cmd: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", ""), "COLUMNS": "100"}
-    return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+    return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=cwd, env=venv_env(COLUMNS="100"),
+                          timeout=300)
 
 
 def test_pages_follow_the_conventions() -> None:
