@@ -355,6 +355,45 @@ class SilentEvictTier(MemoryTier):
         super().__init__(TierContext(ctx.arena, ctx.namespace), max_bytes=max_bytes)
 
 
+class GhostHitTier(MemoryTier):
+    """Rule 11: evicts and reports it, but lookup still answers HIT for every key ever
+    stored (a stale index, or a base class that marks a whole job present after it)."""
+
+    def __init__(self, ctx: TierContext, *, max_bytes: int | None = None) -> None:
+        super().__init__(ctx, max_bytes=max_bytes)
+        self._ever: set[bytes] = set()
+
+    @hookimpl
+    def submit_store(self, job: Job) -> None:
+        super().submit_store(job)
+        self._ever.update(job.keys)
+
+    @hookimpl
+    def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
+        return [Lookup.HIT if k in self._ever else a for k, a in zip(keys, super().lookup(keys), strict=True)]
+
+
+class WholeJobPresentTier(MemoryTier):
+    """Rule 11, only with one job larger than the bound: lookup answers from a present-set
+    that drops evicted keys, then marks every key of the finished job present, so keys
+    evicted by later keys of the same job answer HIT (AsyncTier's bug before ``evicted``)."""
+
+    def __init__(self, ctx: TierContext, *, max_bytes: int | None = None) -> None:
+        super().__init__(ctx, max_bytes=max_bytes)
+        self._present: set[bytes] = set()
+
+    @hookimpl
+    def submit_store(self, job: Job) -> None:
+        super().submit_store(job)
+        with self._lock:
+            self._present &= set(self._data)
+            self._present.update(job.keys)
+
+    @hookimpl
+    def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
+        return [Lookup.HIT if k in self._present else Lookup.MISS for k in check_keys(keys)]
+
+
 class NormalisingTier(MemoryTier):
     """Rule 12: keys are "normalised" by dropping '/', so a/b and ab alias."""
 
@@ -430,6 +469,8 @@ BROKEN: dict[type, tuple[int, str]] = {
     TornDirTier: (10, "durable"),
     UnboundedTier: (11, "bounded"),
     SilentEvictTier: (11, "bounded"),
+    GhostHitTier: (11, "bounded"),
+    WholeJobPresentTier: (11, "bounded"),
     NormalisingTier: (12, "core"),
     NulTruncatingTier: (12, "core"),
 }

@@ -7,7 +7,7 @@ tighter time bounds than the defaults (a lost result is noticed after 3 s, not 3
 from __future__ import annotations
 
 import pytest
-from broken_tiers import BROKEN, DirTier
+from broken_tiers import BROKEN, DirTier, WholeJobPresentTier
 from kvtiers_conformance import Limits, run_conformance
 
 FAST = Limits(finish_s=3.0, retry_s=2.0, examples=25, crash_rounds=3, shrink=False)
@@ -32,3 +32,13 @@ def test_every_rule_but_10_has_a_broken_tier() -> None:
     """Issue 3: one broken tier per rule 1-9, 11 and 12 (10 has one too)."""
     assert {rule for rule, _ in BROKEN.values()} == set(range(1, 13))
 
+
+
+def test_one_job_over_the_bound_catches_what_small_jobs_miss() -> None:
+    """Issue 11: keys evicted by later keys of the same job must not answer HIT; only a job
+    larger than max_bytes shows it."""
+    report = run_conformance(WholeJobPresentTier, {}, levels={"bounded"}, rules={11}, limits=FAST, seed=5)
+    by_name = {r.check.test_name: r for r in report.results}
+    assert by_name["test_rule11_bounded_capacity"].status == "PASS"
+    one = by_name["test_rule11_one_job_over_the_bound"]
+    assert one.status == "FAIL" and "answer HIT" in one.why, one.why

@@ -196,7 +196,8 @@ class Instance:
         self.pending: dict[int, tuple[str, tuple[bytes, ...], tuple[int, ...], bool]] = {}
         self.results: dict[int, JobResult] = {}
         self.last_submit_s = 0.0  #: seconds the last submit hook call took
-        self.absent: dict[int, frozenset[bytes]] = {}  #: job -> keys it must fail
+        #: job -> (keys it must fail, what they are: "never-stored", "evicted", ...)
+        self.absent: dict[int, tuple[frozenset[bytes], str]] = {}
 
     @property
     def tier(self) -> Any:
@@ -290,10 +291,11 @@ class Instance:
             pause = min(pause * 2, 0.05)
 
     def submit(self, kind: str, keys: Sequence[bytes], slots: Sequence[int] | None = None,
-               *, prepare: bool = True, absent: Iterable[bytes] = ()) -> int:
+               *, prepare: bool = True, absent: Iterable[bytes] = (), absent_what: str = "never-stored") -> int:
         """Submit a store (slots filled with each key's content) or a load (slots
         poisoned first); return the job id. Slots are allocated unless given. A load of
-        keys in ``absent`` (never stored) must report them failed (rule 4)."""
+        keys in ``absent`` must report them failed (rule 4); ``absent_what`` says what they
+        are in a failure message (``never-stored``, ``evicted``...)."""
         keys = tuple(keys)
         own = slots is None
         slots = tuple(self.alloc(len(keys)) if own else slots)
@@ -312,7 +314,7 @@ class Instance:
                  "(failure is a result; submits raise only for caller errors, rule 8)")
         self.pending[job.job_id] = (kind, keys, slots, own)
         if absent:
-            self.absent[job.job_id] = frozenset(absent)
+            self.absent[job.job_id] = (frozenset(absent), absent_what)
         return job.job_id
 
     def poll(self) -> list[JobResult]:
@@ -342,13 +344,13 @@ class Instance:
         self.results[r.job_id] = r
         if kind == "load":
             failed = set(r.failed_keys)
-            absent = self.absent.pop(r.job_id, frozenset())
+            absent, what = self.absent.pop(r.job_id, (frozenset(), ""))
             size = self.slot_bytes
             for k, s in zip(keys, slots, strict=True):
                 if k in failed:
                     continue
                 if k in absent:
-                    fail(f"rule 4: load job {r.job_id} reported the never-stored key {qkey(k)} loaded successfully")
+                    fail(f"rule 4: load job {r.job_id} reported the {what} key {qkey(k)} loaded successfully")
                 want = content(k, size)
                 got = self.arena[s]
                 if got != want:
@@ -408,13 +410,13 @@ class Instance:
             if not r.ok:
                 fail(f"{why}: load of stored key {qkey(r.failed_keys[0])} failed: {r.error}")
 
-    def expect_missing(self, keys: Sequence[bytes], why: str) -> None:
-        """Loads of ``keys`` must all report them failed."""
-        jid = self.submit("load", keys, absent=keys)
+    def expect_missing(self, keys: Sequence[bytes], why: str, what: str = "never-stored") -> None:
+        """Loads of ``keys`` must all report them failed; ``what`` names them in messages."""
+        jid = self.submit("load", keys, absent=keys, absent_what=what)
         r = self.wait([jid])[jid]
         ok = [k for k in keys if k not in set(r.failed_keys)]
         if ok:
-            fail(f"{why}: load of absent key {qkey(ok[0])} reported success")
+            fail(f"{why}: load of {what} key {qkey(ok[0])} reported success")
 
     def close(self) -> list[JobResult]:
         """Close the tier, then collect what one more ``get_finished_jobs`` returns; every
