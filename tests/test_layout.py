@@ -43,7 +43,7 @@ def test_from_tensors_infers_each_layout():
     kv = {"kv": [[torch.zeros(5, 16, 8, 4, dtype=torch.bfloat16) for _ in range(2)] for _ in range(3)]}
     assert KVLayout.from_tensors(kv) == KVLayout.flat(3, 16 * 8 * 4 * 2)
     mla = {"mla": [[torch.zeros(7, 16, 576, dtype=torch.float16)] for _ in range(2)]}
-    assert KVLayout.from_tensors(mla) == KVLayout.mla(2, 16 * 576 * 2)
+    assert KVLayout.from_tensors(mla, kinds={"mla": "mla"}) == KVLayout.mla(2, 16 * 576 * 2)
     multi = {"t": [[torch.zeros(4, 64, dtype=torch.int8)] * 2] * 3, "d": [[torch.zeros(4, 8, dtype=torch.float32)] * 2]}
     assert KVLayout.from_tensors(multi) == KVLayout.multi([KVGroup("t", 3, 2, 64), KVGroup("d", 1, 2, 32)])
 

@@ -21,6 +21,12 @@ CPU tensors (no accelerator) are copied with numpy / ``memmove`` on the caller's
 chunks of consecutive blocks going to consecutive slots cost one strided ``np.copyto`` per
 tensor (one per group for a uniform pool) for the whole run of chunks; other chunks one copy
 per tensor per run of blocks, or one gather per tensor when the blocks are scattered.
+
+Hybrid layouts (see :mod:`.layout`): a chunk may name its block ids per group, with ``-1``
+for a position not to copy (a sliding-window block outside the window, the state of a chunk
+that is not the last of a load). SSM groups have one position per chunk, a state slot. Such
+transfers take a masked path: one gather / scatter per group on CPU; on an accelerator the
+same staging copies with the span rows of the copied positions only.
 """
 
 from __future__ import annotations
@@ -58,12 +64,15 @@ class _Group:
     num_blocks: int
     offset: int  # byte offset of the group's region in a slot
     tensors: list[Any]  # uint8 views [num_blocks, block_bytes], slot order (layer, tensor)
+    positions: int = 1  # pieces per tensor in a chunk: blocks_per_chunk, or 1 (SSM state)
+    is_state: bool = False  # SSM: positions are state slots
     rows: Any = None  # CPU, pooled: uint8 view [nrows, block_bytes] over the shared allocation
     row_off: np.ndarray | None = None  # CPU, pooled: first row of each tensor in `rows`
     np_rows: np.ndarray | None = None  # CPU, pooled
     np_pool3: np.ndarray | None = None  # CPU, pooled at a uniform stride: [num_tensors, num_blocks, block_bytes]
     np_tensors: list[np.ndarray] | None = None  # CPU
     addrs: list[int] | None = None  # CPU: address of each tensor's block 0
+    span_first: np.ndarray | None = None  # accelerator: span row of each tensor's block 0 (host copy)
     span_rows: Any = None  # accelerator: [num_tensors, 1, rows per block]: span row of each
     # (tensor, block 0, sub-row); block b adds b * rows per block
     stage_rows: Any = None  # accelerator: [num_tensors, 1, rows per block]: row of each
@@ -141,6 +150,10 @@ class DmaEngine:
     ``(device block ids, slot)``; it may have fewer than ``blocks_per_chunk`` blocks (the
     last partial chunk of a request): what is given is copied. Every submitted transfer id
     is reported by :meth:`poll` exactly once. Calls come from one thread at a time.
+
+    Hybrid layouts: a chunk's block ids may be a mapping ``group name -> ids`` (a group left
+    out is not copied; ``-1`` skips a position); SSM groups take one id, the state slot. A
+    plain sequence applies to every attention group and skips the SSM groups.
     """
 
     device: torch.device
@@ -192,7 +205,8 @@ class DmaEngine:
                                          f"layout says {g.block_bytes}")
                     devices.add(t.device)
                     flat.append(_u8_rows(t, bb))
-            self._groups.append(_Group(g.name, g.block_bytes, min(t.shape[0] for t in flat), goff, flat))
+            self._groups.append(_Group(g.name, g.block_bytes, min(t.shape[0] for t in flat), goff, flat,
+                                       positions=g.positions(bpc), is_state=g.is_state))
         if len(devices) != 1:
             raise ValueError(f"all KV tensors must be on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop()
@@ -200,6 +214,7 @@ class DmaEngine:
         # _torch_path_on_cpu: run the accelerator code (torch gathers, staging) on CPU tensors,
         # with no streams or events, so tests without an accelerator cover its index logic.
         self._cpu = self.kind == "cpu" and not _torch_path_on_cpu
+        self._has_state = any(g.is_state for g in self._groups)  # every transfer takes the masked path
         self._batch_chunks = max(1, staging_bytes // self.chunk_bytes)  # staging chunks per batch
         self._slot_rows = host.slot_bytes == self.chunk_bytes
         self._lock = threading.Lock()
@@ -236,11 +251,12 @@ class DmaEngine:
             for grp in self._groups:
                 rpb = grp.block_bytes // self._unit
                 sub = torch.arange(rpb, dtype=torch.int64).view(1, 1, rpb)
-                first = torch.tensor([(t.data_ptr() - self._span_base) // self._unit for t in grp.tensors],
-                                     dtype=torch.int64).view(-1, 1, 1)
+                grp.span_first = np.asarray([(t.data_ptr() - self._span_base) // self._unit for t in grp.tensors],
+                                            dtype=np.int64)
+                first = torch.from_numpy(grp.span_first).view(-1, 1, 1)
                 grp.span_rows = (first + sub).to(self.device)
                 k = torch.arange(grp.num_tensors, dtype=torch.int64).view(-1, 1, 1)
-                grp.stage_rows = (grp.offset // self._unit + k * (bpc * rpb) + sub).to(self.device)
+                grp.stage_rows = (grp.offset // self._unit + k * (grp.positions * rpb) + sub).to(self.device)
 
     # --- public API ------------------------------------------------------------------------
     def submit_store(self, transfer_id: int, chunks: Chunks) -> None:
@@ -311,7 +327,7 @@ class DmaEngine:
             self._pool = None
 
     # --- validation ------------------------------------------------------------------------
-    def _check(self, transfer_id: int, chunks: Chunks, load: bool) -> tuple[int, list[tuple[np.ndarray, int]]]:
+    def _check(self, transfer_id: int, chunks: Chunks, load: bool) -> tuple[int, list[tuple[Any, int]]]:
         if self._closed:
             raise ValueError("DMA engine is closed")
         try:
@@ -321,7 +337,7 @@ class DmaEngine:
         with self._lock:
             if tid in self._pending or tid in self._done:
                 raise ValueError(f"transfer {tid} is already in flight")
-        plan: list[tuple[np.ndarray, int]] = []
+        plan: list[tuple[Any, int]] = []
         slots = set()
         nslots = self.host.num_slots
         for item in chunks:
@@ -335,7 +351,13 @@ class DmaEngine:
             if slot in slots and not load:
                 raise ValueError(f"transfer {tid}: slot {slot} given twice")
             slots.add(slot)
+            if isinstance(ids, Mapping) or self._has_state:
+                plan.append((self._group_ids(tid, ids, slot), slot))
+                continue
             arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+            if len(arr) and int(arr.min()) == -1:  # a position to skip: the masked path
+                plan.append((self._group_ids(tid, ids, slot), slot))
+                continue
             if len(arr) > self.blocks_per_chunk:
                 raise ValueError(f"transfer {tid}: chunk for slot {slot} has {len(arr)} blocks, "
                                  f"more than blocks_per_chunk={self.blocks_per_chunk}")
@@ -347,11 +369,46 @@ class DmaEngine:
                         raise IndexError(f"transfer {tid}: device block {bad} out of range: KV group "
                                          f"{grp.name!r} has {grp.num_blocks} blocks")
             plan.append((arr, slot))
-        if load:
+        if any(isinstance(ids, list) for ids, _ in plan):  # masked: every chunk per group
+            plan = [(ids if isinstance(ids, list) else self._group_ids(tid, ids, slot), slot) for ids, slot in plan]
+            if load:
+                for gi, grp in enumerate(self._groups):
+                    used = np.concatenate([ids[gi][ids[gi] >= 0] for ids, _ in plan])
+                    if len(np.unique(used)) != len(used):
+                        what = "state slot" if grp.is_state else "device block"
+                        raise ValueError(f"transfer {tid}: a {what} of KV group {grp.name!r} is loaded twice")
+        elif load:
             all_ids = np.concatenate([a for a, _ in plan]) if plan else np.zeros(0, np.int64)
             if len(np.unique(all_ids)) != len(all_ids):
                 raise ValueError(f"transfer {tid}: a device block is loaded twice")
         return tid, plan
+
+    def _group_ids(self, tid: int, ids: Any, slot: int) -> list[np.ndarray]:
+        """One chunk's ids per group (``-1``: skip that position), checked against each group."""
+        if isinstance(ids, Mapping):
+            unknown = sorted(set(ids) - {g.name for g in self._groups})
+            if unknown:
+                raise ValueError(f"transfer {tid}: chunk for slot {slot} names KV groups {unknown}; "
+                                 f"the layout has {[g.name for g in self._groups]}")
+            per = [ids.get(g.name, ()) for g in self._groups]
+        else:
+            per = [() if g.is_state else ids for g in self._groups]
+        out = []
+        for grp, gids in zip(self._groups, per, strict=True):
+            arr = np.asarray(gids, dtype=np.int64).reshape(-1)
+            if len(arr) > grp.positions:
+                what = "a state slot" if grp.is_state else f"blocks_per_chunk={grp.positions} blocks"
+                raise ValueError(f"transfer {tid}: chunk for slot {slot} has {len(arr)} ids for KV group "
+                                 f"{grp.name!r}, which takes {what}")
+            if len(arr):
+                lo, hi = int(arr.min()), int(arr.max())
+                if lo < -1 or hi >= grp.num_blocks:
+                    bad = lo if lo < -1 else hi
+                    what = "state slot" if grp.is_state else "device block"
+                    raise IndexError(f"transfer {tid}: {what} {bad} out of range: KV group {grp.name!r} has "
+                                     f"{grp.num_blocks} (-1 skips a position)")
+            out.append(arr)
+        return out
 
     def _finish_now(self, tid: int) -> None:
         with self._lock:
@@ -361,6 +418,9 @@ class DmaEngine:
     def _cpu_transfer(self, plan: list[tuple[np.ndarray, int]], load: bool) -> None:
         """Copy on the caller's thread. Full chunks of consecutive blocks going to consecutive
         slots are merged into one strided copy per group where every group is a uniform pool."""
+        if plan and isinstance(plan[0][0], list):
+            self._cpu_masked(plan, load)
+            return
         bpc = self.blocks_per_chunk
         i, n = 0, len(plan)
         while i < n:
@@ -375,6 +435,30 @@ class DmaEngine:
             elif len(ids):
                 self._cpu_chunk(ids, slot, load)
             i = j
+
+    def _cpu_masked(self, plan: list[tuple[Any, int]], load: bool) -> None:
+        """Chunks given per group: one gather (store) or scatter (load) per group and chunk
+        over the positions not skipped."""
+        for per, slot in plan:
+            slot_arr = self._arena_np[slot]
+            for grp, arr in zip(self._groups, per, strict=True):
+                pos = np.flatnonzero(arr >= 0)
+                if not len(pos):
+                    continue
+                ids = arr[pos]
+                lt, npos, bb = grp.num_tensors, grp.positions, grp.block_bytes
+                region = slot_arr[grp.offset : grp.offset + lt * npos * bb].reshape(lt, npos, bb)
+                if grp.np_pool3 is not None:
+                    if load:
+                        grp.np_pool3[:, ids] = region[:, pos]
+                    else:
+                        region[:, pos] = grp.np_pool3[:, ids]
+                    continue
+                for k, t in enumerate(grp.np_tensors):
+                    if load:
+                        t[ids] = region[k, pos]
+                    else:
+                        region[k, pos] = t[ids]
 
     def _cpu_merged(self, first: int, slot: int, k: int, load: bool) -> None:
         """``k`` full chunks of blocks ``first ..`` to slots ``slot ..``: one strided copy per
@@ -468,7 +552,8 @@ class DmaEngine:
         import torch
 
         stream = self._load_stream if load else self._store_stream
-        plan = [(ids, slot) for ids, slot in plan if len(ids)]
+        plan = [(ids, slot) for ids, slot in plan if any(len(a) for a in ids)] if plan and isinstance(
+            plan[0][0], list) else [(ids, slot) for ids, slot in plan if len(ids)]
         if stream is None:  # _torch_path_on_cpu: synchronous, no events
             ctx: Any = contextlib.nullcontext()
         else:
@@ -479,8 +564,9 @@ class DmaEngine:
             if stream is not None:
                 stream.wait_event(ready)
             step = self._batch_chunks
+            staged = self._staged_masked if plan and isinstance(plan[0][0], list) else self._staged
             for i in range(0, len(plan), step):
-                self._staged(plan[i : i + step], load)
+                staged(plan[i : i + step], load)
             if stream is None:
                 self._finish_now(tid)
                 return
@@ -522,6 +608,37 @@ class DmaEngine:
             base = torch.arange(n, dtype=torch.int64, device=self.device).view(n, 1, 1, 1) * self._chunk_rows
             srows = srows.index_select(0, self._rows_index([g.stage_rows for g in self._groups], ids_d[1], n, base))
         self._span.index_copy_(0, span_idx, srows)
+
+    def _staged_masked(self, plan: list[tuple[Any, int]], load: bool) -> None:
+        """One batch of chunks given per group through a staging buffer laid out like the
+        slots, moving only the span rows of positions not skipped (indices built on the host)."""
+        import torch
+
+        n, unit = len(plan), self._unit
+        span_parts, mask_parts = [], []
+        for gi, grp in enumerate(self._groups):
+            npos, rpb = grp.positions, grp.block_bytes // unit
+            ids = np.full((n, npos), -1, dtype=np.int64)
+            for c, (per, _) in enumerate(plan):
+                ids[c, : len(per[gi])] = per[gi]
+            valid = ids >= 0
+            rows = (grp.span_first[None, :, None, None] + np.where(valid, ids, 0)[:, None, :, None] * rpb
+                    + np.arange(rpb, dtype=np.int64)[None, None, None, :])  # (chunk, tensor, position, sub-row)
+            span_parts.append(rows.reshape(n, -1))
+            mask_parts.append(np.broadcast_to(valid[:, None, :, None], rows.shape).reshape(n, -1))
+        sel = np.flatnonzero(np.concatenate(mask_parts, axis=1).reshape(-1))
+        span_idx = np.concatenate(span_parts, axis=1).reshape(-1)[sel]
+        stage_d = torch.from_numpy(sel).to(self.device, non_blocking=True)
+        span_d = torch.from_numpy(span_idx).to(self.device, non_blocking=True)
+        staging = torch.empty((n, self.chunk_bytes), dtype=torch.uint8, device=self.device)
+        srows = staging.view(self._span.dtype).view(n * self._chunk_rows, -1)
+        slots = [s for _, s in plan]
+        if not load:
+            srows.index_copy_(0, stage_d, self._span.index_select(0, span_d))
+            self._host_copies(staging, slots, load=False)
+            return
+        self._host_copies(staging, slots, load=True)
+        self._span.index_copy_(0, span_d, srows.index_select(0, stage_d))
 
     def _rows_index(self, firsts: list[torch.Tensor], per_pos: torch.Tensor, n: int, base: Any = 0) -> torch.Tensor:
         """Rows of every (chunk, group, tensor, position, sub-row), in slot order, flat:

@@ -1,40 +1,83 @@
 """KV layout descriptors: what one chunk of KV cache is made of, and where it sits in a slot.
 
 A *chunk* is ``blocks_per_chunk`` device blocks across every layer of every KV group. A
-*group* is a set of layers sharing one block shape (the target model, a draft model, an MLA
-model's latent cache). Device tensors are given per group, per layer, as a list of
-``tensors_per_layer`` tensors (2 for flat K/V, 1 for an MLA latent), each of shape
-``[num_blocks, *block_shape]`` and contiguous, so one block of one tensor is ``block_bytes``
-contiguous bytes.
+*group* is a set of layers sharing one block shape and one *kind* (see :data:`GROUP_KINDS`):
+full attention (the target model, a draft model), sliding-window attention, an MLA latent
+cache, the indexer cache of sparse MLA, or SSM state. Device tensors are given per group, per
+layer, as a list of ``tensors_per_layer`` tensors (2 for K/V, 1 for an MLA latent or one
+state tensor), each of shape ``[num_blocks, *block_shape]`` (SSM groups: ``[num_state_slots,
+*state_shape]``) and contiguous, so one block (one state) of one tensor is ``block_bytes``
+contiguous bytes. Bytes are bytes: any dtype (fp8 e4m3/e5m2, bf16, int8, ...) moves as is.
 
 Slot layout (fixed, part of the namespace): for each group, each layer, each tensor in order,
-the chunk's ``blocks_per_chunk`` blocks back to back. A partial chunk (fewer blocks) fills
-the first blocks of each such region; the rest of the slot is unspecified.
+the group's *positions* back to back: the chunk's ``blocks_per_chunk`` blocks for attention
+groups, one state (the state after the chunk's last token) for SSM groups. A partial chunk
+(fewer blocks) fills the first positions of each region; the rest of the slot is unspecified.
+Every chunk has the same byte size whatever the group kinds.
+
+A Mamba layer's conv and recurrent states differ in size: they are two SSM groups (as sparse
+MLA's latent and indexer caches are two groups), so every group keeps one size per block.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
 
+#: Group kinds. ``full``: full attention (every block of a prefix is needed). ``sliding``:
+#: sliding-window attention of ``window`` tokens (a load needs only the blocks in the window
+#: that ends at its last chunk). ``mla``: a multi-head latent attention cache. ``mla_indexer``:
+#: the indexer key cache of sparse MLA (DeepSeek V3.2), loaded like ``mla``. ``ssm``:
+#: Mamba/SSM state, one state per chunk (after its last token) in engine state slots.
+GROUP_KINDS = ("full", "sliding", "mla", "mla_indexer", "ssm")
+
+
 @dataclass(frozen=True)
 class KVGroup:
-    """One set of layers with one block shape (e.g. the target model, or a draft model)."""
+    """One set of layers with one block shape and one kind (e.g. the target model, a draft
+    model, the sliding-window layers of a hybrid, the conv state of its Mamba layers).
+
+    ``window``: the attention window in tokens, for ``kind="sliding"`` only. ``dtype`` and
+    ``shape`` (of one block of one tensor) describe the bytes: they go into the namespace
+    (:meth:`describe`) and take no part in equality, which is about what is copied.
+    """
 
     name: str
     num_layers: int
-    tensors_per_layer: int  # 2 = flat K/V, 1 = MLA latent
-    block_bytes: int  # bytes of one block of one tensor of one layer
+    tensors_per_layer: int  # 2 = K/V, 1 = MLA latent, indexer keys or one SSM state tensor
+    block_bytes: int  # bytes of one block (SSM: one state) of one tensor of one layer
+    kind: str = "full"
+    window: int | None = None  # tokens, sliding only
+    dtype: str | None = field(default=None, compare=False)
+    shape: tuple[int, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"KV group name must be a non-empty string, got {self.name!r}")
+        if self.kind not in GROUP_KINDS:
+            raise ValueError(f"KV group {self.name!r}: kind must be one of {', '.join(GROUP_KINDS)}, "
+                             f"got {self.kind!r}")
+        if self.kind == "sliding":
+            try:
+                w = operator.index(self.window)  # type: ignore[arg-type]
+            except TypeError:
+                raise TypeError(f"KV group {self.name!r}: a sliding group needs window (tokens) as an int, "
+                                f"got {self.window!r}") from None
+            if w <= 0:
+                raise ValueError(f"KV group {self.name!r}: window must be positive, got {w}")
+            object.__setattr__(self, "window", w)
+        elif self.window is not None:
+            raise ValueError(f"KV group {self.name!r}: window applies to kind 'sliding' only, not {self.kind!r}")
+        if self.dtype is not None and not isinstance(self.dtype, str):
+            raise TypeError(f"KV group {self.name!r}: dtype must be a string such as 'float8_e4m3fn'")
+        if self.shape is not None:
+            object.__setattr__(self, "shape", tuple(operator.index(d) for d in self.shape))
         for attr in ("num_layers", "tensors_per_layer", "block_bytes"):
             v = getattr(self, attr)
             try:
@@ -50,17 +93,36 @@ class KVGroup:
         """Tensors in the group: ``num_layers * tensors_per_layer``."""
         return self.num_layers * self.tensors_per_layer
 
+    @property
+    def is_state(self) -> bool:
+        """SSM state: one state per chunk, addressed by state slot, not by block."""
+        return self.kind == "ssm"
+
+    def positions(self, blocks_per_chunk: int) -> int:
+        """Pieces per tensor in one chunk: its blocks, or one state for an SSM group."""
+        return 1 if self.is_state else blocks_per_chunk
+
     def chunk_bytes(self, blocks_per_chunk: int) -> int:
         """Bytes this group contributes to one chunk."""
-        return self.num_tensors * blocks_per_chunk * self.block_bytes
+        return self.num_tensors * self.positions(blocks_per_chunk) * self.block_bytes
 
     def describe(self) -> dict[str, Any]:
-        return {
+        """JSON-able description (kind, window and dtype only where they say something)."""
+        d: dict[str, Any] = {
             "name": self.name,
             "num_layers": self.num_layers,
             "tensors_per_layer": self.tensors_per_layer,
             "block_bytes": self.block_bytes,
         }
+        if self.kind != "full":
+            d["kind"] = self.kind
+        if self.window is not None:
+            d["window"] = self.window
+        if self.dtype is not None:
+            d["dtype"] = self.dtype
+        if self.shape is not None:
+            d["shape"] = list(self.shape)
+        return d
 
 
 @dataclass(frozen=True)
@@ -72,6 +134,7 @@ class Segment:
     tensor: int  # 0..tensors_per_layer-1
     offset: int  # byte offset of the tensor's first block in the slot
     block_bytes: int
+    positions: int = 0  # blocks (or 1 state) of this tensor in the chunk
 
 
 class KVLayout:
@@ -97,9 +160,15 @@ class KVLayout:
         return cls((KVGroup(name, num_layers, 2, block_bytes),))
 
     @classmethod
-    def mla(cls, num_layers: int, block_bytes: int, name: str = "mla") -> KVLayout:
-        """One latent tensor per layer (multi-head latent attention)."""
-        return cls((KVGroup(name, num_layers, 1, block_bytes),))
+    def mla(cls, num_layers: int, block_bytes: int, name: str = "mla", *, indexer_bytes: int | None = None,
+            indexer_name: str = "indexer") -> KVLayout:
+        """One latent tensor per layer (multi-head latent attention); with ``indexer_bytes``,
+        also sparse MLA's indexer key cache (one tensor per layer, its own block size), as
+        the group ``indexer_name`` of kind ``mla_indexer``."""
+        groups = [KVGroup(name, num_layers, 1, block_bytes, kind="mla")]
+        if indexer_bytes is not None:
+            groups.append(KVGroup(indexer_name, num_layers, 1, indexer_bytes, kind="mla_indexer"))
+        return cls(groups)
 
     @classmethod
     def multi(cls, groups: Iterable[KVGroup]) -> KVLayout:
@@ -107,14 +176,22 @@ class KVLayout:
         return cls(groups)
 
     @classmethod
-    def from_tensors(cls, kv_caches: Mapping[str, Sequence[Sequence[torch.Tensor]]]) -> KVLayout:
+    def from_tensors(cls, kv_caches: Mapping[str, Sequence[Sequence[torch.Tensor]]],
+                     kinds: Mapping[str, str | Mapping[str, Any]] | None = None) -> KVLayout:
         """Infer the layout from device tensors: group name -> per layer -> tensors ``[num_blocks, ...]``.
 
         Every tensor of a group must be contiguous with the same block size in bytes and
-        every layer of a group must have the same number of tensors.
+        every layer of a group must have the same number of tensors. ``kinds``: group name ->
+        its kind (``"ssm"``) or its kind and options (``{"kind": "sliding", "window": 4096}``);
+        groups not named are full attention. Each group's dtype and block shape are taken from
+        its first tensor.
         """
         if not isinstance(kv_caches, Mapping) or not kv_caches:
             raise ValueError("kv_caches must be a non-empty mapping: group name -> per layer -> tensors")
+        kinds = dict(kinds or {})
+        unknown = sorted(set(kinds) - set(kv_caches))
+        if unknown:
+            raise ValueError(f"kinds names groups {unknown} that kv_caches does not have ({sorted(kv_caches)})")
         groups = []
         for name, layers in kv_caches.items():
             if not layers:
@@ -138,7 +215,13 @@ class KVLayout:
                         raise ValueError(
                             f"KV group {name!r} layer {li} tensor {ti}: block of {b} bytes, expected {bb}"
                         )
-            groups.append(KVGroup(name, len(layers), tpl or 0, bb or 0))
+            spec = kinds.get(name, "full")
+            opts = dict(spec) if isinstance(spec, Mapping) else {"kind": spec}
+            t0 = layers[0][0] if layers[0] else None
+            if t0 is not None:
+                opts.setdefault("dtype", str(t0.dtype).removeprefix("torch."))
+                opts.setdefault("shape", tuple(t0.shape[1:]))
+            groups.append(KVGroup(name, len(layers), tpl or 0, bb or 0, **opts))
         return cls(groups)
 
     def chunk_bytes(self, blocks_per_chunk: int) -> int:
@@ -160,11 +243,24 @@ class KVLayout:
         """Every (group, layer, tensor) piece of a chunk in slot order, with its offset."""
         off = 0
         for gi, g in enumerate(self.groups):
-            piece = blocks_per_chunk * g.block_bytes
+            npos = g.positions(blocks_per_chunk)
             for layer in range(g.num_layers):
                 for t in range(g.tensors_per_layer):
-                    yield Segment(gi, layer, t, off, g.block_bytes)
-                    off += piece
+                    yield Segment(gi, layer, t, off, g.block_bytes, npos)
+                    off += npos * g.block_bytes
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some group is not plain full attention / MLA (sliding window or SSM state):
+        loads then copy part of a chunk, and SSM groups need state slots."""
+        return any(g.kind in ("sliding", "ssm") for g in self.groups)
+
+    def group(self, name: str) -> KVGroup:
+        """The group called ``name``."""
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"no KV group {name!r}; groups are {[g.name for g in self.groups]}")
 
     def describe(self) -> dict[str, Any]:
         """JSON-able description, for the namespace fields."""
