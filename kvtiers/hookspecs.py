@@ -41,7 +41,9 @@ class TierSpec:
 
         Rule 8: returns without waiting for I/O; raises only for caller errors
         (``ValueError``, ``IndexError``, ``TypeError``) with a message naming the fault, and
-        a submit that raised did not accept its job. Rule 7: storing an existing key
+        a submit that raised did not accept its job. An argument that is not a
+        :class:`~kvtiers.types.Job` (e.g. a tuple) is a ``TypeError``, never an
+        ``AttributeError`` (:func:`kvtiers.accept_job` does these checks). Rule 7: storing an existing key
         succeeds; concurrent stores of one key leave one valid copy. Rule 10 (durable):
         a crash mid-store never leaves a key that answers ``HIT`` and loads wrong bytes.
         """
@@ -51,7 +53,8 @@ class TierSpec:
         """Start writing the stored bytes of each key of ``job`` into its arena slot.
 
         Rule 3: a key reported not failed got exactly the stored bytes. Rule 4: a missing,
-        evicted, truncated or corrupt key is a failed key, never an exception out of a hook.
+        evicted, truncated or corrupt key is a failed key, never an exception out of a hook,
+        and a result with failed keys says why in ``JobResult.error``.
         Rule 8 as for :meth:`submit_store`.
         """
 
@@ -60,7 +63,8 @@ class TierSpec:
         """Return the results of jobs finished since the last call; never blocks.
 
         Rule 5: every accepted job appears exactly once, within 30 s. Rule 6: once its
-        result is returned, the tier never touches that job's slots again.
+        result is returned, the tier never touches that job's slots again. Rule 4: a
+        result with failed keys carries a non-empty ``error`` saying why.
         """
 
     @hookspec(firstresult=True)
@@ -78,6 +82,30 @@ class TierSpec:
     @hookspec(firstresult=True)
     def backlog(self) -> int:
         """Number of accepted jobs not yet reported (for back-pressure)."""
+
+
+class TierClassSpec:
+    """Optional class attributes of a tier: not hooks, read by the registry and by the
+    conformance suite (``kvtiers_conformance``). Documentation only; nothing registers it.
+    """
+
+    #: the conformance levels the tier claims; default ``{"core"}``
+    levels: frozenset[str] = frozenset({"core"})
+
+    @classmethod
+    def conformance_config(cls, scratch: Any) -> dict:
+        """Options for a test instance whose data lives under ``scratch`` (a fresh
+        ``pathlib.Path`` per check, removed afterwards). ``kvtiers conformance TYPE`` calls
+        it when no ``--config`` is given."""
+
+    @classmethod
+    def conformance_corrupt(cls, config: dict, namespace: Any, key: bytes) -> None:
+        """Damage the stored copy of ``key`` in place, keeping its length, as a disk fault
+        would (rule 4). ``config`` is the options of an open instance and ``namespace`` its
+        :class:`~kvtiers.types.Namespace`; ``key`` was stored by it. The suite calls this
+        while that instance is open, then requires a load to fail the key, never to return
+        wrong bytes. Without it the suite damages chunk files, for tiers that keep one file
+        per chunk under a directory their options name."""
 
 
 RegisterTier = Callable[[str, type], None]

@@ -1,7 +1,7 @@
 """Tiers for testing the conformance suite itself.
 
-Two good ones the suite must pass (:class:`DictAsyncTier`, an ``AsyncTier`` over a
-process-wide dict, claiming ``shared``; :class:`DirTier`, a checksummed file-per-chunk tier
+Two good ones the suite must pass (:class:`DictAsyncTier`, a checksummed ``AsyncTier``
+over a process-wide dict with ``conformance_corrupt``; :class:`DirTier`, a checksummed file-per-chunk tier
 with atomic publish, claiming ``durable`` and ``shared``), and deliberately broken ones, each
 breaking one rule (``BROKEN`` maps them to it), several of them intermittently. The broken
 ones are built on the memory tier where that is the shortest way to the bug.
@@ -26,9 +26,12 @@ _BUCKETS_LOCK = threading.Lock()
 
 
 class DictAsyncTier(AsyncTier):
-    """Chunks in a process-wide dict per ``bucket``: instances on one bucket share data."""
+    """Chunks and their blake2b tags in a process-wide dict per ``bucket``: instances on one
+    bucket in one process share data (so it claims only ``core``: ``shared`` is certified
+    across processes). ``conformance_corrupt`` flips a byte of a stored chunk."""
 
-    levels = frozenset({"core", "shared"})
+    levels = frozenset({"core"})
+    checksum = True  # UncheckedDictTier: no tag check on load
 
     def __init__(self, ctx: TierContext, *, bucket: str = "default") -> None:
         super().__init__(ctx)
@@ -39,16 +42,28 @@ class DictAsyncTier(AsyncTier):
     def conformance_config(cls, scratch) -> dict:
         return {"bucket": str(scratch)}
 
+    @classmethod
+    def conformance_corrupt(cls, config: dict, namespace, key: bytes) -> None:
+        data = _BUCKETS[config.get("bucket", "default")]
+        blob, tag = data[key]
+        bad = bytearray(blob)
+        bad[len(bad) // 2] ^= 0xFF
+        data[key] = (bytes(bad), tag)
+
     async def exists(self, key: bytes) -> bool:
         return key in self.data
 
     async def put(self, key: bytes, data: memoryview) -> None:
-        self.data.setdefault(key, bytes(data))
+        blob = bytes(data)
+        self.data.setdefault(key, (blob, hashlib.blake2b(blob, digest_size=16).digest()))
 
     async def get_into(self, key: bytes, out: memoryview) -> bool:
-        blob = self.data.get(key)
-        if blob is None:
+        entry = self.data.get(key)
+        if entry is None:
             return False
+        blob, tag = entry
+        if self.checksum and hashlib.blake2b(blob, digest_size=16).digest() != tag:
+            raise ValueError(f"chunk {key.hex()} is corrupt")
         out[:] = blob
         return True
 
@@ -439,6 +454,13 @@ class NulTruncatingTier(NormalisingTier):
         return tuple(k.split(b"\x00")[0] or b"_" for k in keys)
 
 
+class UncheckedDictTier(DictAsyncTier):
+    """Rule 4: no checksum, so a chunk damaged in place (``conformance_corrupt``) loads as
+    success with wrong bytes. It keeps no files: only the hook can show it."""
+
+    checksum = False
+
+
 class TornDirTier(DirTier):
     """Rule 10: writes chunk files in place, with no checksum; a kill mid-write leaves a
     short file that answers HIT and loads wrong bytes."""
@@ -455,6 +477,7 @@ BROKEN: dict[type, tuple[int, str]] = {
     BitFlipTier: (3, "core"),
     PhantomLoadTier: (4, "core"),
     RaisingLoadTier: (4, "core"),
+    UncheckedDictTier: (4, "core"),
     LoseEveryFourthTier: (5, "core"),
     DoubleReportTier: (5, "core"),
     LateWriteTier: (6, "core"),

@@ -7,7 +7,7 @@ tighter time bounds than the defaults (a lost result is noticed after 3 s, not 3
 from __future__ import annotations
 
 import pytest
-from broken_tiers import BROKEN, DirTier, WholeJobPresentTier
+from broken_tiers import BROKEN, DictAsyncTier, DirTier, WholeJobPresentTier
 from kvtiers_conformance import Limits, run_conformance
 
 FAST = Limits(finish_s=3.0, retry_s=2.0, examples=25, crash_rounds=3, shrink=False)
@@ -16,6 +16,8 @@ FAST = Limits(finish_s=3.0, retry_s=2.0, examples=25, crash_rounds=3, shrink=Fal
 def _config(cls: type):
     if issubclass(cls, DirTier):
         return lambda scratch: {"root_dir": str(scratch)}
+    if issubclass(cls, DictAsyncTier):
+        return cls.conformance_config
     return {}
 
 
@@ -42,3 +44,16 @@ def test_one_job_over_the_bound_catches_what_small_jobs_miss() -> None:
     assert by_name["test_rule11_bounded_capacity"].status == "PASS"
     one = by_name["test_rule11_one_job_over_the_bound"]
     assert one.status == "FAIL" and "answer HIT" in one.why, one.why
+
+
+def test_corruption_hook_fails_an_unchecked_tier_and_passes_a_checked_one() -> None:
+    """Issue 11: a tier without a checksum that implements conformance_corrupt fails rule 4
+    (it keeps no files, so before the hook it passed); the same tier with its checksum passes."""
+    from broken_tiers import UncheckedDictTier
+
+    bad = run_conformance(UncheckedDictTier, None, levels="core", rules={4}, limits=FAST, seed=2)
+    r = next(x for x in bad.results if x.check.test_name == "test_rule04_corrupt_chunks_fail")
+    assert r.status == "FAIL" and "corrupted key" in r.why and "wrong bytes" in r.why, r.why
+    good = run_conformance(DictAsyncTier, None, levels="core", rules={4}, limits=FAST, seed=2)
+    r = next(x for x in good.results if x.check.test_name == "test_rule04_corrupt_chunks_fail")
+    assert r.status == "PASS", r.why

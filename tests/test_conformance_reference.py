@@ -1,5 +1,6 @@
 """Reference tiers of the suite's own tests pass every level they claim, through TierTests:
-an AsyncTier over a shared dict (core, shared; also exercises the fault injection) and a
+a checksummed AsyncTier over a dict (core; also exercises the fault injection and the
+corruption hook) and a
 checksummed file-per-chunk tier (core, durable, shared; the crash test in a subprocess)."""
 
 from __future__ import annotations

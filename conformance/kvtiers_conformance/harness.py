@@ -349,10 +349,11 @@ class Instance:
             for k, s in zip(keys, slots, strict=True):
                 if k in failed:
                     continue
-                if k in absent:
-                    fail(f"rule 4: load job {r.job_id} reported the {what} key {qkey(k)} loaded successfully")
                 want = content(k, size)
                 got = self.arena[s]
+                if k in absent:
+                    how = " with wrong bytes (no checksum on load?)" if got != want else ""
+                    fail(f"rule 4: load job {r.job_id} reported the {what} key {qkey(k)} loaded successfully{how}")
                 if got != want:
                     where = first_difference(got, want)
                     what = "was never written" if bytes(got) == poison(size) else "holds wrong bytes"

@@ -90,20 +90,54 @@ def _all_files(roots: list[pathlib.Path]) -> set[pathlib.Path]:
     return {pathlib.Path(d, n) for root in roots for d, _, names in os.walk(root) for n in names}
 
 
-@check(4, "corrupt_files_fail")
-def corrupt_files_fail(h: Harness) -> None:
-    """For file-per-chunk tiers: chunks flipped or truncated on disk load as failed, never wrong bytes."""
+@check(4, "corrupt_chunks_fail")
+def corrupt_chunks_fail(h: Harness) -> None:
+    """Stored chunks damaged in place (by the tier's conformance_corrupt, else chunk files
+    flipped and truncated on disk) load as failed keys, never as wrong bytes."""
+    corrupt = getattr(h.info.cls, "conformance_corrupt", None)
+    if corrupt is not None:
+        _corrupt_with_hook(h, corrupt)
+    else:
+        _corrupt_files(h)
+
+
+def _corrupt_with_hook(h: Harness, corrupt) -> None:
+    """``conformance_corrupt(config, namespace, key)`` damages half the keys of a store
+    while the instance is open; a load must fail exactly those (the intact ones load)."""
+    t = h.open()
+    keys = h.keys(8, b"C")
+    t.store(keys)
+    damaged = keys[::2]
+    for k in damaged:
+        try:
+            corrupt(h.options(), h.namespace(t.slot_bytes), k)
+        except Exception as e:
+            fail(f"rule 4: conformance_corrupt(config, namespace, {qkey(k)}) of a stored key raised "
+                 f"{type(e).__name__}: {e}")
+    jid = t.submit("load", keys, absent=damaged, absent_what="corrupted")  # the harness fails a good one
+    r = t.wait([jid])[jid]
+    lost = [k for k in keys if k not in damaged and k in r.failed_keys]
+    if lost:
+        fail(f"rule 4: intact key {qkey(lost[0])} failed only because its job also held corrupted keys: {r.error}")
+    if r.error is None:
+        fail("rule 4: a job with failed keys must say why in JobResult.error")
+
+
+def _corrupt_files(h: Harness) -> None:
+    """For file-per-chunk tiers: flip bytes in half the chunk files and truncate the rest."""
     t = h.open()
     roots = h.path_roots()
     if not roots:
-        raise CheckSkipped("the tier's options name no directory")
+        raise CheckSkipped("the tier has no conformance_corrupt(config, namespace, key) and its options "
+                           "name no directory")
     before = _all_files(roots)
     keys = h.keys(8, b"C")
     t.store(keys)
     t.close()
     files = _new_files(roots, before)
     if len(files) < len(keys):
-        raise CheckSkipped(f"not one file per chunk ({len(files)} new files for {len(keys)} chunks)")
+        raise CheckSkipped(f"the tier has no conformance_corrupt(config, namespace, key) and keeps no file "
+                           f"per chunk ({len(files)} new files for {len(keys)} chunks)")
     for i, p in enumerate(sorted(files)):
         size = p.stat().st_size
         if size == 0:

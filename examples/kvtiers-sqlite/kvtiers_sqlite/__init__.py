@@ -53,6 +53,21 @@ class SqliteTier(kvtiers.AsyncTier):
         """Options for a test instance of the conformance suite."""
         return {"path": str(scratch / "kv.sqlite3")}
 
+    @classmethod
+    def conformance_corrupt(cls, config: dict, namespace: kvtiers.Namespace, key: bytes) -> None:
+        """Flip one byte of the stored chunk of ``key`` in place, as a disk fault would (the
+        suite's rule 4 check; the CRC-32 must catch it)."""
+        table = f"chunks_{namespace.digest}"
+        db = sqlite3.connect(config["path"], timeout=float(config.get("busy_timeout", 30.0)))
+        try:
+            (blob,) = db.execute(f"SELECT data FROM {table} WHERE key = ?", (key,)).fetchone()
+            bad = bytearray(blob)
+            bad[len(bad) // 2] ^= 0xFF
+            with db:
+                db.execute(f"UPDATE {table} SET data = ? WHERE key = ?", (bytes(bad), key))
+        finally:
+            db.close()
+
     async def _sql(self, query: str, *args: object) -> list[tuple]:
         """Run one statement (its own transaction) on the tier's thread; return its rows."""
         run = lambda: self.db.execute(query, args).fetchall()  # noqa: E731
