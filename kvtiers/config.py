@@ -66,6 +66,8 @@ class Config:
     elastic_reserve_bytes: int = 1 << 30
     tiers: tuple[TierConfig, ...] = ()
     ignored: tuple[str, ...] = ()
+    kv_events: dict[str, Any] | None = None  # checked by kvtiers.engine.kvevents (docs/observability.md)
+    metrics: dict[str, Any] | None = None  # checked by kvtiers.metrics
 
     @property
     def tier_entries(self) -> list[dict[str, Any]]:
@@ -99,6 +101,8 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "elastic": (lambda v: isinstance(v, bool), "true or false"),
     "elastic_reserve_bytes": (lambda v: _int(v) and v >= 0, "an int >= 0 (bytes)"),
     "tiers": (lambda v: isinstance(v, list), "a list of tier objects"),
+    "kv_events": (lambda v: v is None or isinstance(v, dict), "an object (KV event publishing) or null"),
+    "metrics": (lambda v: v is None or isinstance(v, dict), "an object (Prometheus metrics) or null"),
 }
 
 

@@ -38,6 +38,10 @@ def build_from_config(
     from .layout import KVLayout
 
     cfg = config if isinstance(config, Config) else load_config(config)
+    from ..metrics import parse_metrics
+    from .kvevents import parse_kv_events
+
+    kv_events, metrics = parse_kv_events(cfg.kv_events), parse_metrics(cfg.metrics)  # errors before building
     layout = layout if layout is not None else KVLayout.from_tensors(kv_caches)
     bpc = cfg.blocks_per_chunk
     tokens_per_chunk = None
@@ -78,6 +82,14 @@ def build_from_config(
         )
         for t in cfg.tiers:
             mgr.add_tier(t.type, t.options, name=t.name)
+        if metrics is not None:
+            from ..metrics import attach_metrics
+
+            attach_metrics(mgr, metrics)
+        if kv_events is not None:
+            from .kvevents import attach_kv_events
+
+            attach_kv_events(mgr, kv_events)
     except BaseException:
         if mgr is not None:
             mgr.close(timeout=5.0)

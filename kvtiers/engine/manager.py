@@ -45,6 +45,10 @@ from .types import CacheEvent, LookupResult, ManagerStats, PathStats, Request, T
 
 __all__ = ["CacheEvent", "LookupResult", "ManagerStats", "PathStats", "Request", "TieringManager", "TransferResult"]
 
+CLOSE_GRACE = 5.0  # seconds tiers' close() get after close's timeout, before they are abandoned
+CLOSE_DRAIN = 1.0  # seconds close waits for device copies after abandoning tier jobs
+_KEPT_ARENAS: list[Any] = []  # host arenas an abandoned tier job may still touch: never freed
+
 
 class TieringManager:
     """The host cache, the DMA engine and the secondary tiers behind one engine API.
@@ -88,6 +92,7 @@ class TieringManager:
             on_evict=self._events.host_evicted,
         )
         self.stats = ManagerStats()
+        self._events.counts = self.stats.events  # chunk keys per (kind, medium), as listeners saw them
         # the parts share the cache, the stats and the event bus; each owns the rest of its state
         self._tiers = TierSet(self.stats)
         self._transfers = TransferBook(dma, self.cache, self.stats, self.chunk_bytes)
@@ -100,6 +105,8 @@ class TieringManager:
         self._tiers.on_job_end("store", self._stores.tier_stored)
         self._tiers.on_job_end("load", self._loads.promoted)
         self._tiers.on_job_lost(self._loads.lost)
+        self.kv_events: Any = None  # the KVEventBridge once KV events are published (kvtiers.engine.kvevents)
+        self.metrics: Any = None  # the ManagerMetrics once metrics are attached (kvtiers.metrics)
         self._closed = False
 
     @property
@@ -195,6 +202,7 @@ class TieringManager:
         if request is not None and request.cancelled:
             return None
         self._progress()
+        self._events.note_store(keys, request, first_chunk)  # self-describing KV events: tokens, block hashes
         limit = chunk_limit(request, max_offload_tokens=self.max_offload_tokens,
                             offload_prompt_only=self.offload_prompt_only, tokens_per_chunk=self.tokens_per_chunk)
         tid = self._stores.store(keys, blocks, request, limit, first_chunk)
@@ -258,23 +266,43 @@ class TieringManager:
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish what is in flight (up to ``timeout`` seconds), then close the DMA engine,
-        every tier and the arena. Idempotent."""
+        every tier and the arena. Idempotent.
+
+        Bounded: returns within ``timeout`` + :data:`CLOSE_GRACE` + :data:`CLOSE_DRAIN`
+        seconds (plus the DMA engine's own close) even when a tier's job or its ``close()``
+        never returns: tiers close in threads of their own, given what is left of
+        ``timeout`` plus ``CLOSE_GRACE``. Tier jobs still unreported then are abandoned: the
+        loads waiting for them report their keys failed with an error saying so, their slots
+        stay pinned, and the arena is kept, never freed, so a tier thread that wakes up later
+        writes memory nobody reuses (rule 6; docs/engine.md)."""
         if self._closed:
             return
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         while self.pending() and time.monotonic() < deadline:
             self._progress()
             time.sleep(0.001)
         if self.pending():
             log.warning("kvtiers: closing with %d transfer(s) or tier job(s) unfinished", self.pending())
         self._closed = True
-        self._tiers.close()
+        self._tiers.close(max(0.0, deadline - time.monotonic()) + CLOSE_GRACE)
         self._tiers.poll()  # rule 9: results of jobs finished by close
+        abandoned = self._tiers.abandon(f"abandoned at close: not reported within {time.monotonic() - t0:.3g} s")
+        drain = time.monotonic() + CLOSE_DRAIN  # the device copies of loads those failures ended
+        while self._transfers.pending() and time.monotonic() < drain:
+            self._transfers.poll_dma()
+            time.sleep(0.001)
         self._events.flush()
+        self._events.close()  # KV event publisher, metrics server: after the last events
         close = getattr(self.dma, "close", None)
         if close is not None:
             close()
-        if self.host is not None:
+        if self.host is not None and abandoned:
+            _KEPT_ARENAS.append(self.host)
+            log.warning("kvtiers: %d tier job(s) abandoned at close; their slots stay pinned and the host arena "
+                        "(%d bytes) is kept, not freed, for as long as the process lives", len(abandoned),
+                        len(self.arena) * self.arena.slot_bytes)
+        elif self.host is not None:
             self.host.close()
 
     def __enter__(self) -> TieringManager:

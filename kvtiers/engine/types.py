@@ -5,19 +5,28 @@ they are also exported from :mod:`kvtiers`."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 
 @dataclass
 class Request:
     """Per-request offload limits. ``cancel()`` stops new transfers for the request;
-    transfers already running end normally and keep their slots pinned until then."""
+    transfers already running end normally and keep their slots pinned until then.
+
+    For self-describing KV events (docs/observability.md) an engine may also pass the
+    request's ``token_ids``, the engine's ``block_hashes`` (one per block of
+    ``block_size`` tokens, from the request's first block), and the ``parent_block_hash``
+    of its first block; each stored chunk then fans out to its blocks in the events."""
 
     request_id: str
     num_prompt_tokens: int | None = None
     max_offload_tokens: int | None = None
     cancelled: bool = False
+    token_ids: Sequence[int] | None = None
+    block_hashes: Sequence[bytes | int] | None = None
+    parent_block_hash: bytes | int | None = None
+    block_size: int | None = None
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -106,4 +115,5 @@ class ManagerStats:
     skipped_stores: int = 0
     host_full: int = 0
     tier_errors: Counter = field(default_factory=Counter)
+    events: Counter = field(default_factory=Counter)  # (kind, medium) -> chunk keys in cache events
     paths: dict[str, PathStats] = field(default_factory=lambda: defaultdict(PathStats))

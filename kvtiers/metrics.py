@@ -1,0 +1,560 @@
+"""Prometheus metrics for every tier, the host cache and the DMA engine.
+
+Implemented once, around every tier: :class:`TierObserver` is a pluggy wrapper plugin
+registered on each tier's :class:`~kvtiers.TierHandle`, so it sees every hook call of any
+tier, third-party tiers included, without the tier doing anything. It keeps plain
+counters (always, for summaries such as the demo's) and, where ``prometheus_client`` is
+installed (the ``observe`` extra), exports them. A tier can add its own counters, gauges
+and histograms with :func:`tier_metrics`; they carry the same ``tier`` label and are
+exposed with the rest.
+
+Series (all names ``kvtiers_...``; the mapping onto vLLM's ``vllm:kv_offload_tiering_*``
+is in docs/observability.md): per tier, chunk queries / hits / misses / retries, lookup
+latency, bytes and seconds read and written, job failures by kind and reason, jobs in
+flight, backlog, evictions by reason; for the host cache, slots, used and pinned slots,
+evictions and allocation failures; for the DMA engine, bytes and seconds per direction.
+
+Multiprocess: with ``PROMETHEUS_MULTIPROC_DIR`` set (before ``prometheus_client`` is
+imported), every worker process writes its values there and :func:`serve_metrics` serves
+their sum (gauges: the sum over live processes). No torch here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+import weakref
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .errors import ConfigError
+from .hookspecs import hookimpl
+from .types import Lookup
+
+__all__ = [
+    "ManagerMetrics", "MetricsConfig", "MetricsServer", "TierMetrics", "TierObserver", "TierStats",
+    "attach_metrics", "have_prometheus", "parse_metrics", "serve_metrics", "tier_metrics",
+]
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+def have_prometheus() -> bool:
+    """Whether ``prometheus_client`` can be imported."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# -- config -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """The ``metrics`` block of a config: ``enable`` (default true when the block is
+    given), ``port`` (serve ``/metrics`` on it while the manager runs; 0: any free port;
+    null: only register into the process's registry, e.g. the engine's own ``/metrics``),
+    ``addr`` (the address to listen on), ``interval`` (seconds between refreshes of the
+    host and DMA series)."""
+
+    enable: bool = True
+    port: int | None = None
+    addr: str = "0.0.0.0"
+    interval: float = 0.5
+
+
+def parse_metrics(obj: Mapping[str, Any] | MetricsConfig | None) -> MetricsConfig | None:
+    """Check a ``metrics`` config block; ``None`` when absent or disabled."""
+    if obj is None or isinstance(obj, MetricsConfig):
+        return obj if obj is None or obj.enable else None
+    if not isinstance(obj, Mapping):
+        raise ConfigError(f"config: 'metrics' expects an object, got {type(obj).__name__}")
+    known = {f.name for f in fields(MetricsConfig)}
+    checks = {
+        "enable": (lambda v: isinstance(v, bool), "true or false"),
+        "port": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 65536),
+                 "a port number (0-65535) or null"),
+        "addr": (lambda v: isinstance(v, str) and v != "", "an address to listen on"),
+        "interval": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, "a number >= 0"),
+    }
+    for key, value in obj.items():
+        if key not in known:
+            raise ConfigError(f"config: metrics: unknown key {key!r} (known: {', '.join(sorted(known))})")
+        ok, what = checks[key]
+        if not ok(value):
+            raise ConfigError(f"config: metrics.{key} expects {what}, got {type(value).__name__} {value!r}")
+    cfg = MetricsConfig(**obj)
+    return cfg if cfg.enable else None
+
+
+# -- the Prometheus families, once per registry --------------------------------------------
+
+_families: dict[int, _Families] = {}
+_families_lock = threading.Lock()
+
+
+class _Families:
+    """Every kvtiers metric family in one registry, plus the tiers' own."""
+
+    def __init__(self, registry: Any) -> None:
+        from prometheus_client import Counter as C
+        from prometheus_client import Gauge as G
+        from prometheus_client import Histogram as H
+
+        self.registry = registry
+        r = {"registry": registry}
+        live = {"registry": registry, "multiprocess_mode": "livesum"}
+        t = ["tier"]
+        self.queries = C("kvtiers_tier_chunk_queries", "Chunk keys a tier was asked about (lookup).", t, **r)
+        self.hits = C("kvtiers_tier_chunk_hits", "Chunk keys a tier answered HIT.", t, **r)
+        self.misses = C("kvtiers_tier_chunk_misses", "Chunk keys a tier answered MISS.", t, **r)
+        self.retries = C("kvtiers_tier_chunk_retries", "Chunk keys a tier answered RETRY.", t, **r)
+        self.lookup_seconds = H("kvtiers_tier_lookup_duration_seconds", "Time of one lookup call on the engine thread.",
+                                t, buckets=LATENCY_BUCKETS, **r)
+        self.read_bytes = C("kvtiers_tier_read_bytes", "Bytes loaded from a tier into the host arena.", t, **r)
+        self.read_seconds = C("kvtiers_tier_read_seconds", "Seconds of load jobs (submit to completion).", t, **r)
+        self.write_bytes = C("kvtiers_tier_write_bytes", "Bytes stored from the host arena into a tier.", t, **r)
+        self.write_seconds = C("kvtiers_tier_write_seconds", "Seconds of store jobs (submit to completion).", t, **r)
+        self.job_failures = C("kvtiers_tier_job_failures", "Jobs with at least one failed key, or whose submit raised.",
+                              ["tier", "kind", "reason"], **r)
+        self.in_flight = G("kvtiers_tier_jobs_in_flight", "Jobs submitted to a tier and not reported yet.",
+                           ["tier", "kind"], **live)
+        self.backlog = G("kvtiers_tier_backlog", "Accepted jobs not reported yet, as the tier says (backlog hook).",
+                         t, **live)
+        self.evictions = C("kvtiers_tier_evictions", "Chunks a tier removed on its own (ctx.removed), by reason.",
+                           ["tier", "reason"], **r)
+        self.host_slots = G("kvtiers_host_slots", "Slots of the host arena.", **live)
+        self.host_used = G("kvtiers_host_used_slots", "Slots of the host arena holding a chunk.", **live)
+        self.host_pinned = G("kvtiers_host_pinned_slots", "Slots pinned by a transfer or a request.", **live)
+        self.host_evictions = C("kvtiers_host_evictions", "Chunks evicted from the host arena.", **r)
+        self.host_alloc_failures = C("kvtiers_host_allocation_failures",
+                                     "Chunks not stored or promoted: every slot of the arena was pinned.", **r)
+        self.dma_bytes = C("kvtiers_dma_bytes", "Bytes copied by the DMA engine.", ["direction"], **r)
+        self.dma_seconds = C("kvtiers_dma_seconds", "Seconds a device copy was in flight.", ["direction"], **r)
+        self.loaded = C("kvtiers_loaded_chunks", "Chunks loaded to the device, by where they came from.",
+                        ["source"], **r)
+        self.custom: dict[str, tuple[str, Any, tuple[str, ...]]] = {}  # name -> (kind, family, labelnames)
+        self.lock = threading.Lock()
+
+
+def _families_for(registry: Any = None) -> _Families | None:
+    """The families in ``registry`` (default: prometheus_client's), or ``None`` without it."""
+    if not have_prometheus():
+        return None
+    if registry is None:
+        from prometheus_client import REGISTRY
+
+        registry = REGISTRY
+    with _families_lock:
+        fam = _families.get(id(registry))
+        if fam is None:
+            fam = _families[id(registry)] = _Families(registry)
+        return fam
+
+
+# -- around every tier ----------------------------------------------------------------------
+
+@dataclass
+class TierStats:
+    """Plain counters of one tier (kept with or without prometheus_client)."""
+
+    queries: int = 0
+    hits: int = 0
+    misses: int = 0
+    retries: int = 0
+    lookup_seconds: float = 0.0
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+    write_bytes: int = 0
+    write_seconds: float = 0.0
+    failures: Counter = field(default_factory=Counter)  # (kind, reason) -> jobs
+    in_flight: Counter = field(default_factory=Counter)  # kind -> jobs
+    evictions: Counter = field(default_factory=Counter)  # reason -> chunks
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits per chunk queried (0 before any query)."""
+        return self.hits / self.queries if self.queries else 0.0
+
+
+def _reason(res: Any) -> str:
+    """A bounded label value for why a job failed: the exception type a tier put at the
+    front of ``error`` (``"TimeoutError: ..."``), ``"error"`` for other text, or
+    ``"failed_keys"`` when only keys were listed."""
+    err = getattr(res, "error", None)
+    if not err:
+        return "failed_keys"
+    head = str(err).split(":", 1)[0].strip()
+    return head if _NAME.match(head) and len(head) <= 40 else "error"
+
+
+class TierObserver:
+    """Pluggy wrapper plugin around one tier's hooks: counts into :class:`TierStats` and
+    the Prometheus families (label ``tier=name``). Never changes a result or an
+    exception; its own faults are swallowed."""
+
+    def __init__(self, name: str, families: _Families | None) -> None:
+        self.name = name
+        self.stats = TierStats()
+        self._fam = families
+        self._jobs: dict[int, tuple[str, float]] = {}  # job id -> (kind, submit time)
+        self._lock = threading.Lock()
+        if families is not None:  # every series exists from the start, at 0
+            for f in (families.queries, families.hits, families.misses, families.retries, families.read_bytes,
+                      families.read_seconds, families.write_bytes, families.write_seconds, families.backlog):
+                f.labels(tier=name)
+            families.lookup_seconds.labels(tier=name)
+            for kind in ("store", "load"):
+                families.in_flight.labels(tier=name, kind=kind)
+
+    @hookimpl(wrapper=True)
+    def lookup(self, keys: Sequence[bytes]) -> Any:
+        t0 = time.perf_counter()
+        answers = yield
+        try:
+            dt = time.perf_counter() - t0
+            n = len(keys)
+            hits = misses = retries = 0
+            for a in answers or ():
+                if a is Lookup.HIT:
+                    hits += 1
+                elif a is Lookup.RETRY:
+                    retries += 1
+                else:
+                    misses += 1
+            s = self.stats
+            s.queries += n
+            s.hits += hits
+            s.misses += misses
+            s.retries += retries
+            s.lookup_seconds += dt
+            f = self._fam
+            if f is not None:
+                f.queries.labels(tier=self.name).inc(n)
+                if hits:
+                    f.hits.labels(tier=self.name).inc(hits)
+                if misses:
+                    f.misses.labels(tier=self.name).inc(misses)
+                if retries:
+                    f.retries.labels(tier=self.name).inc(retries)
+                f.lookup_seconds.labels(tier=self.name).observe(dt)
+        except Exception:
+            pass
+        return answers
+
+    def _submitted(self, kind: str, job: Any) -> Any:
+        try:
+            result = yield
+        except BaseException:
+            self._failed(kind, "submit")
+            raise
+        try:
+            self._jobs[job.job_id] = (kind, time.perf_counter())
+            self.stats.in_flight[kind] += 1
+            if self._fam is not None:
+                self._fam.in_flight.labels(tier=self.name, kind=kind).inc()
+        except Exception:
+            pass
+        return result
+
+    @hookimpl(wrapper=True)
+    def submit_store(self, job: Any) -> Any:
+        return (yield from self._submitted("store", job))
+
+    @hookimpl(wrapper=True)
+    def submit_load(self, job: Any) -> Any:
+        return (yield from self._submitted("load", job))
+
+    @hookimpl(wrapper=True)
+    def get_finished_jobs(self) -> Any:
+        results = yield
+        try:
+            now = time.perf_counter()
+            for res in results or ():
+                entry = self._jobs.pop(getattr(res, "job_id", None), None)
+                if entry is None:
+                    continue
+                kind, t0 = entry
+                self.stats.in_flight[kind] -= 1
+                seconds = res.seconds if 0 < res.seconds <= now - t0 + 1e-3 else now - t0
+                self._moved(kind, res.nbytes, seconds)
+                if res.failed_keys:
+                    self._failed(kind, _reason(res))
+        except Exception:
+            pass
+        return results
+
+    def removed(self, keys: Sequence[bytes], reason: str) -> None:
+        """The tier context's removed-listener (any thread)."""
+        reason = reason if isinstance(reason, str) and _NAME.match(reason) and len(reason) <= 40 else "other"
+        with self._lock:
+            self.stats.evictions[reason] += len(keys)
+        if self._fam is not None:
+            self._fam.evictions.labels(tier=self.name, reason=reason).inc(len(keys))
+
+    def _moved(self, kind: str, nbytes: int, seconds: float) -> None:
+        s, f = self.stats, self._fam
+        if kind == "load":
+            s.read_bytes += nbytes
+            s.read_seconds += seconds
+        else:
+            s.write_bytes += nbytes
+            s.write_seconds += seconds
+        if f is not None:
+            f.in_flight.labels(tier=self.name, kind=kind).dec()
+            (f.read_bytes if kind == "load" else f.write_bytes).labels(tier=self.name).inc(nbytes)
+            (f.read_seconds if kind == "load" else f.write_seconds).labels(tier=self.name).inc(seconds)
+
+    def _failed(self, kind: str, reason: str) -> None:
+        self.stats.failures[kind, reason] += 1
+        if self._fam is not None:
+            self._fam.job_failures.labels(tier=self.name, kind=kind, reason=reason).inc()
+
+    def backlog(self, value: int) -> None:
+        if self._fam is not None:
+            self._fam.backlog.labels(tier=self.name).set(value)
+
+
+# -- a tier's own metrics ---------------------------------------------------------------------
+
+_tier_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TierContext -> tier name
+UNATTACHED = "unattached"
+
+
+class _Bound:
+    """A metric family of a tier with its ``tier`` label filled in at each call (the
+    manager names a tier after it was constructed). Without prometheus_client every call
+    does nothing."""
+
+    def __init__(self, family: Any, ctx: Any, labels: Mapping[str, str] | None = None) -> None:
+        self._family = family
+        self._ctx = ctx
+        self._labels = dict(labels or {})
+
+    def labels(self, *values: str, **labels: str) -> _Bound:
+        """The series with these extra labels (as prometheus_client's ``labels``)."""
+        if values:
+            names = [n for n in self._family._labelnames if n != "tier"] if self._family is not None else []
+            labels = {**dict(zip(names, values, strict=True)), **labels}
+        return _Bound(self._family, self._ctx, {**self._labels, **labels})
+
+    def _child(self) -> Any:
+        if self._family is None:
+            return None
+        return self._family.labels(tier=_tier_names.get(self._ctx, UNATTACHED), **self._labels)
+
+    def inc(self, amount: float = 1) -> None:
+        c = self._child()
+        if c is not None:
+            c.inc(amount)
+
+    def dec(self, amount: float = 1) -> None:
+        c = self._child()
+        if c is not None:
+            c.dec(amount)
+
+    def set(self, value: float) -> None:
+        c = self._child()
+        if c is not None:
+            c.set(value)
+
+    def observe(self, value: float) -> None:
+        c = self._child()
+        if c is not None:
+            c.observe(value)
+
+
+class TierMetrics:
+    """What :func:`tier_metrics` returns: makes a tier's own metric families, labelled
+    with the tier's name (``tier``) plus ``labelnames``. Families are shared by name
+    between instances of a tier; asking for a name again with another kind or labels is
+    a ``ValueError``."""
+
+    def __init__(self, ctx: Any, registry: Any = None) -> None:
+        self._ctx = ctx
+        self._registry = registry
+
+    def counter(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> _Bound:
+        """A counter (exposed as ``<name>_total``): ``.inc(n)``, ``.labels(...)``."""
+        return self._make("counter", name, documentation, labelnames)
+
+    def gauge(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> _Bound:
+        """A gauge (summed over live processes in multiprocess mode): ``.set(v)``, ``.inc()``, ``.dec()``."""
+        return self._make("gauge", name, documentation, labelnames)
+
+    def histogram(self, name: str, documentation: str, labelnames: Sequence[str] = (),
+                  buckets: Sequence[float] = LATENCY_BUCKETS) -> _Bound:
+        """A histogram: ``.observe(v)``."""
+        return self._make("histogram", name, documentation, labelnames, buckets=tuple(buckets))
+
+    def _make(self, kind: str, name: str, documentation: str, labelnames: Sequence[str], **kw: Any) -> _Bound:
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ValueError(f"metric name {name!r}: letters, digits and underscores, not starting with a digit")
+        labels = tuple(labelnames)
+        if "tier" in labels:
+            raise ValueError(f"metric {name!r}: the 'tier' label is added for you")
+        fam = _families_for(self._registry)
+        if fam is None:
+            return _Bound(None, self._ctx)
+        with fam.lock:
+            known = fam.custom.get(name)
+            if known is not None:
+                if known[0] != kind or known[2] != labels:
+                    raise ValueError(f"metric {name!r} exists as a {known[0]} with labels {list(known[2])}")
+                return _Bound(known[1], self._ctx)
+            import prometheus_client as pc
+
+            args = (name, documentation, ["tier", *labels])
+            if kind == "counter":
+                family = pc.Counter(*args, registry=fam.registry)
+            elif kind == "gauge":
+                family = pc.Gauge(*args, registry=fam.registry, multiprocess_mode="livesum")
+            else:
+                family = pc.Histogram(*args, registry=fam.registry, buckets=kw["buckets"])
+            fam.custom[name] = (kind, family, labels)
+            return _Bound(family, self._ctx)
+
+
+def tier_metrics(ctx: Any, registry: Any = None) -> TierMetrics:
+    """The documented call for a tier's own metrics: ``m = kvtiers.metrics.tier_metrics(ctx)``
+    in ``__init__``, then ``self.compactions = m.counter("mytier_compactions", "...")`` and
+    ``self.compactions.inc()`` when it happens. Each series carries ``tier=<the tier's
+    name in the manager>``. Works (doing nothing) where prometheus_client is absent."""
+    return TierMetrics(ctx, registry)
+
+
+# -- the manager's host cache, DMA engine and tiers ------------------------------------------
+
+class ManagerMetrics:
+    """Metrics of one :class:`~kvtiers.engine.manager.TieringManager`: a
+    :class:`TierObserver` on each tier (tiers added later are picked up), and the host
+    cache and DMA series refreshed from ``mgr.cache`` and ``mgr.stats`` at most every
+    ``interval`` seconds, on the engine thread, at the end of a manager call."""
+
+    def __init__(self, mgr: Any, *, interval: float = 0.5, registry: Any = None) -> None:
+        self.mgr = mgr
+        self.interval = interval
+        self.tiers: dict[str, TierObserver] = {}
+        self.server: MetricsServer | None = None  # serving /metrics when the config gave a port
+        self._fam = _families_for(registry)
+        self._last = 0.0
+        self._seen: Counter = Counter()  # cumulative values already exported (for deltas)
+        self._observe_new_tiers()
+        if self._fam is not None:
+            self._fam.host_slots.set(len(mgr.arena))
+
+    def tier_summary(self) -> dict[str, dict[str, Any]]:
+        """Per tier: queries, hits, misses, retries, hit rate, bytes read and written."""
+        return {name: {"queries": o.stats.queries, "hits": o.stats.hits, "misses": o.stats.misses,
+                       "retries": o.stats.retries, "hit_rate": o.stats.hit_rate,
+                       "read_bytes": o.stats.read_bytes, "write_bytes": o.stats.write_bytes,
+                       "evictions": dict(o.stats.evictions), "job_failures": sum(o.stats.failures.values())}
+                for name, o in self.tiers.items()}
+
+    def tick(self, force: bool = False) -> None:
+        """The manager's flush hook: refresh the host and DMA series when due."""
+        now = time.monotonic()
+        if not force and now - self._last < self.interval:
+            return
+        self._last = now
+        self._observe_new_tiers()
+        f = self._fam
+        if f is None:
+            return
+        mgr = self.mgr
+        cache, stats = mgr.cache, mgr.stats
+        f.host_used.set(len(cache))
+        f.host_pinned.set(cache.pinned_slots())
+        self._delta(f.host_evictions, "host_evictions", cache.evictions)
+        self._delta(f.host_alloc_failures, "host_full", stats.host_full)
+        for path, direction in (("device->host", "device_to_host"), ("host->device", "host_to_device")):
+            ps = stats.paths.get(path)
+            if ps is not None:
+                self._delta(f.dma_bytes.labels(direction=direction), f"b{path}", ps.nbytes)
+                self._delta(f.dma_seconds.labels(direction=direction), f"s{path}", ps.seconds)
+        for source, n in list(stats.hits.items()):
+            self._delta(f.loaded.labels(source=source), f"hit:{source}", n)
+        for t in mgr.tiers:
+            obs = self.tiers.get(t.name)
+            if obs is not None:
+                try:
+                    obs.backlog(int(t.handle.backlog()))
+                except Exception:
+                    pass
+
+    def _delta(self, counter: Any, key: str, value: float) -> None:
+        d = value - self._seen[key]
+        if d > 0:
+            counter.inc(d)
+            self._seen[key] = value
+
+    def _observe_new_tiers(self) -> None:
+        for t in self.mgr.tiers:
+            if t.name in self.tiers:
+                continue
+            obs = TierObserver(t.name, self._fam)
+            t.handle.add_wrapper(obs, name="kvtiers-metrics")
+            t.handle.ctx.add_removed_listener(obs.removed)
+            _tier_names[t.handle.ctx] = t.name
+            self.tiers[t.name] = obs
+
+
+def attach_metrics(mgr: Any, config: Mapping[str, Any] | MetricsConfig | None = None, *,
+                   registry: Any = None) -> ManagerMetrics | None:
+    """Observe ``mgr``'s tiers, host cache and DMA engine (``config``: a ``metrics``
+    block; default: enabled, no port). With a ``port``, ``/metrics`` is served until the
+    manager closes. ``registry``: the engine's prometheus_client registry (default: the
+    process's). Sets and returns ``mgr.metrics``; ``None`` when the block disables it."""
+    cfg = parse_metrics(config if config is not None else {})
+    if cfg is None:
+        return None
+    mm = ManagerMetrics(mgr, interval=cfg.interval, registry=registry)
+    events = mgr._events  # the manager's event bus (kvtiers.engine.events)
+    events.add_flush_hook(mm.tick)
+    events.add_closer(lambda: mm.tick(force=True))
+    if cfg.port is not None:
+        server = serve_metrics(cfg.port, cfg.addr, registry=registry)
+        mm.server = server
+        events.add_closer(server.close)
+    mgr.metrics = mm
+    return mm
+
+
+# -- serving ---------------------------------------------------------------------------------
+
+class MetricsServer:
+    """A running ``/metrics`` HTTP server: ``port`` (the bound one), :meth:`close`."""
+
+    def __init__(self, httpd: Any, thread: threading.Thread) -> None:
+        self._httpd = httpd
+        self._thread = thread
+        self.port: int = httpd.server_port
+
+    def close(self) -> None:
+        """Stop serving and release the port. Idempotent."""
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._thread.join(timeout=5)
+            self._httpd = None
+
+
+def serve_metrics(port: int = 0, addr: str = "0.0.0.0", *, registry: Any = None) -> MetricsServer:
+    """Serve ``/metrics`` of ``registry`` (default: the process's) on ``addr:port`` in a
+    daemon thread (port 0: any free port, see ``.port``). With ``PROMETHEUS_MULTIPROC_DIR``
+    set, serves the sum over every process writing there instead."""
+    import prometheus_client as pc
+
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        registry = pc.CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    httpd, thread = pc.start_http_server(port, addr, registry=registry if registry is not None else pc.REGISTRY)
+    return MetricsServer(httpd, thread)
