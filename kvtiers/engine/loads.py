@@ -145,9 +145,12 @@ class LoadPath:
             self._cache.unpin(slot)
             self.filled(key, key not in failed, "promoted")
 
-    def lost(self, tj: TierJob) -> None:
-        """A promotion job timed out: fail its keys (its slots stay pinned until it ends)."""
+    def lost(self, tj: TierJob, error: str | None = None) -> None:
+        """A promotion job timed out or was abandoned: fail its keys (its slots stay pinned
+        until it ends); ``error`` becomes the error of the loads waiting for them."""
         for key in tj.job.keys:
+            for tr in self._waiters.get(key, ()):
+                tr.error = tr.error or error
             self.filled(key, False, "lost")
 
     # -- internals -----------------------------------------------------------------------

@@ -10,6 +10,7 @@ store and load paths register a handler per job kind (:meth:`TierSet.on_job_end`
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ class TierJob:
     job: Job
     t0: float
     lost: bool = False  # not reported within the timeout: its keys were failed already
+    abandoned: bool = False  # still unreported when the manager closed: its slots stay pinned
 
 
 @dataclass(eq=False)
@@ -53,15 +55,16 @@ class TierSet:
         self._stats = stats
         self._job_ids = itertools.count(1)
         self._on_end: dict[str, Callable[[TierJob, set[bytes]], None]] = {}
-        self._on_lost: Callable[[TierJob], None] | None = None
+        self._on_lost: Callable[[TierJob, str], None] | None = None
 
     def on_job_end(self, kind: str, fn: Callable[[TierJob, set[bytes]], None]) -> None:
         """Call ``fn(job, failed_keys)`` when a job of ``kind`` ends (reported, or failed to
         submit); ``fn`` releases the job's pins."""
         self._on_end[kind] = fn
 
-    def on_job_lost(self, fn: Callable[[TierJob], None]) -> None:
-        """Call ``fn(job)`` when a load job is declared lost by :meth:`check_lost`."""
+    def on_job_lost(self, fn: Callable[[TierJob, str], None]) -> None:
+        """Call ``fn(job, error)`` when a load job is declared lost (by :meth:`check_lost`, or
+        abandoned by :meth:`abandon`); ``error`` says why, for the engine's result."""
         self._on_lost = fn
 
     # -- the set -----------------------------------------------------------------------
@@ -114,13 +117,31 @@ class TierSet:
             except Exception as e:
                 self.failed(tier, "touch", e)
 
-    def close(self) -> None:
-        """Close every tier (their last results are collected by the next :meth:`poll`)."""
+    def close(self, bound: float) -> list[Tier]:
+        """Close every tier, each in a daemon thread of its own, all at once, and wait for
+        them up to ``bound`` seconds in all (their last results are collected by the next
+        :meth:`poll`). Returns the tiers whose ``close`` had not returned by then: they are
+        abandoned, their threads left running (a hung mount must not hang the engine)."""
+        closing = []
         for tier in self.tiers:
-            try:
-                tier.handle.close()
-            except Exception as e:
-                self.failed(tier, "close", e)
+            th = threading.Thread(target=self._close_one, args=(tier,), name=f"kvtiers-close-{tier.name}",
+                                  daemon=True)
+            th.start()
+            closing.append((tier, th))
+        end = time.monotonic() + bound
+        stuck = []
+        for tier, th in closing:
+            th.join(max(0.0, end - time.monotonic()))
+            if th.is_alive():
+                stuck.append(tier)
+                log.warning("kvtiers: tier %s: close() had not returned after %.3g s; abandoned", tier.name, bound)
+        return stuck
+
+    def _close_one(self, tier: Tier) -> None:
+        try:
+            tier.handle.close()
+        except Exception as e:
+            self.failed(tier, "close", e)
 
     # -- jobs ----------------------------------------------------------------------------
     def submit(self, tier: Tier, kind: str, items: list[tuple[bytes, int]]) -> None:
@@ -158,14 +179,35 @@ class TierSet:
         the job table, slots pinned, until the tier reports."""
         now = time.perf_counter()
         for tier in self.tiers:
-            for tj in tier.jobs.values():
+            # a copy: the handler may end a load wave and submit the next one to this tier
+            for tj in list(tier.jobs.values()):
                 if tj.kind != "load" or tj.lost or now - tj.t0 < timeout:
                     continue
                 tj.lost = True
-                self.failed(tier, "submit_load", TimeoutError(
-                    f"job {tj.job.job_id} not reported within {timeout} s"))
+                error = TimeoutError(f"tier {tier.name}: job {tj.job.job_id} not reported within {timeout:g} s")
+                self.failed(tier, "submit_load", error)
                 if self._on_lost is not None:
-                    self._on_lost(tj)
+                    self._on_lost(tj, str(error))
+
+    def abandon(self, why: str) -> list[TierJob]:
+        """Give up on every job still unreported (the manager is closing): mark it lost and
+        abandoned, fail the keys of loads not failed yet through the lost-job handler (the
+        engine's result says ``why``), and keep it in the job table with its slots pinned,
+        so they are never reused while the tier might still write or read them (rule 6).
+        Returns the abandoned jobs."""
+        out = []
+        for tier in self.tiers:
+            for tj in list(tier.jobs.values()):
+                out.append(tj)
+                tj.abandoned = True
+                if tj.lost:
+                    continue
+                tj.lost = True
+                error = TimeoutError(f"tier {tier.name}: {tj.kind} job {tj.job.job_id} {why}")
+                self.failed(tier, f"submit_{tj.kind}", error)
+                if tj.kind == "load" and self._on_lost is not None:
+                    self._on_lost(tj, str(error))
+        return out
 
     def _end(self, tj: TierJob, res: JobResult) -> None:
         """Account a job's transfer on its path and hand it to the handler of its kind."""
