@@ -25,7 +25,7 @@ $(BASE): pyproject.toml Makefile
 
 # what the tests need besides: S3 client and server, NIXL, the example tier, test and build tools
 $(STAMP): $(BASE)
-	$(BIN)/pip install -q "$(TORCH)" -e ".[obj,observe,test,nixl]" -e ./examples/kvtiers-sqlite
+	$(BIN)/pip install -q "$(TORCH)" -e ".[obj,observe,plot,test,nixl,p2p]" -e ./examples/kvtiers-sqlite
 	touch $(STAMP)
 
 venv: $(STAMP)

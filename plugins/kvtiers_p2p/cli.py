@@ -1,0 +1,100 @@
+"""``kvtiers p2p serve|keygen`` and ``kvtiers bench p2p``, added through ``register_commands``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import click
+
+
+class Size(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        from .server import parse_size
+
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+@click.group(name="p2p")
+def p2p() -> None:
+    """Peer caches for the p2p tier: serve one, make CurveZMQ keys."""
+
+
+@p2p.command()
+@click.option("--bind", default="tcp://127.0.0.1:5710", show_default=True,
+              help="Address to serve on. Off loopback it needs --curve-secret and --allow.")
+@click.option("--capacity", type=Size(), default="1GiB", show_default=True, help="Host memory for chunks (LRU).")
+@click.option("--namespace", help="Serve only this namespace digest (default: any).")
+@click.option("--chunk-bytes", type=int, help="Serve only chunks of this size (default: fixed per namespace by "
+                                              "its first client).")
+@click.option("--max-clients", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--max-inflight", type=click.IntRange(1), default=16, show_default=True,
+              help="GET requests in flight per client.")
+@click.option("--max-chunk-bytes", type=Size(), default="64MiB", show_default=True,
+              help="Largest chunk; a bigger frame disconnects its sender.")
+@click.option("--handshake-timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True)
+@click.option("--idle-timeout", type=click.FloatRange(min=1), default=300.0, show_default=True)
+@click.option("--curve-secret", type=click.Path(dir_okay=False), help="The server's secret key file (CurveZMQ).")
+@click.option("--allow", "allow_dir", type=click.Path(file_okay=False),
+              help="Directory of allowed clients' public key files (CurveZMQ).")
+@click.option("--endpoint-file", hidden=True)
+@click.option("--exit-when-missing", hidden=True)
+@click.option("--parent-pid", type=int, hidden=True)
+def serve(bind: str, capacity: int, namespace: str | None, chunk_bytes: int | None, max_clients: int,
+          max_inflight: int, max_chunk_bytes: int, handshake_timeout: float, idle_timeout: float,
+          curve_secret: str | None, allow_dir: str | None, endpoint_file: str | None,
+          exit_when_missing: str | None, parent_pid: int | None) -> None:  # fmt: skip
+    """Run a standalone peer cache in host memory until SIGTERM or Ctrl-C."""
+    from .server import AuthConfigError, ServerLimits, run
+
+    limits = ServerLimits(max_clients=max_clients, max_inflight=max_inflight, max_chunk_bytes=max_chunk_bytes,
+                          handshake_timeout=handshake_timeout, idle_timeout=idle_timeout)
+
+    def announce(server) -> None:
+        if endpoint_file is None:
+            click.echo(f"kvtiers p2p: serving on {server.endpoint}, capacity {capacity} bytes", err=True)
+
+    try:
+        run(bind, capacity, limits=limits, namespace=namespace, chunk_bytes=chunk_bytes, curve_secret=curve_secret,
+            allow_dir=allow_dir, endpoint_file=endpoint_file, exit_when_missing=exit_when_missing,
+            parent_pid=parent_pid, announce=announce)
+    except (AuthConfigError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+@p2p.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--name", default="server", show_default=True, help="Base name of the key files.")
+def keygen(directory: str, name: str) -> None:
+    """Make a CurveZMQ key pair in DIRECTORY: NAME.key (public, give it to the other side)
+    and NAME.key_secret (keep it private)."""
+    import zmq.auth
+
+    os.makedirs(directory, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(directory, name)
+    os.chmod(secret, 0o600)
+    click.echo(f"public key: {public}\nsecret key: {secret}")
+
+
+@click.command("p2p")
+@click.option("--chunk-bytes", "chunk_sizes", type=Size(), multiple=True,
+              help="Bytes per chunk (repeat; default 1MiB and 4MiB).")
+@click.option("--total", type=Size(), default="128MiB", show_default=True, help="Bytes moved per round and size.")
+@click.option("--rounds", type=click.IntRange(1), default=3, show_default=True,
+              help="Interleaved rounds; medians are compared.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def bench_p2p(chunk_sizes: tuple[int, ...], total: int, rounds: int, as_json: bool) -> None:
+    """Loads and pushes through the p2p tier from a peer server in another process, against
+    raw ZMQ DEALER/ROUTER send/recv of the same bytes in the same run."""
+    from .bench import format_table, run_bench
+
+    try:
+        report = run_bench(list(chunk_sizes) or [1 << 20, 4 << 20], total=total, rounds=rounds)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    click.echo(json.dumps(report, indent=1) if as_json else format_table(report))

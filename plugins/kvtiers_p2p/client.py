@@ -1,0 +1,560 @@
+"""The client side of the p2p tier: one I/O thread owning a DEALER socket per peer.
+
+The engine thread hands work over through :meth:`PeerClient.call` (a queue and a wake-up
+pipe, so no ZMQ socket is ever touched by two threads). The I/O thread handshakes each peer
+when its connection comes up (and again after a reconnect), sends batched LOOKUP/GET and
+PUT requests inside the peer's in-flight window, receives each chunk straight into its arena
+slot (``recv_into``) and checks its xxh3 there, and enforces every request's deadline. A peer
+that disconnects fails its requests at once; a peer that goes silent fails them at their
+deadline (with a CANCEL sent); either way a load tries the next peer that may hold the key.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvtiers.types import Arena, JobResult
+
+from . import protocol as P
+
+log = logging.getLogger("kvtiers.p2p")
+
+GET_BATCH = 64  #: keys per GET request
+LOOKUP_BATCH = 1024
+WINDOW = 64  #: requests in flight per peer (GETs also within the server's max_inflight)
+
+
+@dataclass
+class JobState:
+    job_id: int
+    t0: float
+    deadline: float
+    left: int
+    failed: list[bytes] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    nbytes: int = 0
+
+
+@dataclass
+class Item:
+    """One key of a load or store job."""
+
+    key: bytes
+    slot: int
+    job: JobState
+    candidates: list[str] = field(default_factory=list)  # peers still to try (loads)
+    done: bool = False
+
+
+@dataclass
+class Request:
+    kind: str  # "get", "put", "lookup", "hello"
+    rid: int
+    deadline: float
+    frames: list[Any]
+    items: list[Item] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)  # lookup
+    probe: Any = None
+    sent: bool = False
+    answered: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Probe:
+    """A lookup of some keys across all peers."""
+
+    keys: list[bytes]
+    waiting: int
+    found: dict[bytes, list[str]] = field(default_factory=dict)
+
+
+class Peer:
+    """One peer: its socket, its monitor, its handshake and its requests."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.sock: zmq.Socket | None = None
+        self.mon: zmq.Socket | None = None
+        self.ready = False
+        self.instance: str | None = None
+        self.error: str | None = None  # the server's refusal of our HELLO
+        self.max_inflight = 16
+        self.queue: deque[Request] = deque()
+        self.inflight: dict[int, Request] = {}
+        self.gets = 0
+        self.connected = False
+        self.hello_rid: int | None = None
+
+
+class PeerClient:
+    """The I/O thread of one tier instance; see the module docstring.
+
+    Callbacks run on the I/O thread: ``on_result(JobResult)``, ``on_found(keys, found)``
+    with ``found`` mapping key -> peers holding it, ``on_stored(key, peer)``,
+    ``on_evicted(keys)``, ``on_missing(key, peer)`` and ``on_restart(peer)``.
+    """
+
+    def __init__(self, arena: Arena, *, namespace: str, chunk_bytes: int, max_bytes: int | None,
+                 lookup_timeout: float, curve: tuple[bytes, bytes, bytes] | None,
+                 callbacks: dict[str, Callable[..., None]]) -> None:  # fmt: skip
+        self.arena = arena
+        self.namespace = namespace
+        self.chunk_bytes = chunk_bytes
+        self.max_bytes = max_bytes
+        self.lookup_timeout = lookup_timeout
+        self.curve = curve
+        self.cb = callbacks
+        self.peers: dict[str, Peer] = {}
+        self._rids = itertools.count(1)
+        self._commands: deque[Callable[[], None]] = deque()
+        self._rfd, self._wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.ctx = zmq.Context()
+        self.poller = zmq.Poller()
+        self.poller.register(self._rfd, zmq.POLLIN)
+        self._closing = False
+        self._next_tick = 0.0
+        self._thread: Any = None
+
+    # -- from the engine thread ----------------------------------------------------------
+    def start(self, name: str) -> None:
+        import threading
+
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the I/O thread soon."""
+        self._commands.append(fn)
+        try:
+            os.write(self._wfd, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Fail what is pending, close every socket, join the thread."""
+        def stop() -> None:
+            self._closing = True
+
+        self.call(stop)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        os.close(self._rfd)
+        os.close(self._wfd)
+
+    # -- the I/O thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._closing:
+                timeout = self._poll_timeout()
+                events = dict(self.poller.poll(timeout))
+                if self._rfd in events:
+                    try:
+                        while os.read(self._rfd, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                while self._commands:
+                    self._commands.popleft()()
+                for peer in list(self.peers.values()):
+                    if peer.mon is not None and peer.mon in events:
+                        self._monitor(peer)
+                    if peer.sock is not None and peer.sock in events:
+                        self._receive(peer)
+                now = time.monotonic()
+                self._expire(now)
+                if now >= self._next_tick:
+                    self._next_tick = now + 0.5
+                    tick = self.cb.get("on_tick")
+                    if tick is not None:
+                        tick()
+                for peer in list(self.peers.values()):
+                    self._pump(peer)
+        except Exception:  # a bug here must not hang the engine: fail everything
+            log.exception("p2p client thread failed")
+        finally:
+            for peer in list(self.peers.values()):
+                self._remove_peer(peer, "tier closed", bye=True)
+            while self._commands:  # late submits: they still finish (as failures)
+                try:
+                    self._commands.popleft()()
+                except Exception:
+                    log.exception("p2p client: late command failed")
+            self.ctx.term()
+
+    def _poll_timeout(self) -> int:
+        if self._commands:
+            return 0
+        now = time.monotonic()
+        nearest = now + 0.1
+        for peer in self.peers.values():
+            for r in peer.inflight.values():
+                nearest = min(nearest, r.deadline)
+            if peer.queue:
+                nearest = min(nearest, peer.queue[0].deadline)
+        return max(0, int((nearest - now) * 1000) + 1)
+
+    # -- peers ---------------------------------------------------------------------------
+    def set_peers(self, urls: list[str]) -> None:
+        """(I/O thread) connect new peers, drop the ones no longer listed."""
+        for url in list(self.peers):
+            if url not in urls:
+                self._remove_peer(self.peers.pop(url), f"peer {url} removed from the peer list")
+        for url in urls:
+            if url not in self.peers:
+                self.peers[url] = peer = Peer(url)
+                self._open(peer)
+
+    def _open(self, peer: Peer) -> None:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IMMEDIATE, 1)
+        s.setsockopt(zmq.RECONNECT_IVL, 100)
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        s.setsockopt(zmq.SNDHWM, 256)
+        s.setsockopt(zmq.RCVHWM, 256)
+        s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        s.setsockopt(zmq.MAXMSGSIZE, max(self.chunk_bytes, P.MAX_HEADER))
+        if self.curve is not None:
+            server_key, public, secret = self.curve
+            s.curve_serverkey = server_key
+            s.curve_publickey = public
+            s.curve_secretkey = secret
+        peer.mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        s.connect(peer.url)
+        peer.sock = s
+        self.poller.register(s, zmq.POLLIN)
+        self.poller.register(peer.mon, zmq.POLLIN)
+
+    def _close_socket(self, peer: Peer) -> None:
+        if peer.sock is not None:
+            self.poller.unregister(peer.sock)
+            self.poller.unregister(peer.mon)
+            peer.sock.disable_monitor()
+            peer.mon.close(0)
+            peer.sock.close(0)
+            peer.sock = peer.mon = None
+        peer.ready = peer.connected = False
+
+    def _remove_peer(self, peer: Peer, why: str, bye: bool = False) -> None:
+        if bye and peer.ready and peer.sock is not None:
+            try:
+                peer.sock.send(P.pack(P.BYE, next(self._rids)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self._fail_peer(peer, why, queued=True)
+        self._close_socket(peer)
+
+    def _monitor(self, peer: Peer) -> None:
+        while peer.mon is not None:
+            try:
+                ev = recv_monitor_message(peer.mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                peer.connected = True
+                peer.ready = False
+                peer.hello_rid = None
+                self._hello(peer)
+            elif ev["event"] == zmq.EVENT_DISCONNECTED:
+                peer.connected = False
+                peer.ready = False
+                peer.hello_rid = None
+                self._fail_peer(peer, f"peer {peer.url} disconnected", queued=False)
+
+    def _hello(self, peer: Peer) -> None:
+        rid = next(self._rids)
+        req = Request("hello", rid, time.monotonic() + 5.0,
+                      [P.pack(P.HELLO, rid, P.VERSION, self.namespace, self.chunk_bytes, self.max_bytes)])
+        try:
+            peer.sock.send_multipart(req.frames, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return  # the connection went away again; the next handshake retries
+        req.sent = True
+        peer.inflight[rid] = req
+        peer.hello_rid = rid
+
+    # -- submitting (I/O thread) ---------------------------------------------------------
+    def load(self, items: list[Item]) -> None:
+        """Fetch each item from its first candidate peer; fall back to the next on a miss."""
+        groups: dict[str, list[Item]] = {}
+        for it in items:
+            while it.candidates and it.candidates[0] not in self.peers:
+                it.candidates.pop(0)
+            if not it.candidates:
+                self._finish(it, False, "not found on any peer")
+                continue
+            groups.setdefault(it.candidates[0], []).append(it)
+        for url, group in groups.items():
+            peer = self.peers[url]
+            for i in range(0, len(group), GET_BATCH):
+                part = group[i : i + GET_BATCH]
+                rid = next(self._rids)
+                frames = [P.pack(P.GET, rid, [it.key for it in part])]
+                peer.queue.append(Request("get", rid, part[0].job.deadline, frames, items=part))
+
+    def store(self, items: list[Item], url: str | None) -> None:
+        if url is None or url not in self.peers:
+            for it in items:
+                self._finish(it, False, "no peer to store to")
+            return
+        peer = self.peers[url]
+        for it in items:
+            rid = next(self._rids)
+            data = self.arena[it.slot]
+            frames = [P.pack(P.PUT, rid, it.key, P.checksum(data)), data]
+            peer.queue.append(Request("put", rid, it.job.deadline, frames, items=[it]))
+
+    def probe(self, keys: list[bytes]) -> None:
+        live = [p for p in self.peers.values() if p.error is None]
+        if not live:
+            self.cb["on_found"](keys, {})
+            return
+        probe = Probe(keys, 0)
+        deadline = time.monotonic() + self.lookup_timeout
+        for peer in live:
+            for i in range(0, len(keys), LOOKUP_BATCH):
+                part = keys[i : i + LOOKUP_BATCH]
+                rid = next(self._rids)
+                probe.waiting += 1
+                peer.queue.append(Request("lookup", rid, deadline, [P.pack(P.LOOKUP, rid, part)], keys=part,
+                                          probe=probe))
+
+    # -- sending -------------------------------------------------------------------------
+    def _pump(self, peer: Peer) -> None:
+        if not peer.ready:
+            if peer.error is not None:
+                self._fail_peer(peer, peer.error, queued=True)
+            elif peer.connected and peer.hello_rid is None and peer.sock is not None:
+                self._hello(peer)  # the first try found no pipe yet, or timed out
+            return
+        while peer.queue and len(peer.inflight) < WINDOW:
+            req = peer.queue[0]
+            if req.kind == "get":
+                if all(it.done for it in req.items):
+                    peer.queue.popleft()
+                    continue
+                if peer.gets >= peer.max_inflight:
+                    return
+            try:
+                peer.sock.send_multipart(req.frames, zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            peer.queue.popleft()
+            req.sent = True
+            req.frames = req.frames[:1]  # the chunk was copied into ZMQ: the slot is ours no more
+            peer.inflight[req.rid] = req
+            if req.kind == "get":
+                peer.gets += 1
+
+    # -- receiving -----------------------------------------------------------------------
+    def _discard_rest(self, sock: zmq.Socket) -> None:
+        while sock.getsockopt(zmq.RCVMORE):
+            sock.recv(copy=False)
+
+    def _receive(self, peer: Peer) -> None:
+        for _ in range(512):
+            sock = peer.sock
+            if sock is None:
+                return
+            try:
+                head = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                hdr = P.unpack(head)
+                self._answer(peer, hdr)
+            except P.ProtocolError as e:
+                log.warning("p2p: malformed reply from %s: %s", peer.url, e)
+            if peer.sock is not None:
+                self._discard_rest(peer.sock)
+
+    def _answer(self, peer: Peer, hdr: list) -> None:
+        op, rid = hdr[0], hdr[1]
+        req = peer.inflight.get(rid)
+        if req is None:
+            return  # a late answer to a request that timed out or was cancelled
+        if op == P.CHUNK:
+            P.expect_len(hdr, 4, "CHUNK")
+            idx, digest = hdr[2], P.check_hash(hdr[3])
+            if req.kind != "get" or type(idx) is not int or not 0 <= idx < len(req.items) or idx in req.answered:
+                raise P.ProtocolError("CHUNK for no asked key")
+            req.answered.add(idx)
+            it = req.items[idx]
+            if it.done or not peer.sock.getsockopt(zmq.RCVMORE):
+                return
+            out = self.arena[it.slot]
+            n = peer.sock.recv_into(out)
+            if n != len(out):
+                self._retry(it, f"peer {peer.url} sent {n} bytes for a chunk of {len(out)}")
+            elif P.checksum(out) != digest:
+                self._retry(it, f"xxh3 mismatch on a chunk from {peer.url}")
+            else:
+                self._finish(it, True, None, len(out))
+        elif op == P.MISSING:
+            P.expect_len(hdr, 3, "MISSING")
+            idx = hdr[2]
+            if req.kind != "get" or type(idx) is not int or not 0 <= idx < len(req.items):
+                raise P.ProtocolError("MISSING for no asked key")
+            req.answered.add(idx)
+            it = req.items[idx]
+            self.cb["on_missing"](it.key, peer.url)
+            self._retry(it, "not found on any peer")
+        elif op == P.DONE:
+            self._end(peer, req)
+            for i, it in enumerate(req.items):
+                if i not in req.answered:
+                    self._retry(it, f"peer {peer.url} ended the GET without key")
+        elif op == P.OK:
+            P.expect_len(hdr, 3, "OK")
+            self._end(peer, req)
+            self._ok(peer, req, hdr[2])
+        elif op == P.ERR:
+            P.expect_len(hdr, 4, "ERR")
+            code, msg = str(hdr[2]), str(hdr[3])
+            self._end(peer, req)
+            self._refused(peer, req, code, msg)
+        else:
+            raise P.ProtocolError(f"unknown reply op {op}")
+
+    def _ok(self, peer: Peer, req: Request, body: Any) -> None:
+        if req.kind == "hello":
+            if not isinstance(body, dict):
+                raise P.ProtocolError("HELLO answer is not a map")
+            inst = body.get("instance")
+            if peer.instance is not None and inst != peer.instance:
+                self.cb["on_restart"](peer.url)
+            peer.instance = inst
+            mi = body.get("max_inflight")
+            peer.max_inflight = mi if type(mi) is int and mi > 0 else 1
+            peer.error = None
+            peer.ready = True
+        elif req.kind == "lookup":
+            if not isinstance(body, bytes) or len(body) != len(req.keys):
+                raise P.ProtocolError("LOOKUP answer does not match the keys")
+            for k, b in zip(req.keys, body, strict=True):
+                if b:
+                    req.probe.found.setdefault(k, []).append(peer.url)
+            self._probe_done(req.probe)
+        elif req.kind == "put":
+            it = req.items[0]
+            evicted = body if isinstance(body, list) else []
+            evicted = [k for k in evicted if type(k) is bytes]
+            self._finish(it, True, None, len(self.arena[it.slot]))
+            self.cb["on_stored"](it.key, peer.url)
+            if evicted:
+                self.cb["on_evicted"](evicted)
+
+    def _refused(self, peer: Peer, req: Request, code: str, msg: str) -> None:
+        if req.kind == "hello":
+            peer.error = f"peer {peer.url} refused the handshake: {msg}"
+            log.warning("p2p: %s", peer.error)
+            self._fail_peer(peer, peer.error, queued=True)
+            return
+        if code == P.E_HELLO:  # the server forgot us (idle, restart): handshake again, retry
+            peer.ready = False
+            if peer.hello_rid is None:
+                self._hello(peer)
+            if req.kind == "get":
+                req.sent, req.answered = False, set()
+                peer.queue.appendleft(req)
+                return
+        why = f"peer {peer.url}: {msg}"
+        if req.kind == "lookup":
+            self._probe_done(req.probe)
+        elif req.kind == "get":
+            for it in req.items:
+                self._retry(it, why)
+        else:
+            for it in req.items:
+                self._finish(it, False, why)
+
+    def _end(self, peer: Peer, req: Request) -> None:
+        if peer.inflight.pop(req.rid, None) is not None and req.kind == "get":
+            peer.gets -= 1
+        if req.rid == peer.hello_rid:
+            peer.hello_rid = None
+
+    # -- failure -------------------------------------------------------------------------
+    def _fail_request(self, peer: Peer, req: Request, why: str) -> None:
+        if req.kind == "lookup":
+            self._probe_done(req.probe)
+        elif req.kind == "get":
+            for it in req.items:
+                self._retry(it, why)
+        elif req.kind == "put":
+            for it in req.items:
+                self._finish(it, False, why)
+
+    def _fail_peer(self, peer: Peer, why: str, *, queued: bool) -> None:
+        reqs = list(peer.inflight.values())
+        peer.inflight.clear()
+        peer.gets = 0
+        peer.hello_rid = None
+        if queued:
+            reqs += list(peer.queue)
+            peer.queue.clear()
+        for req in reqs:
+            self._fail_request(peer, req, why)
+
+    def _expire(self, now: float) -> None:
+        for peer in list(self.peers.values()):
+            late = [r for r in peer.inflight.values() if r.deadline <= now]
+            for req in late:
+                self._end(peer, req)
+                if req.kind == "get" and peer.sock is not None:
+                    try:
+                        peer.sock.send(P.pack(P.CANCEL, next(self._rids), req.rid), zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass
+                self._fail_request(peer, req, f"peer {peer.url} did not answer in time")
+            if any(r.deadline <= now for r in peer.queue):
+                keep = deque()
+                for req in peer.queue:
+                    if req.deadline <= now:
+                        self._fail_request(peer, req, f"peer {peer.url} not reachable in time")
+                    else:
+                        keep.append(req)
+                peer.queue = keep
+
+    def _retry(self, it: Item, why: str) -> None:
+        """Try the item's next candidate peer, or fail it."""
+        if it.done:
+            return
+        if it.candidates:
+            it.candidates.pop(0)
+        if it.candidates and time.monotonic() < it.job.deadline and it.candidates[0] in self.peers:
+            self.load([it])
+        else:
+            self._finish(it, False, why)
+
+    def _finish(self, it: Item, ok: bool, why: str | None, nbytes: int = 0) -> None:
+        if it.done:
+            return
+        it.done = True
+        job = it.job
+        if ok:
+            job.nbytes += nbytes
+        else:
+            job.failed.append(it.key)
+            if why and why not in job.errors:
+                job.errors.append(why)
+        job.left -= 1
+        if job.left == 0:
+            self.cb["on_result"](JobResult(job.job_id, tuple(job.failed), job.nbytes,
+                                           time.perf_counter() - job.t0, "; ".join(job.errors) or None))
+
+    def _probe_done(self, probe: Probe) -> None:
+        probe.waiting -= 1
+        if probe.waiting == 0:
+            self.cb["on_found"](probe.keys, probe.found)

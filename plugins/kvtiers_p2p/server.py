@@ -1,0 +1,409 @@
+"""The peer server: a ZMQ ROUTER answering LOOKUP, GET and PUT from a chunk store.
+
+One thread runs :meth:`PeerServer.serve_forever`. Every frame is checked before use: a
+malformed header or a frame count that does not fit its op drops the request, ends the
+sender's session and ignores that connection for ``ban_s``; the server keeps serving
+everyone else. Limits: the largest frame (ZMQ ``MAXMSGSIZE``: a bigger frame disconnects
+its sender inside libzmq), clients, GET streams in flight per client, the ZMTP handshake
+time and the idle time of a session. ``python -m kvtiers_p2p.server`` runs one (what
+``kvtiers p2p serve`` and the tests start).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from . import protocol as P
+from .store import MemoryStore
+
+log = logging.getLogger("kvtiers.p2p")
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one server allows (``kvtiers p2p serve`` options of the same names)."""
+
+    max_clients: int = 64  #: sessions at once; one more HELLO is refused with ``full``
+    max_inflight: int = 16  #: GET streams in flight per client; one more is refused with ``busy``
+    max_chunk_bytes: int = 64 << 20  #: the largest chunk; frames above it disconnect the sender
+    handshake_timeout: float = 5.0  #: seconds a connection may take for the ZMTP handshake
+    idle_timeout: float = 300.0  #: a session silent this long is dropped (the client says HELLO again)
+    ban_s: float = 60.0  #: a connection that sent a malformed frame is ignored this long
+
+
+@dataclass
+class Session:
+    ident: bytes
+    ns: str
+    chunk_bytes: int
+    max_bytes: int | None
+    last_seen: float
+    streams: int = 0
+
+
+@dataclass
+class Stream:
+    """A GET being answered chunk by chunk."""
+
+    session: Session
+    rid: int
+    keys: list[bytes]
+    pos: int = 0
+    sent: list[Any] = field(default_factory=list)
+
+
+class AuthConfigError(ValueError):
+    """A bind the server refuses: off loopback without CurveZMQ, or bad key files."""
+
+
+def loopback_refusal(url: str) -> str:
+    return (
+        f"refusing to serve on {url}: it is reachable from other hosts and no authentication is configured. "
+        "Bind tcp://127.0.0.1:PORT, or configure CurveZMQ: run `kvtiers p2p keygen DIR` and start with "
+        "--curve-secret DIR/server.key_secret --allow DIR/clients (a directory holding each allowed client's "
+        "public .key file); clients set curve_server_key and curve_secret_file"
+    )
+
+
+class PeerServer:
+    """A ROUTER socket bound to ``bind`` serving ``store``.
+
+    ``namespace``/``chunk_bytes``, when given, pin what clients must say in HELLO (an engine
+    serving its own arena); otherwise the first HELLO of a namespace fixes its chunk size.
+    ``curve_secret`` (a secret certificate file from ``kvtiers p2p keygen``) and ``allow_dir``
+    (the public certificates of allowed clients) turn on CurveZMQ; without them a bind off
+    loopback raises :class:`AuthConfigError`.
+    """
+
+    def __init__(self, bind: str, store: Any, *, limits: ServerLimits = ServerLimits(),
+                 namespace: str | None = None, chunk_bytes: int | None = None,
+                 curve_secret: str | None = None, allow_dir: str | None = None) -> None:  # fmt: skip
+        ep = P.parse_endpoint(bind)
+        if (curve_secret is None) != (allow_dir is None):
+            raise AuthConfigError("CurveZMQ needs both --curve-secret and --allow")
+        if not ep.loopback and curve_secret is None:
+            raise AuthConfigError(loopback_refusal(bind))
+        self.store = store
+        self.limits = limits
+        self.namespace = namespace
+        self.pinned_chunk = chunk_bytes
+        self.instance = secrets.token_hex(8)  # clients notice a restart by a new instance id
+        self.sessions: dict[bytes, Session] = {}
+        self.banned: OrderedDict[bytes, float] = OrderedDict()
+        self.ns_chunk: dict[str, int] = {}
+        self.streams: deque[Stream] = deque()
+        self.stats = {"malformed": 0, "refused": 0, "chunks_sent": 0, "chunks_stored": 0}
+        self._stop = False
+        self.ctx = zmq.Context()
+        self._auth = None
+        try:
+            self.sock = self.ctx.socket(zmq.ROUTER)
+            s = self.sock
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            max_frame = max(chunk_bytes or limits.max_chunk_bytes, P.MAX_HEADER)
+            s.setsockopt(zmq.MAXMSGSIZE, max_frame)
+            s.setsockopt(zmq.HANDSHAKE_IVL, int(limits.handshake_timeout * 1000))
+            s.setsockopt(zmq.SNDHWM, 64)
+            s.setsockopt(zmq.RCVHWM, 256)
+            s.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
+            if curve_secret is not None:
+                self._setup_curve(curve_secret, allow_dir)
+            s.bind(bind)
+            self.endpoint = s.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup_curve(self, secret_file: str, allow_dir: str | None) -> None:
+        import zmq.auth
+        from zmq.auth.thread import ThreadAuthenticator
+
+        if not zmq.has("curve"):
+            raise AuthConfigError("this libzmq has no CurveZMQ support")
+        try:
+            public, secret = zmq.auth.load_certificate(secret_file)
+        except (OSError, ValueError) as e:
+            raise AuthConfigError(f"--curve-secret {secret_file}: {e}") from None
+        if not secret:
+            raise AuthConfigError(f"--curve-secret {secret_file}: holds no secret key (use the .key_secret file)")
+        if not allow_dir or not os.path.isdir(allow_dir):
+            raise AuthConfigError(f"--allow {allow_dir}: not a directory of client public keys")
+        self._auth = ThreadAuthenticator(self.ctx)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=allow_dir)
+        self.sock.curve_secretkey = secret
+        self.sock.curve_publickey = public
+        self.sock.curve_server = True
+
+    # -- the loop ------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Ask :meth:`serve_forever` to return (safe from a signal handler or another thread)."""
+        self._stop = True
+
+    def serve_forever(self, *, watch: Any = None, poll_ms: int = 100) -> None:
+        """Serve until :meth:`stop`, or until ``watch()`` returns False (checked twice a second)."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        next_check = 0.0
+        while not self._stop:
+            events = poller.poll(0 if self._sendable() else poll_ms)
+            if events:
+                self._receive_some()
+            if self.streams:
+                if not self._pump():
+                    time.sleep(0.0005)  # every stream's pipe is full
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + 0.5
+                self._expire(now)
+                if watch is not None and not watch():
+                    break
+
+    def _sendable(self) -> bool:
+        return bool(self.streams)
+
+    def _receive_some(self) -> None:
+        for _ in range(256):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._handle(frames)
+            except P.ProtocolError as e:
+                self._misbehaved(frames[0].bytes, str(e))
+
+    def _misbehaved(self, ident: bytes, why: str) -> None:
+        self.stats["malformed"] += 1
+        log.info("p2p server: dropping connection %s: %s", ident.hex(), why)
+        self._drop(ident)
+        self.banned[ident] = time.monotonic() + self.limits.ban_s
+        while len(self.banned) > 4096:
+            self.banned.popitem(last=False)
+
+    def _drop(self, ident: bytes) -> None:
+        self.sessions.pop(ident, None)
+        if any(st.session.ident == ident for st in self.streams):
+            self.streams = deque(st for st in self.streams if st.session.ident != ident)
+
+    def _send(self, ident: bytes, *frames: Any) -> bool:
+        try:
+            self.sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the client is gone
+            if e.errno == zmq.EHOSTUNREACH:
+                self._drop(ident)
+                return True
+            raise
+
+    def _error(self, ident: bytes, rid: int, code: str, message: str) -> None:
+        self.stats["refused"] += 1
+        self._send(ident, P.pack(P.ERR, rid, code, message))
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            raise P.ProtocolError("a message needs a header frame")
+        ident = frames[0].bytes
+        until = self.banned.get(ident)
+        if until is not None:
+            if until > time.monotonic():
+                return
+            del self.banned[ident]
+        if len(frames) > 3:
+            raise P.ProtocolError(f"{len(frames) - 1} frames in one message")
+        hdr = P.unpack(frames[1].buffer)
+        op, rid = hdr[0], hdr[1]
+        if op not in P.REQUEST_OPS:
+            raise P.ProtocolError(f"unknown op {op}")
+        if (op == P.PUT) != (len(frames) == 3):
+            raise P.ProtocolError(f"{P.REQUEST_OPS[op]} with {len(frames) - 1} frames")
+        if op == P.HELLO:
+            return self._hello(ident, rid, hdr)
+        sess = self.sessions.get(ident)
+        if sess is None:
+            if op not in (P.BYE, P.CANCEL):
+                self._error(ident, rid, P.E_HELLO, "no session: send HELLO first (or the session idled out)")
+            return
+        sess.last_seen = time.monotonic()
+        if op == P.LOOKUP:
+            P.expect_len(hdr, 3, "LOOKUP")
+            keys = P.check_keys(hdr[2])
+            has = self.store.has
+            self._send(ident, P.pack(P.OK, rid, bytes(has(sess.ns, k) for k in keys)))
+        elif op == P.GET:
+            P.expect_len(hdr, 3, "GET")
+            keys = P.check_keys(hdr[2])
+            if sess.streams >= self.limits.max_inflight:
+                return self._error(ident, rid, P.E_BUSY, f"more than {self.limits.max_inflight} GETs in flight")
+            sess.streams += 1
+            self.streams.append(Stream(sess, rid, keys))
+        elif op == P.PUT:
+            P.expect_len(hdr, 4, "PUT")
+            self._put(sess, rid, P.check_key(hdr[2]), P.check_hash(hdr[3]), frames[2])
+        elif op == P.CANCEL:
+            P.expect_len(hdr, 3, "CANCEL")
+            target = hdr[2]
+            for st in list(self.streams):
+                if st.session is sess and st.rid == target:
+                    self.streams.remove(st)
+                    sess.streams -= 1
+        elif op == P.BYE:
+            self._drop(ident)
+
+    def _hello(self, ident: bytes, rid: int, hdr: list) -> None:
+        P.expect_len(hdr, 6, "HELLO")
+        _, _, version, ns, chunk, max_bytes = hdr
+        if type(version) is not int or type(ns) is not str or not 0 < len(ns) <= 64:
+            raise P.ProtocolError("HELLO: bad version or namespace")
+        if type(chunk) is not int or chunk <= 0 or (max_bytes is not None and (type(max_bytes) is not int
+                                                                                or max_bytes < 0)):
+            raise P.ProtocolError("HELLO: bad chunk size or max_bytes")
+        if version != P.VERSION:
+            return self._error(ident, rid, P.E_VERSION, f"protocol version {version} not served (server speaks "
+                                                        f"{P.VERSION})")
+        if self.namespace is not None and ns != self.namespace:
+            return self._error(ident, rid, P.E_MISMATCH,
+                               f"namespace mismatch: client {ns}, server {self.namespace}")
+        want = self.pinned_chunk or self.ns_chunk.get(ns)
+        if want is not None and chunk != want:
+            return self._error(ident, rid, P.E_MISMATCH,
+                               f"chunk size mismatch in namespace {ns}: client {chunk} bytes, server {want} bytes")
+        if chunk > self.limits.max_chunk_bytes:
+            return self._error(ident, rid, P.E_TOO_BIG,
+                               f"chunk of {chunk} bytes exceeds the server's {self.limits.max_chunk_bytes}")
+        if ident not in self.sessions and len(self.sessions) >= self.limits.max_clients:
+            return self._error(ident, rid, P.E_FULL, f"server has its maximum of {self.limits.max_clients} clients")
+        self.ns_chunk.setdefault(ns, chunk)
+        self._drop(ident)
+        self.sessions[ident] = Session(ident, ns, chunk, max_bytes, time.monotonic())
+        info = {"version": P.VERSION, "instance": self.instance, "max_inflight": self.limits.max_inflight,
+                "max_batch": P.MAX_BATCH}
+        self._send(ident, P.pack(P.OK, rid, info))
+
+    def quota(self, ns: str) -> int | None:
+        """The cap of a namespace: the smallest ``max_bytes`` of its connected clients."""
+        caps = [s.max_bytes for s in self.sessions.values() if s.ns == ns and s.max_bytes is not None]
+        return min(caps) if caps else None
+
+    def _put(self, sess: Session, rid: int, key: bytes, digest: int, data: zmq.Frame) -> None:
+        buf = data.buffer
+        if len(buf) != sess.chunk_bytes:
+            return self._error(sess.ident, rid, P.E_MALFORMED,
+                               f"chunk of {len(buf)} bytes, the namespace's chunks are {sess.chunk_bytes}")
+        if P.checksum(buf) != digest:  # damaged on the way: never keep it
+            return self._error(sess.ident, rid, P.E_CORRUPT, "chunk arrived with a wrong xxh3")
+        evicted = self.store.put(sess.ns, key, data, digest, len(buf), self.quota(sess.ns))
+        if evicted is None:
+            return self._error(sess.ident, rid, P.E_CAPACITY, f"a chunk of {len(buf)} bytes never fits the capacity")
+        self.stats["chunks_stored"] += 1
+        self._send(sess.ident, P.pack(P.OK, rid, evicted))
+
+    def _pump(self) -> bool:
+        """Send the next chunk of each stream, round robin; False when none could be sent."""
+        progressed = False
+        for _ in range(len(self.streams)):
+            st = self.streams[0]
+            if st.pos >= len(st.keys):
+                if not self._send(st.session.ident, P.pack(P.DONE, st.rid)):
+                    self.streams.rotate(-1)
+                    continue
+                self.streams.popleft()
+                st.session.streams -= 1
+                progressed = True
+                continue
+            got = self.store.get(st.session.ns, st.keys[st.pos])
+            if got is None:
+                ok = self._send(st.session.ident, P.pack(P.MISSING, st.rid, st.pos))
+            else:
+                ok = self._send(st.session.ident, P.pack(P.CHUNK, st.rid, st.pos, got[1]), got[0])
+                if ok:
+                    self.stats["chunks_sent"] += 1
+            if ok:
+                st.pos += 1
+                progressed = True
+            if self.streams and self.streams[0] is st:
+                self.streams.rotate(-1)
+        return progressed
+
+    def _expire(self, now: float) -> None:
+        idle = [i for i, s in self.sessions.items() if now - s.last_seen > self.limits.idle_timeout and not s.streams]
+        for ident in idle:
+            self._drop(ident)
+        while self.banned and next(iter(self.banned.values())) < now:
+            self.banned.popitem(last=False)
+
+    def close(self) -> None:
+        """Close the socket and the context (pending replies are dropped)."""
+        sock = getattr(self, "sock", None)
+        if sock is not None:
+            sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self.ctx.term()
+
+
+def parse_size(text: str | int) -> int:
+    """``1048576``, ``512K``, ``4MiB``, ``8GiB``, ``1.5G`` -> bytes (binary units)."""
+    import re
+
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(text))
+    if not m:
+        raise ValueError(f"{text!r} is not a size (e.g. 1048576, 512K, 4MiB, 8GiB)")
+    return int(float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()])
+
+
+def run(bind: str, capacity: int, *, limits: ServerLimits = ServerLimits(), namespace: str | None = None,
+        chunk_bytes: int | None = None, curve_secret: str | None = None, allow_dir: str | None = None,
+        endpoint_file: str | None = None, exit_when_missing: str | None = None, parent_pid: int | None = None,
+        announce: Any = None) -> None:  # fmt: skip
+    """Run a standalone peer cache until SIGTERM/SIGINT (or until ``exit_when_missing`` is
+    gone or ``parent_pid`` died). ``endpoint_file`` receives the bound address (useful with
+    port 0), written atomically."""
+    server = PeerServer(bind, MemoryStore(capacity), limits=limits, namespace=namespace, chunk_bytes=chunk_bytes,
+                        curve_secret=curve_secret, allow_dir=allow_dir)
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: server.stop())
+        if endpoint_file:
+            tmp = f"{endpoint_file}.tmp{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.write(server.endpoint + "\n")
+            os.replace(tmp, endpoint_file)
+        if announce is not None:
+            announce(server)
+
+        def watch() -> bool:
+            if exit_when_missing and not os.path.exists(exit_when_missing):
+                return False
+            return not (parent_pid and os.getppid() != parent_pid)
+
+        server.serve_forever(watch=watch)
+    finally:
+        server.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvtiers_p2p.server``: the same options as ``kvtiers p2p serve``."""
+    from .cli import serve
+
+    serve.main(args=argv, prog_name="kvtiers_p2p.server")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""The ``p2p`` tier: KV chunks in other hosts' memory, over ZMQ.
+
+Options follow vLLM's p2p tier (``{"type": "p2p", "host": H, "port": P}``) and add a
+``peers`` list, a ``peers_file`` the tier watches, timeouts, ``max_bytes`` (the cap the
+peers keep for this namespace) and CurveZMQ keys. Lookups ask every peer in one batched
+request each, in parallel, answering ``RETRY`` meanwhile; a load comes from the first peer
+that holds the key; a store goes to one peer chosen by rendezvous hashing of the key, so
+the peers share the load and a key keeps its home when others join or leave.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from kvtiers import ConfigError, hookimpl
+from kvtiers.types import Job, JobResult, Lookup, TierContext, accept_job, check_keys, drain
+
+from . import protocol as P
+
+log = logging.getLogger("kvtiers.p2p")
+
+PEERS_FILE_POLL_S = 0.5
+
+
+def peer_urls(host: str | None = None, port: int | None = None, peers: list | None = None) -> list[str]:
+    """The peer addresses of the tier's options: ``host``/``port`` first, then ``peers``
+    entries (``{"host": H, "port": P}`` or ``"tcp://H:P"``). Raises :class:`ConfigError`."""
+    urls: list[str] = []
+    if (host is None) != (port is None):
+        raise ConfigError("tier 'p2p': give host and port together")
+    if host is not None:
+        urls.append(P.tcp_url(host, port))
+    for i, entry in enumerate(peers or []):
+        if isinstance(entry, str):
+            url = entry
+        elif isinstance(entry, dict) and set(entry) <= {"host", "port"} and isinstance(entry.get("host"), str) \
+                and isinstance(entry.get("port"), int):
+            url = P.tcp_url(entry["host"], entry["port"])
+        else:
+            raise ConfigError(f'tier \'p2p\': peers[{i}] must be {{"host": str, "port": int}} or "tcp://HOST:PORT", '
+                              f"got {entry!r}")
+        try:
+            P.parse_endpoint(url)
+        except ValueError as e:
+            raise ConfigError(f"tier 'p2p': peers[{i}]: {e}") from None
+        if url not in urls:
+            urls.append(url)
+    return urls
+
+
+def _rank(key: bytes, url: str) -> bytes:
+    return hashlib.blake2b(key + b"\0" + url.encode(), digest_size=8).digest()
+
+
+class P2PTier:
+    """Chunks on peer servers (``kvtiers p2p serve``, or engines with a ``serve`` block).
+
+    Options: ``host``/``port`` and/or ``peers``; ``peers_file`` (a JSON list in the
+    ``peers`` format, re-read when it changes); ``timeout`` (seconds a load or store may
+    take before its keys fail); ``lookup_timeout`` (a peer not answering a LOOKUP this long
+    counts as not holding the keys); ``negative_ttl`` / ``positive_ttl`` (how long a MISS /
+    a HIT is remembered); ``max_bytes`` (the cap the peers keep for this namespace: the
+    smallest of its connected clients' caps applies); ``curve_server_key`` (the server's
+    public key file) with ``curve_secret_file`` (this client's secret key file).
+    """
+
+    levels = frozenset({"core", "shared", "bounded"})
+
+    def __init__(self, ctx: TierContext, *, host: str | None = None, port: int | None = None,
+                 peers: list | None = None, peers_file: str | None = None, timeout: float = 10.0,
+                 lookup_timeout: float = 2.0, negative_ttl: float = 1.0, positive_ttl: float = 30.0,
+                 max_bytes: int | None = None, curve_server_key: str | None = None,
+                 curve_secret_file: str | None = None, backend: str = "zmq") -> None:  # fmt: skip
+        from .client import PeerClient
+
+        if backend != "zmq":
+            raise ConfigError(f"tier 'p2p': backend {backend!r} is not available (this build has 'zmq')")
+        if timeout <= 0 or lookup_timeout <= 0:
+            raise ConfigError("tier 'p2p': timeout and lookup_timeout must be positive")
+        if max_bytes is not None and max_bytes < 0:
+            raise ConfigError(f"tier 'p2p': max_bytes must be >= 0, got {max_bytes}")
+        self.ctx = ctx
+        self.timeout = float(timeout)
+        self.negative_ttl = float(negative_ttl)
+        self.positive_ttl = float(positive_ttl)
+        self.peers_file = peers_file
+        urls = peer_urls(host, port, peers)
+        if peers_file is not None:
+            urls = self._read_peers_file(urls)
+        curve = _load_curve(curve_server_key, curve_secret_file)
+        self._lock = threading.Lock()
+        self._present: dict[bytes, tuple[str, float]] = {}  # key -> (peer, expiry)
+        self._absent: dict[bytes, float] = {}
+        self._unanswered: set[bytes] = set()
+        self._probing: set[bytes] = set()
+        self._finished: deque[JobResult] = deque()
+        self._pending = 0
+        self._closed = False
+        self._urls = urls
+        self._file_state: tuple[float, int] | None = None
+        self._client = PeerClient(
+            ctx.arena, namespace=ctx.namespace.digest, chunk_bytes=ctx.arena.slot_bytes, max_bytes=max_bytes,
+            lookup_timeout=float(lookup_timeout), curve=curve,
+            callbacks={"on_result": self._on_result, "on_found": self._on_found, "on_stored": self._on_stored,
+                       "on_evicted": self._on_evicted, "on_missing": self._on_missing,
+                       "on_restart": self._on_restart},
+        )  # fmt: skip
+        if peers_file is not None:
+            self._client.cb["on_tick"] = self._watch_peers_file
+        self._client.start("kvtiers-p2p")
+        self._client.call(lambda: self._client.set_peers(urls))
+
+    @classmethod
+    def conformance_config(cls, scratch) -> dict:
+        """Start a peer server in a child process for one check; it exits when ``scratch``
+        is removed (the end of the check) or when this process dies."""
+        from .spawn import start_server
+
+        srv = start_server(capacity=1 << 30, exit_when_missing=str(scratch))
+        return {"host": "127.0.0.1", "port": srv.port, "timeout": 10.0}
+
+    # -- peers ---------------------------------------------------------------------------
+    @property
+    def peers(self) -> list[str]:
+        """The peer addresses in use."""
+        return list(self._urls)
+
+    def set_peers(self, peers: list) -> None:
+        """Replace the peer list at run time (same entry format as the ``peers`` option).
+        Requests in flight to a removed peer fail; loads of their keys try the other peers."""
+        urls = peer_urls(None, None, peers)
+        self._urls = urls
+        self._client.call(lambda: self._client.set_peers(urls))
+
+    def _read_peers_file(self, default: list[str]) -> list[str]:
+        try:
+            with open(self.peers_file, "rb") as f:
+                return peer_urls(None, None, json.load(f))
+        except FileNotFoundError:
+            return default
+        except (ValueError, ConfigError) as e:
+            log.warning("p2p: ignoring peers_file %s: %s", self.peers_file, e)
+            return self._urls if hasattr(self, "_urls") else default
+
+    def _watch_peers_file(self) -> None:
+        """(I/O thread, twice a second) re-read ``peers_file`` when its mtime or size changes."""
+        try:
+            st = os.stat(self.peers_file)
+        except OSError:
+            return
+        state = (st.st_mtime, st.st_size)
+        if state == self._file_state:
+            return
+        self._file_state = state
+        urls = self._read_peers_file(self._urls)
+        if urls != self._urls:
+            self._urls = urls
+            self._client.set_peers(urls)
+
+    def peer_status(self) -> dict[str, dict[str, Any]]:
+        """Per peer: connected, handshaken, the server instance, its refusal (if any)."""
+        return {u: {"connected": p.connected, "ready": p.ready, "instance": p.instance, "error": p.error}
+                for u, p in list(self._client.peers.items())}
+
+    def _store_peer(self, key: bytes) -> str | None:
+        urls = self._urls
+        if not urls:
+            return None
+        return max(urls, key=lambda u: _rank(key, u))
+
+    # -- callbacks from the I/O thread ----------------------------------------------------
+    def _on_result(self, result: JobResult) -> None:
+        self._finished.append(result)
+        self._pending -= 1
+
+    def _on_found(self, keys: list[bytes], found: dict[bytes, list[str]]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for k in keys:
+                self._probing.discard(k)
+                where = found.get(k)
+                if where:
+                    self._present[k] = (where[0], now + self.positive_ttl)
+                    self._absent.pop(k, None)
+                else:
+                    self._present.pop(k, None)
+                    self._absent[k] = now + self.negative_ttl
+                    self._unanswered.add(k)
+
+    def _on_stored(self, key: bytes, url: str) -> None:
+        with self._lock:
+            self._present[key] = (url, time.monotonic() + self.positive_ttl)
+            self._absent.pop(key, None)
+            self._unanswered.discard(key)
+
+    def _on_missing(self, key: bytes, url: str) -> None:
+        with self._lock:
+            if self._present.get(key, ("",))[0] == url:
+                del self._present[key]
+
+    def _on_evicted(self, keys: list[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                self._present.pop(k, None)
+        self.ctx.removed(keys, "evicted")
+
+    def _on_restart(self, url: str) -> None:
+        with self._lock:  # what that peer held is gone
+            for k in [k for k, (u, _) in self._present.items() if u == url]:
+                del self._present[k]
+
+    # -- the hooks -----------------------------------------------------------------------
+    @hookimpl
+    def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
+        keys = check_keys(keys)
+        now = time.monotonic()
+        out: list[Lookup] = []
+        probe: list[bytes] = []
+        with self._lock:
+            for k in keys:
+                hit = self._present.get(k)
+                if hit is not None and hit[1] > now:
+                    out.append(Lookup.HIT)
+                    continue
+                expiry = self._absent.get(k)
+                if expiry is not None and (expiry > now or k in self._unanswered):
+                    self._unanswered.discard(k)  # a probe's MISS is answered at least once
+                    out.append(Lookup.MISS)
+                    continue
+                if k not in self._probing:
+                    self._probing.add(k)
+                    probe.append(k)
+                out.append(Lookup.RETRY)
+        if probe and not self._closed:
+            self._client.call(lambda: self._client.probe(probe))
+        return out
+
+    def _items(self, job: Job, load: bool) -> list:
+        from .client import Item, JobState
+
+        now = time.monotonic()
+        state = JobState(job.job_id, time.perf_counter(), now + self.timeout, len(job.keys))
+        urls = list(self._urls)
+        items = []
+        with self._lock:
+            for key, slot in zip(job.keys, job.slots, strict=True):
+                cands: list[str] = []
+                if load:
+                    hit = self._present.get(key)
+                    if hit is not None and hit[0] in urls:
+                        cands.append(hit[0])
+                    cands += [u for u in urls if u not in cands]
+                items.append(Item(key, slot, state, cands))
+        return items
+
+    def _accept(self, job: Job) -> bool:
+        accept_job(job, self.ctx.arena, closed=self._closed)
+        if not job.keys:
+            self._finished.append(JobResult(job.job_id))
+            return False
+        self._pending += 1
+        return True
+
+    @hookimpl
+    def submit_store(self, job: Job) -> None:
+        if not self._accept(job):
+            return
+        items = self._items(job, load=False)
+        by_peer: dict[str | None, list] = {}
+        for it in items:
+            by_peer.setdefault(self._store_peer(it.key), []).append(it)
+        client = self._client
+        client.call(lambda: [client.store(group, url) for url, group in by_peer.items()])
+
+    @hookimpl
+    def submit_load(self, job: Job) -> None:
+        if not self._accept(job):
+            return
+        items = self._items(job, load=True)
+        self._client.call(lambda: self._client.load(items))
+
+    @hookimpl
+    def get_finished_jobs(self) -> list[JobResult]:
+        return drain(self._finished)
+
+    @hookimpl
+    def backlog(self) -> int:
+        return max(0, self._pending)
+
+    @hookimpl
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._client.close()
+
+
+def _load_curve(server_key: str | None, secret_file: str | None) -> tuple[bytes, bytes, bytes] | None:
+    if server_key is None and secret_file is None:
+        return None
+    if server_key is None or secret_file is None:
+        raise ConfigError("tier 'p2p': CurveZMQ needs both curve_server_key and curve_secret_file")
+    import zmq.auth
+
+    try:
+        server_public, _ = zmq.auth.load_certificate(server_key)
+        public, secret = zmq.auth.load_certificate(secret_file)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"tier 'p2p': cannot read CurveZMQ keys: {e}") from None
+    if not secret:
+        raise ConfigError(f"tier 'p2p': curve_secret_file {secret_file} holds no secret key (.key_secret)")
+    return server_public, public, secret
