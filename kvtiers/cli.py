@@ -54,6 +54,7 @@ class LazyGroup(click.Group):
     lazy={
         "conformance": ("kvtiers_conformance.cli:conformance", "Run the conformance suite against a tier."),
         "demo": ("kvtiers.engine.demo:demo", "Serve simulated conversations through the tiers (the main job)."),
+        "events": ("kvtiers.events_cli:events", "KV events (vLLM's wire format): tail a publisher."),
     },
     context_settings={"help_option_names": ["-h", "--help"]},
 )
