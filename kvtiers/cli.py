@@ -55,6 +55,8 @@ class LazyGroup(click.Group):
         "conformance": ("kvtiers_conformance.cli:conformance", "Run the conformance suite against a tier."),
         "demo": ("kvtiers.engine.demo:demo", "Serve simulated conversations through the tiers (the main job)."),
         "events": ("kvtiers.events_cli:events", "KV events (vLLM's wire format): tail a publisher."),
+        "simulate": ("kvtiers.engine.simulate_cli:simulate",
+                     "Model offload policies x concurrency on an accelerator, through the real data path."),
     },
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -68,7 +70,11 @@ def cli(verbose: int) -> None:
 
 @cli.group(
     cls=LazyGroup,
-    lazy={"arena": ("kvtiers.engine.bench:arena", "Device<->arena chunk copies against np.copyto.")},
+    lazy={
+        "arena": ("kvtiers.engine.bench:arena", "Device<->arena chunk copies against np.copyto."),
+        "asynctier": ("kvtiers.asyncbench:asynctier", "Cost per key of the AsyncTier base class (no I/O)."),
+        "tier": ("kvtiers.tierbench_cli:tier", "Any tier's GB/s, lookups and submit latency, against its raw baseline."),
+    },
 )
 def bench() -> None:
     """Measure a part of kvtiers against a raw baseline on the same data, in one run."""
