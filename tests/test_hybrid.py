@@ -299,3 +299,39 @@ def test_dtypes_byte_exact_through_the_dma_engine(dtype, path):
         assert np.count_nonzero(host.ndarray()[2:]) == 0
     finally:
         host.close()
+
+
+@pytest.mark.parametrize("model", ["hybrid-swa", "hybrid-ssm"])
+def test_hybrid_demo_verifies_every_copied_byte(tmp_path, model):
+    from kvtiers.engine.demo import run_demo
+
+    tally, _, info = run_demo(turns=3, conversations=3, tier_dir=str(tmp_path), seed=1, device_name="cpu",
+                              quiet=True, model=model, override={"tiers": [{"type": "memory"}]})
+    assert info["model"] == model
+    assert tally.mismatches == 0 and tally.verified_chunks > 0
+    assert 0 < tally.device_bytes < tally.full_bytes  # window-only blocks / last state only
+
+
+@pytest.mark.parametrize("model", ["hybrid-swa", "hybrid-ssm"])
+def test_hybrid_demo_catches_a_wrong_window_or_state(tmp_path, model, monkeypatch):
+    """The demo's check is real: loads that skip the window, or restore the first chunk's
+    state instead of the last, are reported as mismatches."""
+    import kvtiers.engine.hybrid as hybrid
+    from kvtiers.engine.demo import run_demo
+
+    if model == "hybrid-swa":
+        monkeypatch.setattr(hybrid, "window_first_block", lambda n, w, t: n)
+    else:
+        real = hybrid.chunk_specs
+
+        def first_state(*a, **kw):
+            specs = real(*a, **kw)
+            if kw.get("load") and len(specs) > 1:
+                specs[0] = {**specs[0], "conv": specs[-1]["conv"], "ssm": specs[-1]["ssm"]}
+                specs[-1] = {**specs[-1], "conv": [-1], "ssm": [-1]}
+            return specs
+
+        monkeypatch.setattr(hybrid, "chunk_specs", first_state)
+    tally, _, _ = run_demo(turns=3, conversations=3, tier_dir=str(tmp_path), seed=1, device_name="cpu",
+                           quiet=True, model=model, override={"tiers": [{"type": "memory"}]})
+    assert tally.mismatches > 0

@@ -67,11 +67,14 @@ class Tally:
     retries: int = 0
     first_mismatch: str | None = None
     sources: dict[str, int] = field(default_factory=dict)
+    device_bytes: int = 0  # bytes loads copied to the device (hybrids: window and last state only)
+    full_bytes: int = 0  # what copying whole chunks would have moved
 
 
 class SimEngine:
     """A KV cache of ``num_blocks`` blocks per layer and tensor, with block contents
-    derived from chunk keys, and a free list of blocks."""
+    derived from chunk keys, and a free list of blocks (the dense model; hybrids are
+    :class:`kvtiers.engine.hybrid_demo.HybridSimEngine`)."""
 
     def __init__(self, device: Any, num_blocks: int, seed: int) -> None:
         import torch
@@ -89,6 +92,25 @@ class SimEngine:
                      for _ in self.words]
         self.free = list(range(num_blocks - 1, -1, -1))
         self.block_bytes = self.words[0].shape[1] * 8
+        from .layout import KVLayout
+
+        self.layout = KVLayout.from_tensors(self.kv)
+
+    def store_kwargs(self, keys: list[bytes]) -> tuple[dict[str, Any], list[int]]:
+        return {}, []
+
+    def load_kwargs(self) -> tuple[dict[str, Any], list[int]]:
+        return {}, []
+
+    def release_states(self, slots: list[int]) -> None:
+        pass
+
+    def verify_load(self, keys: list[bytes], blocks: list[int], loaded: int, kwargs: dict[str, Any]) -> list[bytes]:
+        return self.verify(keys, blocks)
+
+    def load_bytes(self, keys: list[bytes], blocks: list[int], kwargs: dict[str, Any]) -> tuple[int, int]:
+        n = len(keys) * self.layout.chunk_bytes(BLOCKS_PER_CHUNK)
+        return n, n
 
     def alloc(self, n: int) -> list[int] | None:
         if len(self.free) < n:
@@ -165,11 +187,10 @@ def merge_config(base: dict[str, Any], override: dict[str, Any]) -> dict[str, An
 
 
 def run_demo(*, turns: int, conversations: int, tier_dir: str, override: dict[str, Any], seed: int,
-             device_name: str | None, quiet: bool) -> tuple[Tally, Any, dict[str, Any]]:
+             device_name: str | None, quiet: bool, model: str = "dense") -> tuple[Tally, Any, dict[str, Any]]:
     import random
 
     from .arena import slot_bytes_for
-    from .layout import KVLayout
     from .manager import Request, TieringManager
 
     device = pick_device(device_name)
@@ -177,28 +198,37 @@ def run_demo(*, turns: int, conversations: int, tier_dir: str, override: dict[st
     tpc = TOKENS_PER_BLOCK * BLOCKS_PER_CHUNK
     max_prompt = SYSTEM_TOKENS + turns * (USER_TOKENS[1] + ASSISTANT_TOKENS[1])
     req_blocks = -(-max_prompt // TOKENS_PER_BLOCK)
-    engine = SimEngine(device, 3 * req_blocks, seed)
-    layout = KVLayout.from_tensors(engine.kv)
+    if model == "dense":
+        engine: Any = SimEngine(device, 3 * req_blocks, seed)
+    else:
+        from .hybrid_demo import HybridSimEngine
+
+        engine = HybridSimEngine(model, device, 3 * req_blocks, 4 * (req_blocks // BLOCKS_PER_CHUNK + 2),
+                                 BLOCKS_PER_CHUNK, TOKENS_PER_BLOCK, seed)
+    layout = engine.layout
     cfg = merge_config(default_config(tier_dir, slot_bytes_for(layout.chunk_bytes(BLOCKS_PER_CHUNK))), override)
     mgr = TieringManager.from_config(
         cfg, engine.kv, layout=layout, tokens_per_block=TOKENS_PER_BLOCK,
-        namespace_fields={"model": "kvtiers-demo", "dtype": "float16", "seed": seed},
+        namespace_fields={"model": "kvtiers-demo" if model == "dense" else f"kvtiers-demo-{model}",
+                          "dtype": "float16", "seed": seed},
     )
     info = {
         "device": str(device), "chunk_bytes": mgr.chunk_bytes, "tokens_per_chunk": tpc,
         "host_slots": len(mgr.arena), "tiers": [t.name for t in mgr.tiers],
-        "tier_dir": tier_dir, "namespace": mgr.namespace.digest,
+        "tier_dir": tier_dir, "namespace": mgr.namespace.digest, "model": model,
     }
     tally = Tally()
     system = [rng.randrange(1, 50_000) for _ in range(SYSTEM_TOKENS)]
     convs = [Conversation(list(system)) for _ in range(conversations)]
-    in_flight: dict[int, list[int]] = {}  # store transfer -> blocks to free once it ends
+    in_flight: dict[int, tuple[list[int], list[int]]] = {}  # store transfer -> blocks, state slots to free
 
     def reap(results) -> None:
         for r in results:
-            blocks = in_flight.pop(r.transfer_id, None)
-            if blocks is not None:
+            held = in_flight.pop(r.transfer_id, None)
+            if held is not None:
+                blocks, states = held
                 engine.release(blocks)
+                engine.release_states(states)
 
     total = turns * conversations
     try:
@@ -222,8 +252,8 @@ def run_demo(*, turns: int, conversations: int, tier_dir: str, override: dict[st
     return tally, mgr, info
 
 
-def serve(engine: SimEngine, mgr: Any, tally: Tally, tokens: list[int], keys: list[bytes], rid: str,
-          in_flight: dict[int, list[int]], reap: Any, request_cls: Any) -> None:
+def serve(engine: Any, mgr: Any, tally: Tally, tokens: list[int], keys: list[bytes], rid: str,
+          in_flight: dict[int, tuple[list[int], list[int]]], reap: Any, request_cls: Any) -> None:
     """One request: look up the prefix, load it, verify it, compute the rest, store."""
     tpc = TOKENS_PER_BLOCK * BLOCKS_PER_CHUNK
     reap(mgr.get_finished())
@@ -243,14 +273,19 @@ def serve(engine: SimEngine, mgr: Any, tally: Tally, tokens: list[int], keys: li
     n = look.num_chunks
     valid = 0
     if n:
-        (res,) = mgr.wait([mgr.load(keys[:n], blocks[: n * BLOCKS_PER_CHUNK], req)], timeout=60)
+        load_kw, load_states = engine.load_kwargs()
+        (res,) = mgr.wait([mgr.load(keys[:n], blocks[: n * BLOCKS_PER_CHUNK], req, **load_kw)], timeout=60)
         failed = set(res.failed_keys)
         while valid < n and keys[valid] not in failed:
             valid += 1
         tally.failed_loads += len(failed)
-        bad = engine.verify(keys[:valid], blocks[: valid * BLOCKS_PER_CHUNK])
+        bad = engine.verify_load(keys[:valid], blocks[: valid * BLOCKS_PER_CHUNK], n, load_kw)
+        copied, full = engine.load_bytes(keys[:n], blocks[: n * BLOCKS_PER_CHUNK], load_kw)
+        engine.release_states(load_states)
+        tally.device_bytes += copied
+        tally.full_bytes += full
         tally.verified_chunks += valid
-        tally.verified_bytes += valid * mgr.chunk_bytes
+        tally.verified_bytes += copied * valid // n
         if bad:
             tally.mismatches += len(bad)
             if tally.first_mismatch is None:
@@ -265,8 +300,13 @@ def serve(engine: SimEngine, mgr: Any, tally: Tally, tokens: list[int], keys: li
     tally.prompt_tokens += len(tokens)
     tally.loaded_tokens += valid * tpc
     tally.computed_tokens += len(tokens) - valid * tpc
-    tid = mgr.store(keys, blocks[: len(keys) * BLOCKS_PER_CHUNK], req)
-    in_flight[tid] = blocks
+    if engine.layout.is_hybrid:  # store what was computed: a loaded prefix lacks blocks and states
+        store_kw, states = engine.store_kwargs(keys[valid:])
+        tid = mgr.store(keys[valid:], blocks[valid * BLOCKS_PER_CHUNK : len(keys) * BLOCKS_PER_CHUNK], req,
+                        first_chunk=valid, **store_kw)
+    else:
+        tid, states = mgr.store(keys, blocks[: len(keys) * BLOCKS_PER_CHUNK], req), []
+    in_flight[tid] = (blocks, states)
 
 
 def render(tally: Tally, mgr: Any, info: dict[str, Any], seconds: float) -> str:
@@ -296,6 +336,10 @@ def render(tally: Tally, mgr: Any, info: dict[str, Any], seconds: float) -> str:
         f"verified: {tally.verified_chunks} chunks, {tally.verified_bytes / mib:.1f} MiB, "
         f"{tally.mismatches} mismatched",
     ]
+    if tally.full_bytes and tally.device_bytes != tally.full_bytes:
+        saved = 100.0 * (1 - tally.device_bytes / tally.full_bytes)
+        lines.append(f"copied to the device: {tally.device_bytes / mib:.1f} MiB of {tally.full_bytes / mib:.1f} MiB "
+                     f"in whole chunks ({saved:.1f}% saved: window-only blocks, last state only)")
     return "\n".join(lines)
 
 
@@ -315,6 +359,8 @@ def summary(tally: Tally, mgr: Any, info: dict[str, Any], seconds: float) -> dic
         "mismatches": tally.mismatches,
         "first_mismatch": tally.first_mismatch,
         "host_evictions": mgr.cache.evictions,
+        "device_bytes": tally.device_bytes,
+        "full_copy_bytes": tally.full_bytes,
     }
 
 
@@ -329,9 +375,11 @@ def summary(tally: Tally, mgr: Any, info: dict[str, Any], seconds: float) -> dic
               help='JSON merged over the demo\'s config, e.g. \'{"eviction_policy": "arc"}\'.')
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of prompts and KV bytes.")
 @click.option("--device", default=None, help="torch device (default: the accelerator if any, else cpu).")
+@click.option("--model", type=click.Choice(["dense", "hybrid-swa", "hybrid-ssm"]), default="dense", show_default=True,
+              help="KV layout: dense attention, sliding-window + full attention, or attention + Mamba state.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON object.")
 def demo(turns: int, conversations: int, directory: str | None, keep: bool, config_text: str | None, seed: int,
-         device: str | None, as_json: bool) -> None:
+         device: str | None, model: str, as_json: bool) -> None:
     """Serve simulated multi-turn conversations through the host arena and a persistent
     tier, verify every loaded byte, and print hits, bandwidth and prefill tokens saved.
 
@@ -346,7 +394,7 @@ def demo(turns: int, conversations: int, directory: str | None, keep: bool, conf
     try:
         t0 = time.perf_counter()
         tally, mgr, info = run_demo(turns=turns, conversations=conversations, tier_dir=directory,
-                                    override=override, seed=seed, device_name=device, quiet=as_json)
+                                    override=override, seed=seed, device_name=device, quiet=as_json, model=model)
         seconds = time.perf_counter() - t0
     finally:
         if tmp is not None and not keep:

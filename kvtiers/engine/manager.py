@@ -75,6 +75,7 @@ class TieringManager:
         namespace: Namespace | None = None,
         host: Any = None,
         tier_job_timeout: float = 30.0,
+        layout: Any = None,
     ) -> None:
         self.arena = arena
         self.dma = dma
@@ -86,6 +87,10 @@ class TieringManager:
         self.max_offload_tokens = max_offload_tokens
         self.namespace = namespace if namespace is not None else Namespace({})
         self.tier_job_timeout = tier_job_timeout
+        # the KV layout (kvtiers.engine.layout.KVLayout): per-group blocks, windows and SSM state
+        self.layout = layout
+        if layout is not None and any(g.kind == "sliding" for g in layout.groups) and not tokens_per_chunk:
+            raise ValueError("a layout with a sliding-window group needs tokens_per_chunk (tokens_per_block)")
         self._events = EventBus()
         self.cache = HostCache(
             len(arena), make_policy(eviction_policy, len(arena)), store_threshold=store_threshold,
@@ -189,16 +194,20 @@ class TieringManager:
         self._tiers.touch(keys)
 
     def store(self, keys: Sequence[bytes], device_blocks: Sequence[Any], request: Request | None = None,
-              *, first_chunk: int = 0) -> int | None:
+              *, first_chunk: int = 0, state_slots: Sequence[int] | None = None) -> int | None:
         """Copy the chunks ``keys`` from ``device_blocks`` into the arena, then to every
         secondary tier. Returns the transfer id (reported by :meth:`get_finished` once
         the device blocks may be reused), or ``None`` for a cancelled request.
 
         ``device_blocks``: one sequence of ``blocks_per_chunk`` block ids per key, or one
         flat sequence of them. ``first_chunk``: the index of ``keys[0]`` in the request's
-        token sequence (for the token limits of ``request``)."""
+        token sequence (for the token limits of ``request``).
+
+        Hybrid models (see :mod:`kvtiers.engine.hybrid`): ``device_blocks`` may map each
+        attention group's name to its blocks; ``state_slots``: one engine state slot per chunk,
+        holding the SSM state after that chunk's last token (needed when the layout has SSM groups)."""
         keys = check_keys(keys)
-        blocks = split_blocks(keys, device_blocks, self.blocks_per_chunk)
+        blocks = self._chunk_specs(keys, device_blocks, load=False, state_slots=state_slots)
         if request is not None and request.cancelled:
             return None
         self._progress()
@@ -209,7 +218,8 @@ class TieringManager:
         self._events.flush()
         return tid
 
-    def load(self, keys: Sequence[bytes], device_blocks: Sequence[Any], request: Request | None = None) -> int | None:
+    def load(self, keys: Sequence[bytes], device_blocks: Sequence[Any], request: Request | None = None,
+             *, state_slot: int | None = None) -> int | None:
         """Copy the chunks ``keys`` into ``device_blocks``: from the arena, after promoting
         each chunk the arena lacks from the first tier that has it. Returns the transfer id,
         or ``None`` for a cancelled request. Chunks no tier has, or whose promotion
@@ -219,7 +229,7 @@ class TieringManager:
         keys = check_keys(keys)
         if len(set(keys)) != len(keys):
             raise ValueError("load: duplicate keys")
-        blocks = split_blocks(keys, device_blocks, self.blocks_per_chunk)
+        blocks = self._chunk_specs(keys, device_blocks, load=True, state_slot=state_slot)
         if request is not None and request.cancelled:
             return None
         self._progress()
@@ -228,6 +238,22 @@ class TieringManager:
         self._loads.start_wave(tr, list(keys))
         self._events.flush()
         return tr.tid
+
+    def _chunk_specs(self, keys: tuple[bytes, ...], device_blocks: Any, *, load: bool,
+                     state_slots: Sequence[int] | None = None, state_slot: int | None = None) -> list[Any]:
+        """What the DMA engine copies per chunk: plain block ids, or per group for hybrids."""
+        layout = self.layout
+        if layout is None or not (layout.is_hybrid or isinstance(device_blocks, Mapping)
+                                  or state_slots is not None or state_slot is not None):
+            if isinstance(device_blocks, Mapping) or state_slots is not None or state_slot is not None:
+                raise ValueError("block ids per group and state slots need the manager's KV layout "
+                                 "(TieringManager(layout=...) or from_config)")
+            return split_blocks(keys, device_blocks, self.blocks_per_chunk)
+        from .hybrid import chunk_specs
+
+        tpb = self.tokens_per_chunk // self.blocks_per_chunk if self.tokens_per_chunk else None
+        return chunk_specs(layout, keys, device_blocks, self.blocks_per_chunk, load=load, state_slots=state_slots,
+                           state_slot=state_slot, tokens_per_block=tpb)
 
     def get_finished(self) -> list[TransferResult]:
         """Transfers finished since the last call (stores: the device blocks may be
