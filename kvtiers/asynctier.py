@@ -172,6 +172,7 @@ class AsyncTier:
     # -- helpers for subclasses ------------------------------------------------------
     def forget(self, keys: Sequence[bytes]) -> None:
         """Drop ``keys`` from the lookup caches (the next lookup probes them again)."""
+        keys = check_keys(keys)
         with self._lock:
             for k in keys:
                 self._present.discard(k)

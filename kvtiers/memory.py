@@ -97,6 +97,7 @@ class MemoryTier:
 
     @hookimpl
     def touch(self, keys: Sequence[bytes]) -> None:
+        keys = check_keys(keys)
         with self._lock:
             for k in keys:
                 if k in self._data:

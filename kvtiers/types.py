@@ -32,17 +32,30 @@ class Lookup(enum.Enum):
     RETRY = "retry"
 
 
+_plain_bytes = bytes.__getitem__  # bytes' own slicing: a subclass cannot override it
+
+
 def check_key(key: object) -> bytes:
-    """Return ``key`` if it is a valid chunk key (bytes, 1-64 long), else raise."""
-    if not isinstance(key, bytes):
-        raise TypeError(f"key must be bytes, got {type(key).__name__}")
-    if not 1 <= len(key) <= MAX_KEY_LEN:
-        raise ValueError(f"key must be 1-{MAX_KEY_LEN} bytes long, got {len(key)} bytes")
+    """Return ``key`` as plain ``bytes`` if it is a valid chunk key (1-64 bytes), else raise.
+
+    The one place keys enter: ``Job`` and every tier's ``lookup``/``touch`` go through it. A
+    plain ``bytes`` comes back as is; a subclass of ``bytes`` (``numpy.bytes_``, or one
+    whose ``hex``, ``__eq__`` or ``__hash__`` says something else) comes back as a plain
+    copy of its bytes, so every name a tier derives from a key comes from its real bytes.
+    """
+    if type(key) is not bytes:
+        if not isinstance(key, bytes):
+            raise TypeError(f"key must be bytes, got {type(key).__name__}")
+        key = _plain_bytes(key, slice(None))
+    n = bytes.__len__(key)
+    if not 1 <= n <= MAX_KEY_LEN:
+        raise ValueError(f"key must be 1-{MAX_KEY_LEN} bytes long, got {n} bytes")
     return key
 
 
 def check_keys(keys: Sequence[bytes]) -> tuple[bytes, ...]:
-    """Validate a batch of keys (for ``lookup``/``touch``) and return them as a tuple."""
+    """Validate a batch of keys (for ``lookup``/``touch``) and return them as a tuple of
+    plain ``bytes`` (see :func:`check_key`)."""
     if isinstance(keys, (bytes, str)):
         raise TypeError("keys must be a sequence of bytes, not a single bytes or str")
     return tuple(check_key(k) for k in keys)
