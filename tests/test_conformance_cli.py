@@ -44,10 +44,20 @@ def test_memory_passes_core_and_bounded_within_a_minute(tmp_path: pathlib.Path) 
     assert status[10, "durable"] == "SKIP" and status[2, "shared"] == "SKIP"
     assert "rule 10 crash-safety [durable]: SKIP (level durable not claimed)" in p.stdout
     last = p.stdout.strip().splitlines()[-1]
-    assert last.startswith("summary: PASSED: 11 passed, 0 failed, 4 skipped") and last.endswith("seed 7")
+    assert last.startswith("summary: PASSED: 11 passed, 0 failed, 4 skipped (checks: ") and last.endswith("seed 7")
     assert took < 60, f"kvtiers conformance memory took {took:.1f} s"
+    # a PASS line whose checks were partly skipped says so (memory is no AsyncTier, keeps no files)
+    assert re.search(r"^rule 4 failure-is-a-result \[core\]: PASS \(2 of 3 checks skipped: not an AsyncTier; "
+                     r"the tier has no conformance_corrupt", p.stdout, re.M), p.stdout
     suite = ET.parse(junit).getroot()
     assert suite.tag == "testsuite" and suite.get("failures") == "0"
+    # the summary's check counts and the JUnit file agree, skipped checks included
+    passed, failed, skipped = map(int, re.search(r"checks: (\d+) passed, (\d+) failed, (\d+) skipped", last).groups())
+    cases = list(suite.iter("testcase"))
+    assert (int(suite.get("tests")), int(suite.get("failures")), int(suite.get("skipped"))) == (
+        passed + failed + skipped, failed, skipped) == (len(cases), 0, sum(c.find("skipped") is not None for c in cases))
+    partial = sum(line.count(" checks skipped: ") for line in p.stdout.splitlines())
+    assert skipped > 4 and partial >= 2  # unclaimed levels and partly skipped rules both count
     names = {c.get("name") for c in suite.iter("testcase")}
     assert "test_rule02_read_your_writes" in names and "test_rule10_crash_safety" in names
 
@@ -61,8 +71,12 @@ def test_broken_tier_fails_with_exit_1_and_junit_failure(tmp_path: pathlib.Path)
                      p.stdout, re.M), p.stdout
     assert lines(p.stdout)[1, "core"] == "PASS"
     assert "summary: FAILED:" in p.stdout
-    failures = [c.get("name") for c in ET.parse(junit).getroot().iter("testcase") if c.find("failure") is not None]
+    suite = ET.parse(junit).getroot()
+    failures = [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None]
     assert failures == ["test_rule08_caller_errors"]
+    counts = re.search(r"checks: (\d+) passed, (\d+) failed, (\d+) skipped", p.stdout).groups()
+    assert (suite.get("failures"), suite.get("skipped")) == counts[1:]
+    assert int(suite.get("tests")) == sum(map(int, counts))
 
 
 def test_level_runs_unclaimed_levels() -> None:

@@ -62,6 +62,9 @@ def _report() -> Report:
         CheckResult(by_name["test_rule05_exactly_once_64_in_flight"], "FAIL", "rule 5: job 3 reported twice"),
         CheckResult(by_name["test_rule05_empty_job_reported"], "PASS"),
         CheckResult(by_name["test_rule10_crash_safety"], "SKIP", "level durable not claimed"),
+        CheckResult(by_name["test_rule04_missing_keys_fail"], "PASS"),
+        CheckResult(by_name["test_rule04_async_failing_coroutines"], "SKIP", "not an AsyncTier"),
+        CheckResult(by_name["test_rule04_corrupt_chunks_fail"], "SKIP", "no directory"),
     ]
     return rep
 
@@ -74,8 +77,11 @@ def test_report_lines_and_summary() -> None:
                                 "(test_rule05_exactly_once_64_in_flight: rule 5: job 3 reported twice)")
     assert lines[10, "durable"] == "rule 10 crash-safety [durable]: SKIP (level durable not claimed)"
     assert lines[1, "core"] == "rule 1 non-blocking-lookup [core]: SKIP (not run)"
+    assert lines[4, "core"] == ("rule 4 failure-is-a-result [core]: PASS "
+                                "(2 of 3 checks skipped: not an AsyncTier; no directory)")
     assert rep.failed and rep.status(5) == "FAIL"
-    assert rep.summary().startswith("summary: FAILED: 1 passed, 1 failed, 13 skipped")
+    assert rep.summary().startswith("summary: FAILED: 2 passed, 1 failed, 12 skipped "
+                                    "(checks: 3 passed, 1 failed, 3 skipped; levels core)")
     assert rep.summary().endswith("seed 42")
 
 
@@ -83,7 +89,7 @@ def test_junit_xml(tmp_path) -> None:
     path = tmp_path / "r.xml"
     write_junit(_report(), str(path))
     suite = ET.parse(path).getroot()
-    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("4", "1", "1")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("7", "1", "3")
     failed = [c for c in suite.iter("testcase") if c.find("failure") is not None]
     assert [c.get("name") for c in failed] == ["test_rule05_exactly_once_64_in_flight"]
     assert failed[0].find("failure").get("message") == "rule 5: job 3 reported twice"

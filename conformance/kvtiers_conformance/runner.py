@@ -49,8 +49,9 @@ class RuleResult:
         return RULES[self.rule]
 
     def line(self) -> str:
-        """``rule N <name> [level]: PASS|FAIL|SKIP (why)``"""
-        why = f" ({self.why})" if self.why and self.status != "PASS" else ""
+        """``rule N <name> [level]: PASS|FAIL|SKIP (why)``; a PASS whose checks were partly
+        skipped says so: ``PASS (1 of 3 checks skipped: why)``."""
+        why = f" ({self.why})" if self.why else ""
         return f"rule {self.rule} {self.name} [{self.level}]: {self.status}{why}"
 
 
@@ -77,7 +78,12 @@ class Report:
             more = f"; +{len(failed) - 1} more failing check(s)" if len(failed) > 1 else ""
             return RuleResult(rule, level, "FAIL", f"{f.check.test_name}: {f.why}{more}", mine)
         if any(r.status == "PASS" for r in mine):
-            return RuleResult(rule, level, "PASS", "", mine)
+            skipped = [r for r in mine if r.status == "SKIP"]
+            why = ""
+            if skipped:
+                reasons = "; ".join(dict.fromkeys(r.why for r in skipped))
+                why = f"{len(skipped)} of {len(mine)} checks skipped: {reasons}"
+            return RuleResult(rule, level, "PASS", why, mine)
         return RuleResult(rule, level, "SKIP", mine[0].why if mine else "not run", mine)
 
     def status(self, rule: int, level: str = "core") -> str:
@@ -88,13 +94,21 @@ class Report:
     def failed(self) -> bool:
         return any(r.status == "FAIL" for r in self.results)
 
+    def check_counts(self) -> dict[str, int]:
+        """How many checks passed, failed and were skipped (what the JUnit file counts)."""
+        return {s: sum(1 for r in self.results if r.status == s) for s in ("PASS", "FAIL", "SKIP")}
+
     def summary(self) -> str:
+        """``summary: PASSED|FAILED: <rule lines> (checks: <every check>; levels) in s, seed``.
+        The first counts are report lines; ``checks:`` counts every check, skipped ones
+        included, as the JUnit file does."""
         lines = self.rules()
         n = {s: sum(1 for r in lines if r.status == s) for s in ("PASS", "FAIL", "SKIP")}
-        checks = sum(1 for r in self.results if r.status != "SKIP")
+        c = self.check_counts()
         verdict = "FAILED" if self.failed else "PASSED"
         return (f"summary: {verdict}: {n['PASS']} passed, {n['FAIL']} failed, {n['SKIP']} skipped "
-                f"({checks} checks, levels {','.join(sorted(self.levels)) or 'none'}) "
+                f"(checks: {c['PASS']} passed, {c['FAIL']} failed, {c['SKIP']} skipped; "
+                f"levels {','.join(sorted(self.levels)) or 'none'}) "
                 f"in {self.seconds:.1f} s, seed {self.seed}")
 
 

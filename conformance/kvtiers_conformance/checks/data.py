@@ -128,16 +128,15 @@ def _corrupt_files(h: Harness) -> None:
     t = h.open()
     roots = h.path_roots()
     if not roots:
-        raise CheckSkipped("the tier has no conformance_corrupt(config, namespace, key) and its options "
-                           "name no directory")
+        raise CheckSkipped("the tier has no conformance_corrupt and its options name no directory")
     before = _all_files(roots)
     keys = h.keys(8, b"C")
     t.store(keys)
     t.close()
     files = _new_files(roots, before)
     if len(files) < len(keys):
-        raise CheckSkipped(f"the tier has no conformance_corrupt(config, namespace, key) and keeps no file "
-                           f"per chunk ({len(files)} new files for {len(keys)} chunks)")
+        raise CheckSkipped(f"the tier has no conformance_corrupt and keeps no file per chunk "
+                           f"({len(files)} new files for {len(keys)} chunks)")
     for i, p in enumerate(sorted(files)):
         size = p.stat().st_size
         if size == 0:
