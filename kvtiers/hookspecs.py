@@ -85,8 +85,9 @@ class TierSpec:
 
 
 class TierClassSpec:
-    """Optional class attributes of a tier: not hooks, read by the registry and by the
-    conformance suite (``kvtiers_conformance``). Documentation only; nothing registers it.
+    """Optional class attributes of a tier: not hooks, read by the registry, by the
+    conformance suite (``kvtiers_conformance``) and by ``kvtiers bench tier``.
+    Documentation only; nothing registers it.
     """
 
     #: the conformance levels the tier claims; default ``{"core"}``
@@ -106,6 +107,16 @@ class TierClassSpec:
         while that instance is open, then requires a load to fail the key, never to return
         wrong bytes. Without it the suite damages chunk files, for tiers that keep one file
         per chunk under a directory their options name."""
+
+    @classmethod
+    def bench_baseline(cls, tier: Any, chunk_bytes: int) -> Any:
+        """A raw baseline for ``kvtiers bench tier TYPE``: a :class:`kvtiers.tierbench.Baseline`
+        (or None) holding plain ``put(key, data)`` / ``get(key, out)`` callables (functions or
+        coroutine functions) on the same medium as the open instance ``tier`` (same
+        directory, server, client settings), and how many calls the tier itself keeps in
+        flight. The bench runs the baseline interleaved with the tier on the same bytes of
+        ``chunk_bytes`` per chunk and prints the ratio; ``Baseline.close(keys)`` removes what
+        it wrote. See docs/bench.md."""
 
 
 RegisterTier = Callable[[str, type], None]

@@ -104,32 +104,5 @@ def gc(root: str, max_bytes: int | None, namespace: str | None, drop: bool, dry_
                f"{report.kept_bytes} bytes of chunks kept")
 
 
-@click.command(name="fs")
-@click.option("--config", "config_json", default=None, help='Tier options as JSON, e.g. \'{"root_dir": "/mnt/kv"}\'.')
-@click.option("--config-file", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="Tier options from a JSON file.")
-@click.option("--chunk-bytes", type=Size(), multiple=True, help="Chunk size (repeatable; default 1MiB and 4MiB).")
-@click.option("--total-bytes", type=Size(), default="256MiB", show_default=True,
-              help="Bytes stored and loaded per round.")
-@click.option("--rounds", type=int, default=3, show_default=True, help="Rounds (the median is reported).")
-@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def bench_fs(config_json, config_file, chunk_bytes, total_bytes, rounds, as_json) -> None:
-    """Store and load GB/s, lookups per second and submit latency of the fs tier, against raw
-    preadv/pwritev on the same directory (same mode, chunk size, threads) in the same run."""
-    from kvtiers.config import parse_json_option
-
-    from .bench import print_table, run_bench
-
-    options = parse_json_option(config_json, config_file)
-    if "root_dir" not in options:
-        raise click.UsageError('give --config \'{"root_dir": "DIR"}\' (or --config-file) naming the directory')
-    options.pop("type", None)
-    if rounds < 3:
-        raise click.BadParameter("at least 3 rounds", param_hint="--rounds")
-    sizes = list(chunk_bytes) or [1 << 20, 4 << 20]
-    result = run_bench(options, sizes, total_bytes=total_bytes, rounds=rounds,
-                       progress=None if as_json else lambda s: click.echo(s, err=True))
-    if as_json:
-        click.echo(json.dumps(result, indent=1))
-    else:
-        print_table(result, click.echo)
+# `kvtiers bench fs`: the one tier-bench harness with the tier fixed (kvtiers.tierbench)
+from .bench import bench_fs  # noqa: E402, F401

@@ -126,6 +126,14 @@ class FsTier:
         """Options for a conformance test instance: a directory in the suite's scratch."""
         return {"root_dir": str(scratch)}
 
+    @classmethod
+    def bench_baseline(cls, tier: FsTier, chunk_bytes: int):
+        """Raw pwritev/preadv beside ``tier``'s directory, same mode and threads, for
+        ``kvtiers bench tier fs`` (see :mod:`kvtiers_fs.bench`)."""
+        from .bench import baseline
+
+        return baseline(tier, chunk_bytes)
+
     # -- paths ---------------------------------------------------------------------------
     def path(self, key: bytes) -> str:
         """The chunk file of ``key``."""

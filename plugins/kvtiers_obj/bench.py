@@ -1,176 +1,90 @@
-"""Store/load throughput of the obj tier against plain aiobotocore on the same server.
+"""The obj tier's raw baseline for ``kvtiers bench tier obj`` (alias ``kvtiers bench obj``).
 
-One run: an arena of ``chunks`` slots of ``chunk_bytes`` random bytes; each round stores
-them through the tier (fresh keys, one job, the tier's ``max_concurrency``), then puts the
-same bytes with plain ``put_object`` calls at the same concurrency, then loads them through
-the tier and gets them back with plain ``get_object`` + ``read()``. Tier and baseline
-alternate which goes first from round to round; the medians over rounds are compared.
-Everything written is deleted at the end. With ``backends`` (``--backend both``) one tier
-per backend is opened on the same server and each takes its turn in every round against the
-same baseline; the results then hold one row per op and backend (key ``backend``).
+The baseline is what a plain user of the same S3 client would write: ``put_object`` of the
+chunk's bytes and ``get_object`` + ``read()``, on the tier's own aiobotocore client (same
+endpoint, connection pool and retry settings) with as many calls in flight as the tier's
+``max_concurrency``, under a prefix of its own. The tier adds its write-once HEAD, the
+trailer checksum on store and its verification on load. The harness
+(:mod:`kvtiers.tierbench`) runs both interleaved; afterwards everything the run wrote is
+deleted. ``--backend both`` measures the aiobotocore and NIXL backends in the same rounds
+against the same baseline.
 """
 
 from __future__ import annotations
 
 import asyncio
-import statistics
-import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
+import click
 
-from kvtiers import Arena, Job, Namespace, TierContext, open_tier
-
-
-def _wait(handle: Any, job_id: int, timeout: float = 600.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        for r in handle.get_finished_jobs():
-            if r.job_id == job_id:
-                return r
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"bench job {job_id} did not finish in {timeout:g} s")
-        time.sleep(0.002)  # an engine polls once per step; a tighter loop only steals the GIL
+from kvtiers.tierbench import Baseline
+from kvtiers.tierbench_cli import bench_command
 
 
-def run_bench(
-    config: dict, *, chunk_bytes: int = 4 << 20, chunks: int = 16, rounds: int = 3, backends: list[str] | None = None
-) -> dict:
-    """Run the interleaved bench; return ``{"results": [...], ...}`` (see module doc).
-    ``backends``: the tier backends to measure (default: the one in ``config``)."""
-    if chunk_bytes <= 0 or chunk_bytes % 4096:
-        raise ValueError(f"--chunk-bytes must be a positive multiple of 4096, got {chunk_bytes}")
-    if rounds < 1 or chunks < 1:
-        raise ValueError("--rounds and --chunks must be >= 1")
-    arena = Arena.allocate(chunks, chunk_bytes)
-    rng = np.random.default_rng(0)
-    np.frombuffer(arena.buffer, dtype=np.uint8)[:] = rng.integers(0, 256, len(arena.buffer), dtype=np.uint8)
-    ctx = TierContext(arena, Namespace({"kvtiers_bench": "obj", "chunk_bytes": chunk_bytes}))
-    backends = backends or [config.get("backend", "aiobotocore")]
-    handles: dict[str, Any] = {}
-    try:
-        for b in backends:
-            handles[b] = open_tier("obj", {**config, "backend": b}, ctx)
-    except BaseException:
-        for h in handles.values():
-            h.close()
-        raise
-    handle = handles[backends[0]]
-    tier = handle.tier
-    conc = tier.max_concurrency
-    run_id = uuid.uuid4().hex[:8]
-    base_prefix = f"{tier.prefix + '/' if tier.prefix else ''}bench-baseline/{run_id}"
-    client = tier._client  # same connection pool settings, a plain API
-    payloads = [bytes(arena[i]) for i in range(chunks)]  # what a plain user would hand to put_object
+def baseline(tier: Any, chunk_bytes: int) -> Baseline:
+    """Plain ``put_object`` / ``get_object`` on ``tier``'s client and bucket."""
+    prefix = f"{tier.prefix + '/' if tier.prefix else ''}bench-baseline/{uuid.uuid4().hex[:8]}"
+    written: set[str] = set()
 
-    async def plain(op: str, r: int) -> None:
-        sem = asyncio.Semaphore(conc)
+    def name(key: bytes) -> str:
+        return f"{prefix}/{key.hex()}"
 
-        async def one(i: int) -> None:
-            async with sem:
-                name = f"{base_prefix}/{r}/{i}"
-                if op == "store":
-                    await client.put_object(Bucket=tier.bucket, Key=name, Body=payloads[i])
-                else:
-                    resp = await client.get_object(Bucket=tier.bucket, Key=name)
-                    async with resp["Body"] as body:
-                        data = await body.read()
-                    if len(data) != chunk_bytes:
-                        raise RuntimeError(f"baseline object {name} is {len(data)} bytes")
+    async def put(key: bytes, data: memoryview) -> None:
+        n = name(key)
+        written.add(n)
+        await tier._client.put_object(Bucket=tier.bucket, Key=n, Body=bytes(data))
 
-        await asyncio.gather(*(one(i) for i in range(chunks)))
+    async def get(key: bytes, out: memoryview) -> None:
+        resp = await tier._client.get_object(Bucket=tier.bucket, Key=name(key))
+        async with resp["Body"] as body:
+            data = await body.read()
+        if len(data) != len(out):
+            raise RuntimeError(f"baseline object {name(key)} is {len(data)} bytes, expected {len(out)}")
+        out[:] = data
 
-    job_ids = iter(range(1, 1 << 30))
+    def close(_tier_keys: Sequence[bytes]) -> None:  # the harness deletes those through tier.delete
+        async def go() -> None:
+            sem = asyncio.Semaphore(tier.max_concurrency)
 
-    def ours(op: str, r: int, b: str) -> float:
-        h = handles[b]
-        keys = tuple(_key(run_id, b, r, i) for i in range(chunks))
-        jid = next(job_ids)
-        t0 = time.perf_counter()
-        (h.submit_store if op == "store" else h.submit_load)(Job(jid, keys, tuple(range(chunks))))
-        res = _wait(h, jid)
-        dt = time.perf_counter() - t0
-        if not res.ok:
-            raise RuntimeError(f"tier ({b}) {op} failed: {res.error}")
-        return dt
+            async def rm(coro: Any) -> None:
+                async with sem:
+                    try:
+                        await coro
+                    except Exception:
+                        pass
 
-    def theirs(op: str, r: int, _: str) -> float:
-        t0 = time.perf_counter()
-        tier.run_sync(plain(op, r))
-        return time.perf_counter() - t0
+            await asyncio.gather(*(rm(tier._client.delete_object(Bucket=tier.bucket, Key=n)) for n in written))
 
-    total = chunks * chunk_bytes
-    times: dict[str, dict[str, list[float]]] = {op: {w: [] for w in [*backends, "base"]} for op in ("store", "load")}
-    try:
-        for r in range(rounds):
-            for op in ("store", "load"):
-                order = [*((b, ours) for b in backends), ("base", theirs)]
-                if r % 2:
-                    order.reverse()
-                for who, fn in order:
-                    times[op][who].append(fn(op, r, who))
-    finally:
-        _cleanup(handles, client, tier, run_id, base_prefix, rounds, chunks)
-    results = []
-    for op in ("store", "load"):
-        base = [total / t / 1e9 for t in times[op]["base"]]
-        b = statistics.median(base)
-        for who in backends:
-            gbps = [total / t / 1e9 for t in times[op][who]]
-            g = statistics.median(gbps)
-            results.append({
-                "op": op, "backend": who, "chunk_bytes": chunk_bytes, "gbps": round(g, 4),
-                "baseline_gbps": round(b, 4), "ratio": round(g / b, 3) if b else None,
-                "rounds_gbps": [round(x, 4) for x in gbps], "rounds_baseline_gbps": [round(x, 4) for x in base],
-            })  # fmt: skip
-    return {
-        "results": results,
-        "baseline": "aiobotocore put_object/get_object+read, same client settings and concurrency",
-        "chunks": chunks, "rounds": rounds, "concurrency": conc, "endpoint": tier.endpoint_url,
-    }  # fmt: skip
+        tier.run_sync(go(), timeout=300)
+
+    return Baseline(name="aiobotocore put_object/get_object+read, same client and concurrency", put=put, get=get,
+                    concurrency=tier.max_concurrency, close=close)
 
 
-def _key(run_id: str, backend: str, r: int, i: int) -> bytes:
-    return f"bench-{run_id}-{backend}-{r}-{i}".encode()
+def _variants(kw: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+    backend = kw.pop("backend")
+    if backend == "config":
+        return None
+    names = ["aiobotocore", "nixl"] if backend == "both" else [backend]
+    return {b: {"backend": b} for b in names}
 
 
-def _cleanup(handles: dict, client: Any, tier: Any, run_id: str, base_prefix: str, rounds: int, chunks: int) -> None:
-    async def go() -> None:
-        sem = asyncio.Semaphore(tier.max_concurrency)
-
-        async def rm(coro: Any) -> None:
-            async with sem:
-                try:
-                    await coro
-                except Exception:
-                    pass
-
-        jobs = []
-        for r in range(rounds):
-            for i in range(chunks):
-                for b, h in handles.items():
-                    jobs.append(rm(h.tier.delete(_key(run_id, b, r, i))))
-                jobs.append(rm(client.delete_object(Bucket=tier.bucket, Key=f"{base_prefix}/{r}/{i}")))
-        await asyncio.gather(*jobs)
-
-    try:
-        tier.run_sync(go(), timeout=120)
-    finally:
-        for h in handles.values():
-            h.close()
+def _label_backends(report: dict[str, Any]) -> None:
+    """Rows of a ``--backend`` run carry ``backend`` (the variant's name), as before."""
+    for row in report["results"]:
+        if row.get("variant"):
+            row["backend"] = row["variant"]
 
 
-def format_table(report: dict) -> str:
-    """The human-readable table ``kvtiers bench obj`` prints."""
-    lines = [f"{'op':<6} {'backend':<12} {'chunk_bytes':>11} {'obj GB/s':>9} {'aiobotocore GB/s':>17} {'ratio':>7}"]
-    for r in report["results"]:
-        lines.append(
-            f"{r['op']:<6} {r['backend']:<12} {r['chunk_bytes']:>11} {r['gbps']:>9.3f} {r['baseline_gbps']:>17.3f}"
-            f" {r['ratio']:>6.2f}x"
-        )
-    lines.append(
-        f"median of {report['rounds']} interleaved rounds, {report['chunks']} chunks per round, "
-        f"concurrency {report['concurrency']}, endpoint {report['endpoint']}"
-    )
-    return "\n".join(lines)
+bench_obj = bench_command(
+    "obj", "obj",
+    "Store and load throughput of the obj tier against plain aiobotocore put/get of the same sizes at the "
+    "same concurrency, on the same server, in one run. The same harness as 'kvtiers bench tier obj'.",
+    default_chunk=("4MiB",), default_chunks=16,
+    extra=[click.option("--backend", type=click.Choice(["config", "aiobotocore", "nixl", "both"]), default="config",
+                        show_default=True,
+                        help="Tier backend(s) to measure; 'both' runs aiobotocore and nixl in one run.")],
+    variants_from=_variants, post=_label_backends,
+)

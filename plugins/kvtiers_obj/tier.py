@@ -208,6 +208,14 @@ class ObjTier(AsyncTier):
                 raise TierError(f"{t}: no answer from {self._where} within {open_bound:g} s") from None
             raise
 
+    @classmethod
+    def bench_baseline(cls, tier: ObjTier, chunk_bytes: int):
+        """Plain put_object/get_object on ``tier``'s client, bucket and concurrency, for
+        ``kvtiers bench tier obj`` (see :mod:`kvtiers_obj.bench`)."""
+        from .bench import baseline
+
+        return baseline(tier, chunk_bytes)
+
     def __repr__(self) -> str:
         return f"<ObjTier s3://{self.bucket}/{layout.namespace_dir(self.prefix, self.digest)} at {self._where}>"
 

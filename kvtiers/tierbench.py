@@ -1,0 +1,440 @@
+"""``kvtiers bench tier``: one benchmark harness for any tier, third-party ones included.
+
+What it measures, per chunk size (``chunk_sizes``): store and load GB/s of the tier through
+its hooks (fresh keys each round, jobs of ``keys_per_job`` keys, all submitted at once);
+then, at the first chunk size, the same by concurrency (``jobs`` in flight x ``keys`` per
+job); the lookup rate of batches of stored keys (after they resolved, against plain dict
+membership over the same batches); and submit latency (median, p99, max).
+
+A raw baseline where the tier offers one: a tier class may define the optional classmethod
+``bench_baseline(cls, tier, chunk_bytes) -> Baseline | None`` (documented in
+:mod:`kvtiers.hookspecs`) that hands the bench plain ``put(key, data)`` / ``get(key, out)``
+callables on the same medium (functions or coroutine functions). The baseline runs
+interleaved with the tier in the same run (which goes first alternates between rounds), on
+the same bytes, with as many calls in flight as the tier's own parallelism (``concurrency``);
+medians over the rounds are compared and printed as a ratio.
+
+No torch: the arena is :class:`kvtiers.Arena`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import secrets
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .registry import TierHandle, get_registry, open_tier
+from .types import Arena, Job, Lookup, Namespace, TierContext
+
+__all__ = ["DEFAULT_CONCURRENCY", "Baseline", "format_table", "run_tier_bench"]
+
+DEFAULT_CONCURRENCY = ((1, 1), (4, 1), (1, 16), (4, 16))
+KEYS_PER_JOB = 64
+LOOKUP_BATCH = 1000
+LOOKUP_SECONDS = 0.3  # the warm lookup rate is timed over at least this long (or 300 batches)
+POLL_S = 0.0005  # pause between get_finished_jobs calls when nothing finished
+JOB_TIMEOUT = 600.0
+
+
+@dataclass
+class Baseline:
+    """Plain I/O on the tier's medium, for the bench to compare the tier with.
+
+    ``put(key, data)`` keeps the bytes of the memoryview ``data`` under ``key``; ``get(key,
+    out)`` writes them back into ``out`` (both may be coroutine functions; those run on the
+    SDK's I/O loop). ``concurrency``: how many calls the tier itself would have in flight
+    (its threads or connection limit); ``load_concurrency`` if loads differ. ``close(keys)``,
+    called once at the end with the keys the bench stored through the tier, removes what
+    the baseline wrote (and may remove the tier's keys where the tier has no ``delete``:
+    an :class:`~kvtiers.AsyncTier`'s ``delete`` is called for them afterwards anyway).
+    ``name`` says what the baseline is.
+    """
+
+    name: str
+    put: Callable[[bytes, memoryview], Any]
+    get: Callable[[bytes, memoryview], Any]
+    concurrency: int = 8
+    load_concurrency: int | None = None
+    close: Callable[[Sequence[bytes]], None] | None = None
+
+
+class _Runner:
+    """Runs a baseline's calls with a given number in flight, on threads or the I/O loop."""
+
+    def __init__(self, base: Baseline) -> None:
+        self.base = base
+        self.pools: dict[int, ThreadPoolExecutor] = {}
+
+    def limit(self, op: str) -> int:
+        b = self.base
+        return max(1, (b.load_concurrency or b.concurrency) if op == "load" else b.concurrency)
+
+    def run(self, op: str, keys: Sequence[bytes], views: Sequence[memoryview], parallel: int) -> None:
+        fn = self.base.get if op == "load" else self.base.put
+        if inspect.iscoroutinefunction(fn):
+            from .ioloop import get_loop
+
+            async def all_of() -> None:
+                sem = asyncio.Semaphore(parallel)
+
+                async def one(k: bytes, v: memoryview) -> None:
+                    async with sem:
+                        await fn(k, v)
+
+                await asyncio.gather(*(one(k, v) for k, v in zip(keys, views, strict=True)))
+
+            asyncio.run_coroutine_threadsafe(all_of(), get_loop()).result(JOB_TIMEOUT)
+            return
+        pool = self.pools.get(parallel)
+        if pool is None:
+            pool = self.pools[parallel] = ThreadPoolExecutor(parallel, thread_name_prefix="kvtiers-bench")
+        list(pool.map(fn, keys, views))
+
+    def close(self) -> None:
+        for p in self.pools.values():
+            p.shutdown()
+
+
+def _tier_io(handle: TierHandle, keys: Sequence[bytes], load: bool, *, keys_per_job: int, jobs: int | None,
+             submit_us: list[float] | None, ids: Any) -> None:
+    """Store or load ``keys`` (key i in slot i) in jobs of ``keys_per_job``, at most ``jobs``
+    in flight (None: all at once); wait for every result; raise if a key failed."""
+    submit = handle.submit_load if load else handle.submit_store
+    batches = [(j, tuple(keys[j : j + keys_per_job])) for j in range(0, len(keys), keys_per_job)]
+    limit = jobs or len(batches)
+    inflight: set[int] = set()
+    deadline = time.monotonic() + JOB_TIMEOUT
+    nxt = 0
+    while nxt < len(batches) or inflight:
+        while nxt < len(batches) and len(inflight) < limit:
+            j, batch = batches[nxt]
+            job = Job(next(ids), batch, tuple(range(j, j + len(batch))))
+            t0 = time.perf_counter()
+            submit(job)
+            if submit_us is not None:
+                submit_us.append((time.perf_counter() - t0) * 1e6)
+            inflight.add(job.job_id)
+            nxt += 1
+        got = handle.get_finished_jobs()
+        for r in got:
+            inflight.discard(r.job_id)
+            if not r.ok:
+                what = "load" if load else "store"
+                raise RuntimeError(f"bench: tier {handle.name!r} {what} failed for {len(r.failed_keys)} key(s): "
+                                   f"{r.error or 'no error given'}")
+        if not got:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"bench: {len(inflight)} job(s) did not finish within {JOB_TIMEOUT:.0f} s")
+            time.sleep(POLL_S)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _lookup(handle: TierHandle, keys: Sequence[bytes], batch: int) -> dict[str, Any]:
+    """Resolve a batch of stored keys (RETRY asked again), then time repeated batches."""
+    pool = list(keys) * (-(-batch // len(keys)))
+    keys_b = pool[:batch]
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + 10.0
+    while True:
+        ans = handle.lookup(keys_b)
+        if not any(a is Lookup.RETRY for a in ans) or time.monotonic() > deadline:
+            break
+        time.sleep(0.001)
+    resolve_s = time.perf_counter() - t0
+    hits = sum(a is Lookup.HIT for a in ans)
+    reps, t0 = 0, time.perf_counter()
+    while reps < 300 and (reps < 3 or time.perf_counter() - t0 < LOOKUP_SECONDS):
+        handle.lookup(keys_b)
+        reps += 1
+    tier_s = time.perf_counter() - t0
+    index = dict.fromkeys(keys)
+    base_s = _timed(lambda: [[k in index for k in keys_b] for _ in range(reps)])
+    n = batch * reps
+    return {"batch": batch, "keys_per_s": round(n / tier_s), "baseline_keys_per_s": round(n / base_s),
+            "ratio": round(base_s / tier_s, 4), "hits": hits, "resolve_ms": round(resolve_s * 1e3, 2),
+            "baseline": "dict membership over the same batches"}
+
+
+def _gbps(nbytes: int, times: list[float]) -> tuple[float, list[float]]:
+    per = [nbytes / t / 1e9 for t in times]
+    return nbytes / statistics.median(times) / 1e9, per
+
+
+def _row(op: str, chunk: int, nbytes: int, times: list[float], base_times: list[float], base: Baseline | None,
+         **extra: Any) -> dict[str, Any]:
+    g, per = _gbps(nbytes, times)
+    row: dict[str, Any] = {"op": op, "chunk_bytes": chunk, "gbps": round(g, 4)}
+    if base_times:
+        b, bper = _gbps(nbytes, base_times)
+        row.update(baseline_gbps=round(b, 4), ratio=round(g / b, 4))
+    else:
+        bper = []
+        row.update(baseline_gbps=None, ratio=None)
+    row.update(baseline=base.name if base else None, bytes_per_round=nbytes, rounds=len(times),
+               round_gbps=[round(x, 4) for x in per], baseline_round_gbps=[round(x, 4) for x in bper], **extra)
+    return row
+
+
+def _latency(op: str, chunk: int, us: list[float], keys_per_job: int) -> dict[str, Any]:
+    us = sorted(us)
+    return {"op": op, "chunk_bytes": chunk, "keys_per_job": keys_per_job, "jobs": len(us),
+            "median": round(statistics.median(us), 1), "p99": round(us[min(len(us) - 1, int(len(us) * 0.99))], 1),
+            "max": round(us[-1], 1)}
+
+
+def default_options(tier_type: str, scratch: str) -> dict[str, Any]:
+    """Options for a tier given none: its ``conformance_config(scratch)`` when it has one."""
+    cls = get_registry().tier_info(tier_type).cls
+    make = getattr(cls, "conformance_config", None)
+    if make is None:
+        return {}
+    import pathlib
+
+    return dict(make(pathlib.Path(scratch)))
+
+
+def run_tier_bench(
+    tier_type: str,
+    options: dict[str, Any] | None,
+    *,
+    chunk_sizes: Sequence[int] = (1 << 20, 4 << 20),
+    total_bytes: int = 256 << 20,
+    chunks: int | None = None,
+    rounds: int = 3,
+    concurrency: Sequence[tuple[int, int]] = DEFAULT_CONCURRENCY,
+    keys_per_job: int = KEYS_PER_JOB,
+    lookup_batch: int = LOOKUP_BATCH,
+    baseline: bool = True,
+    variants: dict[str, dict[str, Any]] | None = None,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Benchmark ``tier_type`` with ``options`` (None or empty: the tier's
+    ``conformance_config`` in a temporary directory, if it has one). ``chunks`` per round
+    (default ``total_bytes // chunk``). ``variants``: name -> option overrides, each opened
+    as its own tier and measured in the same rounds against the same baseline (rows carry
+    ``"variant"``). ``progress``: a :class:`kvtiers.progress.Progress` (or None).
+    Returns the JSON-able report (see the module docstring)."""
+    import numpy as np
+
+    for c in chunk_sizes:
+        if c <= 0 or c % 4096:
+            raise ValueError(f"--chunk-bytes must be a positive multiple of 4096, got {c}")
+    if rounds < 1:
+        raise ValueError("--rounds must be >= 1")
+    if chunks is not None and chunks < 1:
+        raise ValueError("--chunks must be >= 1")
+    scratch = None
+    if not options:
+        scratch = tempfile.TemporaryDirectory(prefix="kvtiers-bench-")
+        options = default_options(tier_type, scratch.name)
+    variants = variants or {"": {}}
+    report: dict[str, Any] = {"tier": tier_type, "baseline": None, "rounds": rounds, "keys_per_job": keys_per_job,
+                              "results": [], "concurrency": [], "lookup": [], "submit_latency_us": []}
+    ids = iter(range(1, 1 << 62))
+    try:
+        for ci, chunk in enumerate(chunk_sizes):
+            n = chunks or max(1, total_bytes // chunk)
+            arena = Arena.allocate(n, chunk)
+            np.frombuffer(arena.buffer, dtype=np.uint8)[:] = np.random.default_rng(chunk).integers(
+                0, 256, n * chunk, dtype=np.uint8)
+            views = [arena[i] for i in range(n)]
+            ns = Namespace({"kvtiers_bench": tier_type, "chunk_bytes": chunk, "run": secrets.token_hex(4)})
+            ctx = TierContext(arena, ns)
+            handles: dict[str, TierHandle] = {}
+            base = runner = None
+            stored: list[bytes] = []
+            try:
+                for name, over in variants.items():
+                    handles[name] = open_tier(tier_type, {**options, **over}, ctx)
+                first = next(iter(handles.values()))
+                make = getattr(type(first.tier), "bench_baseline", None)
+                if baseline and make is not None:
+                    base = make(first.tier, chunk)
+                    runner = _Runner(base) if base is not None else None
+                if base is not None:
+                    report["baseline"] = base.name
+                nbytes = n * chunk
+                times: dict[tuple[str, str], list[float]] = {}
+                submit_us: dict[str, list[float]] = {"store": [], "load": []}
+                last_keys: list[bytes] = []
+                for r in range(rounds):
+                    order = [*handles, None] if runner else list(handles)
+                    if r % 2:
+                        order.reverse()
+                    round_keys = {v: [b"bench-%s-%d-%d" % (v.encode(), r, i) for i in range(n)] for v in handles}
+                    base_keys = [b"raw-%d-%d" % (r, i) for i in range(n)]
+                    for v in handles:
+                        stored.extend(round_keys[v])
+                    for op in ("store", "load"):
+                        for who in order:
+                            t0 = time.perf_counter()
+                            if who is None:
+                                runner.run(op, base_keys, views, runner.limit(op))
+                            else:
+                                lat = submit_us[op] if who == next(iter(handles)) else None
+                                _tier_io(handles[who], round_keys[who], op == "load", keys_per_job=keys_per_job,
+                                         jobs=None, submit_us=lat, ids=ids)
+                            times.setdefault((op, "base" if who is None else who), []).append(
+                                time.perf_counter() - t0)
+                    last_keys = round_keys[next(iter(handles))]
+                    if progress is not None:
+                        v0 = next(iter(handles))
+                        notes = []
+                        for op in ("store", "load"):
+                            t = f"{op} {nbytes / times[(op, v0)][-1] / 1e9:.2f} GB/s"
+                            if runner:
+                                t += f" (raw {nbytes / times[(op, 'base')][-1] / 1e9:.2f})"
+                            notes.append(t)
+                        progress.advance(note=f"chunk {chunk} round {r + 1}/{rounds}: " + ", ".join(notes))
+                for op in ("store", "load"):
+                    for v in handles:
+                        extra = {"chunks": n, "keys_per_job": keys_per_job}
+                        if v:
+                            extra["variant"] = v
+                        if runner:
+                            extra["baseline_parallel"] = runner.limit(op)
+                        report["results"].append(_row(op, chunk, nbytes, times[(op, v)], times.get((op, "base"), []),
+                                                      base, **extra))
+                    if submit_us[op]:
+                        report["submit_latency_us"].append(_latency(op, chunk, submit_us[op], keys_per_job))
+                if ci == 0 and concurrency:
+                    stored += _concurrency(report, first, runner, base, views, chunk, n, rounds, concurrency, ids,
+                                           progress)
+                lk = _lookup(first, last_keys, lookup_batch)
+                report["lookup"].append({"chunk_bytes": chunk, **lk})
+                if progress is not None:
+                    progress.advance(note=f"chunk {chunk} lookup: {lk['keys_per_s'] / 1e6:.2f} M keys/s")
+            finally:
+                try:
+                    if base is not None and base.close is not None:
+                        base.close(stored)
+                    if stored:
+                        _forget(handles.values(), stored)
+                finally:
+                    if runner is not None:
+                        runner.close()
+                    for h in handles.values():
+                        h.close()
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
+    return report
+
+
+def _concurrency(report: dict[str, Any], handle: TierHandle, runner: _Runner | None, base: Baseline | None,
+                 views: list[memoryview], chunk: int, n: int, rounds: int, concurrency: Sequence[tuple[int, int]],
+                 ids: Any, progress: Any) -> list[bytes]:
+    """GB/s by (jobs in flight, keys per job); the baseline with as many calls in flight,
+    capped at its own concurrency. Returns the keys stored through the tier."""
+    stored: list[bytes] = []
+    nbytes = n * chunk
+    for jobs, kpj in concurrency:
+        times: dict[tuple[str, str], list[float]] = {}
+        par = {op: min(jobs * kpj, runner.limit(op)) for op in ("store", "load")} if runner else {}
+        for r in range(rounds):
+            keys = [b"conc-%dx%d-%d-%d" % (jobs, kpj, r, i) for i in range(n)]
+            bkeys = [b"rawc-%dx%d-%d-%d" % (jobs, kpj, r, i) for i in range(n)]
+            stored += keys
+            for op in ("store", "load"):
+                order = ["tier", "base"] if runner else ["tier"]
+                if r % 2:
+                    order.reverse()
+                for who in order:
+                    t0 = time.perf_counter()
+                    if who == "base":
+                        runner.run(op, bkeys, views, par[op])
+                    else:
+                        _tier_io(handle, keys, op == "load", keys_per_job=kpj, jobs=jobs, submit_us=None, ids=ids)
+                    times.setdefault((op, who), []).append(time.perf_counter() - t0)
+        for op in ("store", "load"):
+            extra: dict[str, Any] = {"jobs": jobs, "keys_per_job": kpj, "in_flight": jobs * kpj, "chunks": n}
+            if runner:
+                extra["baseline_parallel"] = par[op]
+            report["concurrency"].append(_row(op, chunk, nbytes, times[(op, "tier")], times.get((op, "base"), []),
+                                              base, **extra))
+        if progress is not None:
+            st = report["concurrency"][-2]["gbps"]
+            ld = report["concurrency"][-1]["gbps"]
+            progress.advance(note=f"{jobs} jobs x {kpj} keys: store {st:.2f} GB/s, load {ld:.2f} GB/s")
+    return stored
+
+
+def _forget(handles: Any, keys: Sequence[bytes]) -> None:
+    """Delete the bench's keys through ``AsyncTier.delete`` where the tier has it."""
+    for h in handles:
+        delete = getattr(h.tier, "delete", None)
+        run_sync = getattr(h.tier, "run_sync", None)
+        if delete is None or run_sync is None or not inspect.iscoroutinefunction(delete):
+            continue
+
+        async def go(delete: Any = delete) -> None:
+            sem = asyncio.Semaphore(16)
+
+            async def one(k: bytes) -> None:
+                async with sem:
+                    try:
+                        await delete(k)
+                    except Exception:
+                        pass
+
+            await asyncio.gather(*(one(k) for k in keys))
+
+        try:
+            run_sync(go(), timeout=120)
+        except Exception:
+            pass
+
+
+def steps(chunk_sizes: Sequence[int], rounds: int, concurrency: Sequence[tuple[int, int]]) -> int:
+    """The number of progress steps :func:`run_tier_bench` reports."""
+    return len(chunk_sizes) * (rounds + 1) + (len(concurrency) if chunk_sizes else 0)
+
+
+def _size(n: int) -> str:
+    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The human-readable form of :func:`run_tier_bench`'s report."""
+    base = report.get("baseline")
+    lines = [f"kvtiers bench tier {report['tier']}: median of {report['rounds']} interleaved rounds, "
+             f"baseline: {base or 'none (the tier offers none)'}"]
+    hdr = f"{'op':<6} {'chunk':>8} {'variant':<12} {'tier GB/s':>10} {'raw GB/s':>9} {'ratio':>7}"
+    lines.append(hdr)
+    for r in report["results"]:
+        raw = f"{r['baseline_gbps']:>9.3f}" if r["baseline_gbps"] is not None else f"{'-':>9}"
+        ratio = f"{r['ratio']:>6.2f}x" if r["ratio"] is not None else f"{'-':>7}"
+        lines.append(f"{r['op']:<6} {_size(r['chunk_bytes']):>8} {r.get('variant', '') or '-':<12} "
+                     f"{r['gbps']:>10.3f} {raw} {ratio}")
+    if report["concurrency"]:
+        lines.append("")
+        lines.append(f"{'op':<6} {'chunk':>8} {'jobs x keys':>12} {'tier GB/s':>10} {'raw GB/s':>9} {'ratio':>7}")
+        for r in report["concurrency"]:
+            raw = f"{r['baseline_gbps']:>9.3f}" if r["baseline_gbps"] is not None else f"{'-':>9}"
+            ratio = f"{r['ratio']:>6.2f}x" if r["ratio"] is not None else f"{'-':>7}"
+            jk = f"{r['jobs']} x {r['keys_per_job']}"
+            lines.append(f"{r['op']:<6} {_size(r['chunk_bytes']):>8} {jk:>12} {r['gbps']:>10.3f} {raw} {ratio}")
+    lines.append("")
+    for lk in report["lookup"]:
+        lines.append(f"lookup {_size(lk['chunk_bytes']):>8}: {lk['keys_per_s'] / 1e6:.2f} M keys/s in batches of "
+                     f"{lk['batch']} (dict membership {lk['baseline_keys_per_s'] / 1e6:.2f} M keys/s), "
+                     f"first batch resolved in {lk['resolve_ms']:.1f} ms")
+    for s in report["submit_latency_us"]:
+        lines.append(f"submit_{s['op']:<5} {_size(s['chunk_bytes']):>8}: median {s['median']:.0f} us, "
+                     f"p99 {s['p99']:.0f} us, max {s['max']:.0f} us ({s['keys_per_job']}-key jobs)")
+    return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""The click side of :mod:`kvtiers.tierbench`: ``kvtiers bench tier TYPE`` and a factory for
+per-tier aliases (``kvtiers bench fs`` and ``kvtiers bench obj`` are this command with the
+tier fixed). Imports nothing heavy until a command runs."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+class Size(click.ParamType):
+    """``1048576``, ``512K``, ``4MiB``, ``1.5G`` -> bytes (binary units)."""
+
+    name = "SIZE"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        if isinstance(value, int):
+            return value
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(value))
+        if not m:
+            self.fail(f"{value!r} is not a size (e.g. 1048576, 512K, 4MiB, 2G)", param, ctx)
+        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class JobsByKeys(click.ParamType):
+    """``4x16``: 4 jobs in flight of 16 keys each."""
+
+    name = "JOBSxKEYS"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> tuple[int, int]:
+        if isinstance(value, tuple):
+            return value
+        m = re.fullmatch(r"\s*(\d+)\s*[xX*]\s*(\d+)\s*", str(value))
+        if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+            self.fail(f"{value!r} is not JOBSxKEYS (e.g. 4x16)", param, ctx)
+        return int(m.group(1)), int(m.group(2))
+
+
+def _options(default_chunk: tuple[str, ...], default_total: str, default_chunks: int | None) -> list[Callable]:
+    return [
+        click.option("--config", "config_text", default=None, metavar="JSON", help="The tier's options as JSON."),
+        click.option("--config-file", type=click.Path(dir_okay=False, exists=True), default=None,
+                     help="The tier's options from a JSON file."),
+        click.option("--chunk-bytes", type=Size(), multiple=True, default=default_chunk, show_default=True,
+                     help="Chunk size (repeatable)."),
+        click.option("--total-bytes", type=Size(), default=default_total, show_default=True,
+                     help="Bytes stored and loaded per round (chunks = total / chunk size)."),
+        click.option("--chunks", type=click.IntRange(1), default=default_chunks,
+                     help="Chunks per round instead of --total-bytes."),
+        click.option("--rounds", type=click.IntRange(1), default=3, show_default=True,
+                     help="Interleaved rounds; medians are compared."),
+        click.option("--concurrency", type=JobsByKeys(), multiple=True, default=("1x1", "4x1", "1x16", "4x16"),
+                     show_default=True, help="Jobs in flight x keys per job, at the first chunk size (repeatable)."),
+        click.option("--no-concurrency", is_flag=True, help="Skip the concurrency sweep."),
+        click.option("--keys-per-job", type=click.IntRange(1), default=64, show_default=True,
+                     help="Keys per job of the chunk-size runs (all jobs submitted at once)."),
+        click.option("--lookup-batch", type=click.IntRange(1), default=1000, show_default=True,
+                     help="Keys per lookup call."),
+        click.option("--no-baseline", is_flag=True, help="Do not measure the tier's raw baseline."),
+        click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (no progress)."),
+        click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, metavar="FILE.png",
+                     help="Write GB/s against chunk size and concurrency as a PNG (needs matplotlib)."),
+    ]
+
+
+def run_command(tier_type: str, kw: dict[str, Any], variants: dict[str, dict[str, Any]] | None = None,
+                post: Callable[[dict[str, Any]], None] | None = None) -> None:
+    """Run the bench for the parsed options ``kw`` of a bench command; print the report."""
+    from .config import parse_json_option
+    from .errors import ConfigError
+    from .progress import Progress
+    from .registry import get_registry
+    from .tierbench import format_table, run_tier_bench, steps
+
+    options = parse_json_option(kw["config_text"], kw["config_file"])
+    options.pop("type", None)
+    get_registry().tier_info(tier_type)  # an unknown type is an error before anything runs
+    conc = () if kw["no_concurrency"] else tuple(kw["concurrency"])
+    sizes = list(kw["chunk_bytes"])
+    total = steps(sizes, kw["rounds"], conc)
+    with Progress(total, f"bench {tier_type}", quiet=kw["as_json"]) as bar:
+        try:
+            report = run_tier_bench(
+                tier_type, options, chunk_sizes=sizes, total_bytes=kw["total_bytes"], chunks=kw["chunks"],
+                rounds=kw["rounds"], concurrency=conc, keys_per_job=kw["keys_per_job"],
+                lookup_batch=kw["lookup_batch"], baseline=not kw["no_baseline"], variants=variants, progress=bar,
+            )
+        except ConfigError as e:
+            raise click.UsageError(f"{e} (give the tier's options with --config JSON or --config-file F)") from None
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        except RuntimeError as e:  # a failed or lost job: the tier's fault, said in one line
+            raise click.ClickException(str(e)) from None
+    if post is not None:
+        post(report)
+    if kw["plot_path"]:
+        from .plot import plot_bench
+
+        plot_bench(report, kw["plot_path"])
+    if kw["as_json"]:
+        click.echo(json.dumps(report, indent=1))
+    else:
+        click.echo(format_table(report))
+        if kw["plot_path"]:
+            click.echo(f"plot written to {kw['plot_path']}")
+
+
+def bench_command(name: str, tier_type: str | None, help_text: str, *,
+                  default_chunk: tuple[str, ...] = ("1MiB", "4MiB"), default_total: str = "256MiB",
+                  default_chunks: int | None = None,
+                  extra: list[Callable] | None = None,
+                  variants_from: Callable[[dict[str, Any]], dict[str, dict[str, Any]] | None] | None = None,
+                  post: Callable[[dict[str, Any]], None] | None = None) -> click.Command:
+    """A ``kvtiers bench`` command: ``tier TYPE`` when ``tier_type`` is None, else an alias
+    with the tier fixed. ``extra``: more click options; ``variants_from(kwargs)`` turns
+    them into variants (name -> option overrides); ``post(report)`` may adjust the report."""
+
+    def cmd(**kw: Any) -> None:
+        ttype = kw.pop("tier_type", None) or tier_type
+        variants = variants_from(kw) if variants_from else None
+        run_command(ttype, kw, variants, post)
+
+    cmd.__doc__ = help_text
+    for opt in reversed([*_options(default_chunk, default_total, default_chunks), *(extra or [])]):
+        cmd = opt(cmd)
+    if tier_type is None:
+        cmd = click.argument("tier_type", metavar="TYPE")(cmd)
+    return click.command(name, help=help_text)(cmd)
+
+
+tier = bench_command(
+    "tier", None,
+    "Store and load GB/s of tier TYPE by chunk size and by concurrency, lookup rate and submit "
+    "latency, against the tier's raw baseline on the same medium (where it offers one), in one run. "
+    "Without --config, a tier with a conformance_config gets a scratch instance.",
+)

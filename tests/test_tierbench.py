@@ -1,0 +1,209 @@
+"""``kvtiers bench tier``: one harness for any tier (memory, fs, the SQLite example, a
+third-party tier installed from outside the repository), its raw baselines, ``--plot``, and
+the progress helper it reports through. (obj: tests/test_obj_bench.py.)"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtiers.progress import Progress
+
+TINY = ["--chunk-bytes", "64K", "--chunks", "8", "--rounds", "3", "--concurrency", "1x1", "--concurrency", "2x4",
+        "--lookup-batch", "100"]
+
+
+def kvtiers(*args: str, path: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(path), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "kvtiers.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def check_shape(doc: dict, tier: str, with_baseline: bool) -> None:
+    assert doc["tier"] == tier
+    rows = {(r["op"], r["chunk_bytes"]) for r in doc["results"]}
+    assert rows == {("store", 65536), ("load", 65536)}
+    conc = {(r["op"], r["jobs"], r["keys_per_job"]) for r in doc["concurrency"]}
+    assert conc == {(op, j, k) for op in ("store", "load") for j, k in ((1, 1), (2, 4))}
+    for r in doc["results"] + doc["concurrency"]:
+        assert r["gbps"] > 0 and len(r["round_gbps"]) == 3
+        if with_baseline:
+            assert r["baseline_gbps"] > 0 and len(r["baseline_round_gbps"]) == 3
+            assert r["ratio"] == pytest.approx(r["gbps"] / r["baseline_gbps"], rel=0.02)
+        else:
+            assert r["baseline_gbps"] is None and r["ratio"] is None
+    (lk,) = doc["lookup"]
+    assert lk["hits"] == lk["batch"] == 100 and lk["keys_per_s"] > 0
+    assert {s["op"] for s in doc["submit_latency_us"]} == {"store", "load"}
+    for s in doc["submit_latency_us"]:
+        assert 0 < s["median"] <= s["p99"] <= s["max"]
+
+
+def test_memory_tier_json_without_baseline():
+    r = kvtiers("bench", "tier", "memory", *TINY, "--json")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""  # --json: no progress lines
+    doc = json.loads(r.stdout)
+    check_shape(doc, "memory", with_baseline=False)
+    assert doc["baseline"] is None
+
+
+def test_fs_tier_table_progress_plot_and_cleanup(tmp_path):
+    root = tmp_path / "kv"
+    png = tmp_path / "fs.png"
+    cfg = json.dumps({"root_dir": str(root), "n_read_threads": 2, "n_write_threads": 2})
+    r = kvtiers("bench", "tier", "fs", "--config", cfg, *TINY, "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    assert "raw pwritev/preadv" in r.stdout and "ratio" in r.stdout
+    assert "plot written to" in r.stdout
+    # not a terminal: one plain progress line per step on stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("bench fs ")]
+    assert len(lines) == 3 + 1 + 2 and lines[0].startswith("bench fs 1/6: chunk 65536 round 1/3")
+    assert "\r" not in r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    left = [p for p in root.rglob("*") if p.is_file() and p.name != "config.json"]
+    assert left == []  # the tier's chunks and the baseline's files are gone
+
+
+def test_fs_alias_is_the_same_harness(tmp_path):
+    cfg = json.dumps({"root_dir": str(tmp_path / "kv"), "n_read_threads": 2, "n_write_threads": 2})
+    r = kvtiers("bench", "fs", "--config", cfg, *TINY, "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    check_shape(doc, "fs", with_baseline=True)
+    assert doc["baseline"].startswith("raw pwritev/preadv")
+    for row in doc["results"]:
+        assert row["baseline_parallel"] == 2  # the tier's thread counts
+
+
+def test_sqlite_example_without_config_uses_a_scratch_instance():
+    r = kvtiers("bench", "tier", "sqlite", *TINY, "--no-concurrency", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["tier"] == "sqlite" and doc["concurrency"] == [] and len(doc["results"]) == 2
+
+
+THIRD_PARTY = '''
+"""A third-party tier, installed from outside the repository: chunks as files, plus a raw baseline."""
+import os
+
+import kvtiers
+from kvtiers.tierbench import Baseline
+
+
+class DirTier(kvtiers.AsyncTier):
+    def __init__(self, ctx, *, path: str):
+        super().__init__(ctx)
+        self.dir = os.path.join(path, ctx.namespace.digest)
+        os.makedirs(self.dir, exist_ok=True)
+
+    def _p(self, key):
+        return os.path.join(self.dir, key.hex())
+
+    async def exists(self, key):
+        return os.path.exists(self._p(key))
+
+    async def put(self, key, data):
+        with open(self._p(key), "wb") as f:
+            f.write(data)
+
+    async def get_into(self, key, out):
+        try:
+            with open(self._p(key), "rb") as f:
+                return f.readinto(out) == len(out)
+        except FileNotFoundError:
+            return False
+
+    async def delete(self, key):
+        os.remove(self._p(key))
+        self.forget([key])
+
+    @classmethod
+    def bench_baseline(cls, tier, chunk_bytes):
+        raw = tier.dir + "-raw"
+        os.makedirs(raw, exist_ok=True)
+        written = []
+
+        def put(key, data):
+            written.append(key)
+            with open(os.path.join(raw, key.hex()), "wb") as f:
+                f.write(data)
+
+        def get(key, out):
+            with open(os.path.join(raw, key.hex()), "rb") as f:
+                f.readinto(out)
+
+        def close(tier_keys):
+            for k in written:
+                os.remove(os.path.join(raw, k.hex()))
+            os.rmdir(raw)
+
+        return Baseline("plain open/write/readinto", put, get, concurrency=4, close=close)
+
+
+@kvtiers.hookimpl
+def register_tiers(register):
+    register("dirtier", DirTier)
+'''
+
+
+def test_third_party_tier_installed_outside_the_repo_with_its_baseline(tmp_path):
+    site = tmp_path / "site"
+    (site / "dirtier_plugin").mkdir(parents=True)
+    (site / "dirtier_plugin" / "__init__.py").write_text(THIRD_PARTY)
+    info = site / "dirtier_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dirtier-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[kvtiers]\ndirtier = dirtier_plugin\n")
+    data = tmp_path / "data"
+    r = kvtiers("bench", "tier", "dirtier", "--config", json.dumps({"path": str(data)}), *TINY, "--json", path=site)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    check_shape(doc, "dirtier", with_baseline=True)
+    assert doc["baseline"] == "plain open/write/readinto"
+    assert all(r["baseline_parallel"] <= 4 for r in doc["results"] + doc["concurrency"])
+    # the baseline removed its files; the tier's keys were deleted through AsyncTier.delete
+    assert [p for p in data.rglob("*") if p.is_file()] == []
+
+
+def test_errors_are_one_line():
+    r = kvtiers("bench", "tier", "no-such-tier")
+    assert r.returncode != 0 and "no-such-tier" in r.stderr and "Traceback" not in r.stderr
+    r = kvtiers("bench", "tier", "memory", "--chunk-bytes", "1000")
+    assert r.returncode == 2 and "multiple of 4096" in r.stderr
+    r = kvtiers("bench", "tier", "memory", "--concurrency", "4by16")
+    assert r.returncode == 2 and "JOBSxKEYS" in r.stderr
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_a_terminal_lines_elsewhere_nothing_when_quiet():
+    tty = _Tty()
+    with Progress(4, "work", file=tty) as bar:
+        bar.advance(note="one")
+        bar.note("halfway")
+        bar.advance(3)
+    out = tty.getvalue()
+    assert "\r" in out and "[" + "#" * 6 in out and "4/4" in out and "work: halfway\n" in out
+    assert out.endswith("\n")
+    plain = io.StringIO()
+    with Progress(2, "work", file=plain) as bar:
+        bar.advance(note="a")
+        bar.advance(note="b")
+    assert plain.getvalue() == "work 1/2: a\nwork 2/2: b\n"
+    quiet = _Tty()
+    with Progress(2, "work", file=quiet, quiet=True) as bar:
+        bar.advance()
+        bar.note("x")
+    assert quiet.getvalue() == ""
