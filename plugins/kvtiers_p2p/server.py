@@ -101,6 +101,8 @@ class PeerServer:
         self.banned: OrderedDict[bytes, float] = OrderedDict()
         self.ns_chunk: dict[str, int] = {}
         self.streams: deque[Stream] = deque()
+        self._gone: set[bytes] = set()
+        self.outbox: deque[tuple[bytes, tuple[Any, ...]]] = deque()  # replies that met a full pipe
         self.stats = {"malformed": 0, "refused": 0, "chunks_sent": 0, "chunks_stored": 0}
         self._stop = False
         self.ctx = zmq.Context()
@@ -113,7 +115,7 @@ class PeerServer:
             max_frame = max(chunk_bytes or limits.max_chunk_bytes, P.MAX_HEADER)
             s.setsockopt(zmq.MAXMSGSIZE, max_frame)
             s.setsockopt(zmq.HANDSHAKE_IVL, int(limits.handshake_timeout * 1000))
-            s.setsockopt(zmq.SNDHWM, 64)
+            s.setsockopt(zmq.SNDHWM, 1024)
             s.setsockopt(zmq.RCVHWM, 256)
             s.setsockopt(zmq.HEARTBEAT_IVL, 2000)
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
@@ -160,6 +162,9 @@ class PeerServer:
             events = poller.poll(0 if self._sendable() else poll_ms)
             if events:
                 self._receive_some()
+            if self.outbox and not self._flush():
+                time.sleep(0.0005)
+                continue
             if self.streams:
                 if not self._pump():
                     time.sleep(0.0005)  # every stream's pipe is full
@@ -171,7 +176,26 @@ class PeerServer:
                     break
 
     def _sendable(self) -> bool:
-        return bool(self.streams)
+        return bool(self.streams or self.outbox)
+
+    def _reply(self, ident: bytes, *frames: Any) -> None:
+        """Send a reply now, or queue it behind earlier ones when the client's pipe is full."""
+        if self.outbox or not self._send(ident, *frames):
+            self.outbox.append((ident, frames))
+        self._forget_gone()
+
+    def _flush(self) -> bool:
+        while self.outbox:
+            ident, frames = self.outbox[0]
+            if not self._send(ident, *frames):
+                return False
+            self.outbox.popleft()
+        self._forget_gone()
+        return True
+
+    def _forget_gone(self) -> None:
+        while self._gone:
+            self._drop(self._gone.pop())
 
     def _receive_some(self) -> None:
         for _ in range(256):
@@ -194,6 +218,8 @@ class PeerServer:
 
     def _drop(self, ident: bytes) -> None:
         self.sessions.pop(ident, None)
+        if any(i == ident for i, _ in self.outbox):
+            self.outbox = deque(x for x in self.outbox if x[0] != ident)
         if any(st.session.ident == ident for st in self.streams):
             self.streams = deque(st for st in self.streams if st.session.ident != ident)
 
@@ -205,13 +231,13 @@ class PeerServer:
             return False
         except zmq.ZMQError as e:  # EHOSTUNREACH: the client is gone
             if e.errno == zmq.EHOSTUNREACH:
-                self._drop(ident)
+                self._gone.add(ident)  # dropped by the caller, once it is done iterating
                 return True
             raise
 
     def _error(self, ident: bytes, rid: int, code: str, message: str) -> None:
         self.stats["refused"] += 1
-        self._send(ident, P.pack(P.ERR, rid, code, message))
+        self._reply(ident, P.pack(P.ERR, rid, code, message))
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:
@@ -242,7 +268,7 @@ class PeerServer:
             P.expect_len(hdr, 3, "LOOKUP")
             keys = P.check_keys(hdr[2])
             has = self.store.has
-            self._send(ident, P.pack(P.OK, rid, bytes(has(sess.ns, k) for k in keys)))
+            self._reply(ident, P.pack(P.OK, rid, bytes(has(sess.ns, k) for k in keys)))
         elif op == P.GET:
             P.expect_len(hdr, 3, "GET")
             keys = P.check_keys(hdr[2])
@@ -291,7 +317,7 @@ class PeerServer:
         self.sessions[ident] = Session(ident, ns, chunk, max_bytes, time.monotonic())
         info = {"version": P.VERSION, "instance": self.instance, "max_inflight": self.limits.max_inflight,
                 "max_batch": P.MAX_BATCH}
-        self._send(ident, P.pack(P.OK, rid, info))
+        self._reply(ident, P.pack(P.OK, rid, info))
 
     def quota(self, ns: str) -> int | None:
         """The cap of a namespace: the smallest ``max_bytes`` of its connected clients."""
@@ -309,10 +335,16 @@ class PeerServer:
         if evicted is None:
             return self._error(sess.ident, rid, P.E_CAPACITY, f"a chunk of {len(buf)} bytes never fits the capacity")
         self.stats["chunks_stored"] += 1
-        self._send(sess.ident, P.pack(P.OK, rid, evicted))
+        self._reply(sess.ident, P.pack(P.OK, rid, evicted))
 
     def _pump(self) -> bool:
         """Send the next chunk of each stream, round robin; False when none could be sent."""
+        try:
+            return self._pump_streams()
+        finally:
+            self._forget_gone()
+
+    def _pump_streams(self) -> bool:
         progressed = False
         for _ in range(len(self.streams)):
             st = self.streams[0]
