@@ -340,10 +340,15 @@ def render(tally: Tally, mgr: Any, info: dict[str, Any], seconds: float) -> str:
         saved = 100.0 * (1 - tally.device_bytes / tally.full_bytes)
         lines.append(f"copied to the device: {tally.device_bytes / mib:.1f} MiB of {tally.full_bytes / mib:.1f} MiB "
                      f"in whole chunks ({saved:.1f}% saved: window-only blocks, last state only)")
+    from .observe import observe_lines
+
+    lines += observe_lines(mgr)
     return "\n".join(lines)
 
 
 def summary(tally: Tally, mgr: Any, info: dict[str, Any], seconds: float) -> dict[str, Any]:
+    from .observe import observe_summary
+
     return {
         **info,
         "seconds": seconds,
@@ -359,6 +364,7 @@ def summary(tally: Tally, mgr: Any, info: dict[str, Any], seconds: float) -> dic
         "mismatches": tally.mismatches,
         "first_mismatch": tally.first_mismatch,
         "host_evictions": mgr.cache.evictions,
+        **observe_summary(mgr),
         "device_bytes": tally.device_bytes,
         "full_copy_bytes": tally.full_bytes,
     }
@@ -377,17 +383,33 @@ def summary(tally: Tally, mgr: Any, info: dict[str, Any], seconds: float) -> dic
 @click.option("--device", default=None, help="torch device (default: the accelerator if any, else cpu).")
 @click.option("--model", type=click.Choice(["dense", "hybrid-swa", "hybrid-ssm"]), default="dense", show_default=True,
               help="KV layout: dense attention, sliding-window + full attention, or attention + Mamba state.")
+@click.option("--events", "events_endpoint", default=None, metavar="ENDPOINT",
+              help="Publish KV events (vLLM's wire format) on this ZMQ endpoint, e.g. tcp://127.0.0.1:5557.")
+@click.option("--events-replay", default=None, metavar="ENDPOINT",
+              help="With --events: answer replay requests on this ZMQ endpoint.")
+@click.option("--metrics-port", default=None, type=click.IntRange(0, 65535),
+              help="Serve Prometheus /metrics on this port (127.0.0.1) while the demo runs.")
+@click.option("--linger", default=0.0, show_default=True, type=click.FloatRange(0),
+              help="Seconds the replay socket and /metrics stay up after the run (a last replay or scrape).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON object.")
 def demo(turns: int, conversations: int, directory: str | None, keep: bool, config_text: str | None, seed: int,
-         device: str | None, model: str, as_json: bool) -> None:
+         device: str | None, model: str, events_endpoint: str | None, events_replay: str | None,
+         metrics_port: int | None, linger: float, as_json: bool) -> None:
     """Serve simulated multi-turn conversations through the host arena and a persistent
     tier, verify every loaded byte, and print hits, bandwidth and prefill tokens saved.
 
     Exits 1 if any loaded chunk differs from what was stored.
     """
     from ..config import parse_json_option
+    from ..metrics import serve_metrics
+    from .observe import observe_config, require_metrics_server
 
     override = parse_json_option(config_text, None)
+    override = {**observe_config(events_endpoint, events_replay, linger), **override}
+    server = None
+    if metrics_port is not None:
+        require_metrics_server()
+        server = serve_metrics(metrics_port, "127.0.0.1")
     tmp = None
     if directory is None:
         tmp = directory = tempfile.mkdtemp(prefix="kvtiers-demo-")
@@ -409,3 +431,6 @@ def demo(turns: int, conversations: int, directory: str | None, keep: bool, conf
         click.echo(f"kvtiers demo: BYTE MISMATCH in {tally.mismatches} loaded chunk(s); first: "
                    f"{tally.first_mismatch}", err=True)
         raise click.exceptions.Exit(1)
+    if server is not None:  # --linger: a last scrape
+        time.sleep(linger)
+        server.close()
