@@ -29,7 +29,6 @@ from .hookspecs import hookimpl
 from .types import Job, JobResult, Lookup, TierContext, accept_job, check_keys, drain
 
 STORE, LOAD, PROBE = 0, 1, 2
-CANCEL_GRACE_S = 10.0  # close: how long cancelled coroutines get to stop
 ACLOSE_TIMEOUT_S = 30.0  # close: bound on the tier's aclose
 ABANDONED = "abandoned on close"  # error prefix of a job whose coroutines never stopped
 
@@ -87,11 +86,12 @@ class AsyncTier:
     - ``negative_ttl``: seconds a ``MISS`` is remembered; ``probe_timeout``: bound on a
       round of lookup probes (an ``exists`` that errs or takes longer answers ``MISS``, so
       ``RETRY`` always resolves);
-    - ``close_timeout``: seconds ``close`` waits for jobs before cancelling them;
+    - ``close_timeout``: seconds ``close`` waits for jobs before cancelling them, and
+      ``cancel_grace`` seconds it then gives cancelled coroutines to stop;
     - ``batch_size``: keys per ``put_many``/``get_many_into`` call (``None``: a whole job).
 
     A job ends by its deadline, so ``close`` returns within ``min(close_timeout, the
-    latest job's deadline)``, plus ``CANCEL_GRACE_S`` only if a coroutine ignores its
+    latest job's deadline)``, plus ``cancel_grace`` only if a coroutine ignores its
     cancellation (that job is then reported failed, ``abandoned on close``), plus
     ``aclose`` (at most ``ACLOSE_TIMEOUT_S``).
 
@@ -114,6 +114,7 @@ class AsyncTier:
     negative_ttl: float = 1.0
     probe_timeout: float = 3.0
     close_timeout: float = 60.0
+    cancel_grace: float = 10.0
     batch_size: int | None = None
 
     def __init__(self, ctx: TierContext) -> None:
@@ -136,7 +137,7 @@ class AsyncTier:
         self._jobs: deque[_Run] = deque()  # runs with items not yet handed to a worker
         self._probes: deque[_Run] = deque()  # the same for probe rounds (served first)
         self._workers: dict[asyncio.Task, _Run | None] = {}  # worker -> the run it awaits for
-        self._cancel_why: dict[asyncio.Task, str] = {}  # worker -> why we cancelled it
+        self._cancel_why: dict[asyncio.Task, list] = {}  # worker -> [why we cancelled it, how often]
 
     # -- what subclasses implement -------------------------------------------------
     async def exists(self, key: bytes) -> bool:
@@ -259,7 +260,7 @@ class AsyncTier:
     def close(self) -> None:
         """Wait for the jobs in flight (each ends by its deadline), at most ``close_timeout``;
         then cancel what is left (keys fail ``cancelled on close``); a job whose coroutines
-        do not stop within ``CANCEL_GRACE_S`` is reported failed (``abandoned on close``);
+        do not stop within ``cancel_grace`` is reported failed (``abandoned on close``);
         then ``aclose`` (at most ``ACLOSE_TIMEOUT_S``)."""
         if self._closed:
             return
@@ -269,7 +270,7 @@ class AsyncTier:
         if not idle:
             self._loop.call_soon_threadsafe(self._cancel_all, "cancelled on close")
             with self._lock:
-                idle = self._idle.wait_for(lambda: self._inflight == 0, CANCEL_GRACE_S)
+                idle = self._idle.wait_for(lambda: self._inflight == 0, self.cancel_grace)
         if not idle:
             self._abandon()
         try:
@@ -338,8 +339,8 @@ class AsyncTier:
                 failed[k] = reason
             run.next = run.items
         for task, r in self._workers.items():
-            if r is run and task not in self._cancel_why:
-                self._cancel_why[task] = reason
+            if r is run:  # again if a first cancellation was ignored
+                self._cancel_why.setdefault(task, [reason, 0])[1] += 1
                 task.cancel()
         if run.running == 0:
             self._finish(run)
@@ -387,7 +388,7 @@ class AsyncTier:
                     else:
                         await self._batch(run, i, buf, size)
                 except BaseException as e:  # noqa: BLE001 - every outcome is a result
-                    why = self._cancel_why.get(me)
+                    why = self._cancel_why.get(me, (None,))[0]
                     if why is None and isinstance(e, asyncio.CancelledError) and me.cancelling():
                         self._fail_item(run, i, "cancelled")  # not ours: the loop is stopping
                         run.running -= 1
@@ -396,9 +397,9 @@ class AsyncTier:
                     if not isinstance(e, (Exception, asyncio.CancelledError)):
                         raise  # KeyboardInterrupt, SystemExit
                     self._fail_item(run, i, why or _reason(e))
-                why = self._cancel_why.pop(me, None)
-                if why is not None:
-                    me.uncancel()  # one uncancel per cancel of ours: asyncio.timeout in tiers stays right
+                ours = self._cancel_why.pop(me, None)
+                for _ in range(ours[1] if ours else 0):
+                    me.uncancel()  # one per cancel of ours, so asyncio.timeout in tiers stays right
                 workers[me] = None
                 run.running -= 1
                 if run.running == 0 and run.next >= run.items:
@@ -484,6 +485,6 @@ class AsyncTier:
                 self._inflight -= 1
                 self._finished.append(JobResult(
                     run.job_id, run.keys, 0, time.perf_counter() - run.t0,
-                    f"{ABANDONED}: still running {CANCEL_GRACE_S:g} s after it was cancelled "
+                    f"{ABANDONED}: still running {self.cancel_grace:g} s after it was cancelled "
                     "(its slots may still be written)"))
             self._idle.notify_all()

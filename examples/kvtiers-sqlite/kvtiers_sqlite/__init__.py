@@ -4,11 +4,13 @@ One database file holds every namespace: a table ``chunks_<digest>`` per namespa
 ``namespaces`` table recording each namespace's description, checked at open. Several
 instances may share the file (WAL mode, a busy timeout, ``INSERT OR IGNORE``: concurrent
 stores of one key leave one valid copy). Each chunk is stored with its CRC-32 and checked on
-every load; a bad chunk is deleted, reported through ``ctx.removed`` and fails its key.
-SQLite's transactions make a store killed half-way leave nothing behind.
+every load; a bad chunk is deleted, reported with ``self.evicted(keys, "corrupt")`` (so it
+answers MISS and reaches ``ctx.removed``) and fails its key. SQLite's transactions make a
+store killed half-way leave nothing behind.
 
-Built on :class:`kvtiers.AsyncTier`: four coroutines, the base class does the rest. SQLite
-calls run on the tier's own thread, never on the caller's.
+Built on :class:`kvtiers.AsyncTier`: four coroutines, plus ``put_many``/``get_many_into`` so
+that a job is one transaction; the base class does the rest. SQLite calls run on the tier's
+own thread, never on the caller's.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import zlib
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import kvtiers
 
 __version__ = "0.1.0"
+T = TypeVar("T")
 
 
 class SqliteTier(kvtiers.AsyncTier):
@@ -73,6 +78,27 @@ class SqliteTier(kvtiers.AsyncTier):
         run = lambda: self.db.execute(query, args).fetchall()  # noqa: E731
         return await asyncio.get_running_loop().run_in_executor(self.pool, run)
 
+    async def _transaction(self, fn: Callable[[], T], begin: str = "BEGIN IMMEDIATE") -> T:
+        """Run ``fn`` in one transaction on the tier's thread (rolled back if it raises)."""
+
+        def run() -> T:
+            self.db.execute(begin)
+            try:
+                out = fn()
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self.db.execute("COMMIT")
+            return out
+
+        return await asyncio.get_running_loop().run_in_executor(self.pool, run)
+
+    async def _drop_corrupt(self, keys: list[bytes]) -> None:
+        """Delete damaged chunks and report them: they answer MISS from now on."""
+        rows = [(k,) for k in keys]
+        await self._transaction(lambda: self.db.executemany(f"DELETE FROM {self.table} WHERE key = ?", rows))
+        self.evicted(keys, "corrupt")
+
     async def exists(self, key: bytes) -> bool:
         return bool(await self._sql(f"SELECT 1 FROM {self.table} WHERE key = ?", key))
 
@@ -86,11 +112,51 @@ class SqliteTier(kvtiers.AsyncTier):
             return False
         crc, blob = rows[0]
         if len(blob) != len(out) or zlib.crc32(blob) != crc:
-            await self.delete(key)
-            self.ctx.removed([key], "corrupt")
+            await self._drop_corrupt([key])
             raise ValueError(f"chunk {key.hex()} is corrupt (size or CRC-32 mismatch); removed")
         out[:] = blob  # on the I/O loop, only if not cancelled: the slot is still ours
         return True
+
+    # -- batches: one transaction per job ----------------------------------------------
+    async def put_many(self, items: Sequence[tuple[bytes, memoryview]]) -> None:
+        """Store a whole job in one transaction: all of it or (on an error) none of it."""
+        rows = []
+        for key, data in items:  # copy now, on the loop: the thread never sees a slot (rule 6)
+            blob = bytes(data)
+            rows.append((key, zlib.crc32(blob), blob))
+        query = f"INSERT OR IGNORE INTO {self.table} VALUES (?, ?, ?)"
+        await self._transaction(lambda: self.db.executemany(query, rows))
+
+    async def get_many_into(self, items: Sequence[tuple[bytes, memoryview]]) -> dict[bytes, object]:
+        """Load a whole job in one read transaction; checks run on the tier's thread, the
+        copies into the slots on the loop (skipped if cancelled)."""
+        size = self.ctx.arena.slot_bytes
+        keys = [key for key, _ in items]
+
+        def select() -> dict[bytes, bytes | None]:
+            found: dict[bytes, bytes | None] = {}
+            for i in range(0, len(keys), 500):  # under SQLite's limit on parameters
+                part = keys[i:i + 500]
+                marks = ",".join("?" * len(part))
+                for key, crc, blob in self.db.execute(
+                        f"SELECT key, crc, data FROM {self.table} WHERE key IN ({marks})", part):
+                    found[key] = blob if len(blob) == size and zlib.crc32(blob) == crc else None
+            return found
+
+        found = await self._transaction(select, begin="BEGIN")
+        failed: dict[bytes, object] = {}
+        corrupt = []
+        for key, out in items:
+            if key not in found:
+                failed[key] = False  # not stored
+            elif (blob := found[key]) is None:
+                corrupt.append(key)
+                failed[key] = ValueError(f"chunk {key.hex()} is corrupt (size or CRC-32 mismatch); removed")
+            else:
+                out[:] = blob
+        if corrupt:
+            await self._drop_corrupt(corrupt)
+        return failed
 
     async def delete(self, key: bytes) -> None:
         await self._sql(f"DELETE FROM {self.table} WHERE key = ?", key)
