@@ -11,7 +11,10 @@
    full, partial, non-consecutive and reversed chunks into a poisoned arena, checks every
    byte of the slots, poisons the device, loads into other blocks and checks every byte of
    every block. One more case writes the cache on the compute stream and stores at once (the
-   store stream must wait for it).
+   store stream must wait for it). A hybrid case puts every group kind in one chunk (full
+   attention fp8, sliding window bf16, MLA + indexer, Mamba conv and recurrent states fp32,
+   blocks per group), stores whole chunks and loads with skipped window blocks and the last
+   state only, checking the copied bytes and that nothing skipped was written.
 2. Throughput: flat, 32 layers, K and V, 1 and 4 MiB chunks (16 and 64 KiB pieces), 64 chunks
    per transfer: DmaEngine store/load GB/s against one raw pinned copy of the same bytes
    (``dst.copy_(src, non_blocking=True)`` + synchronize), interleaved, median of 5.
@@ -164,6 +167,70 @@ def check_stream_order(device: torch.device) -> str | None:
         host.close()
 
 
+def check_hybrid(device: torch.device, opts: dict, seed: int) -> str | None:
+    """Every group kind in one chunk, per-group blocks, skipped positions; None when exact."""
+    nb, ns = 48, 12
+    f8 = getattr(torch, "float8_e4m3fn", torch.int8)
+    spec = {"full": (2, 2, (nb, 16, 2, 8), f8, "full"), "swa": (3, 2, (nb, 16, 2, 8), torch.bfloat16,
+                                                                   {"kind": "sliding", "window": 40}),
+            "mla": (2, 1, (nb, 16, 36), torch.float16, "mla"), "idx": (2, 1, (nb, 16, 8), torch.int8, "mla_indexer"),
+            "conv": (2, 1, (ns, 3, 40), torch.float32, "ssm"), "ssm": (2, 1, (ns, 4, 16, 8), torch.float32, "ssm")}
+    g = torch.Generator().manual_seed(seed)
+
+    def caches() -> dict:
+        out = {}
+        for name, (layers, tpl, shape, dt, _) in spec.items():
+            out[name] = [[torch.randint(0, 256, shape[:1] + (int(np.prod(shape[1:])) * torch.empty(0, dtype=dt)
+                                                             .element_size(),), generator=g, dtype=torch.uint8)
+                          .view(dt).view(shape).to(device) for _ in range(tpl)] for _ in range(layers)]
+        return out
+
+    src, dst = caches(), caches()
+    layout = KVLayout.from_tensors(src, kinds={n: k for n, (*_, k) in spec.items() if k != "full"})
+    attn = ["full", "swa", "mla", "idx"]
+
+    def blk(kv: dict, name: str, b: int) -> bytes:
+        return b"".join(t[b].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+                        for layer in kv[name] for t in layer)
+
+    host = create_host_arena(8, slot_bytes_for(layout.chunk_bytes(BPC)))
+    try:
+        a = DmaEngine(layout, src, host, BPC, **opts)
+        b = DmaEngine(layout, dst, host, BPC, **opts)
+        st, ld = [], []
+        for c in range(3):
+            n = BPC if c < 2 else 2
+            d = {x: [(5 * c + 3 * i + j) % nb for j in range(n)] for i, x in enumerate(attn)}
+            d["conv"] = d["ssm"] = [c + 1]
+            st.append(d)
+            e = {x: [(7 * c + 11 * i + j + 20) % nb for j in range(n)] for i, x in enumerate(attn)}
+            if c == 0:
+                e["swa"] = [-1, -1] + e["swa"][2:]
+            e["conv"] = e["ssm"] = [9] if c == 2 else [-1]
+            ld.append(e)
+        a.submit_store(1, [(x, i) for i, x in enumerate(st)])
+        a.wait(1)
+        before = {x: [blk(dst, x, i) for i in range(ns if x in ("conv", "ssm") else nb)] for x in dst}
+        b.submit_load(2, [(x, i) for i, x in enumerate(ld)])
+        b.wait(2)
+        sync(device)
+        written: dict[str, set] = {x: set() for x in dst}
+        for c in range(3):
+            for x in dst:
+                for p, i in enumerate(ld[c][x]):
+                    if i >= 0:
+                        if blk(dst, x, i) != blk(src, x, st[c][x][p]):
+                            return f"group {x} chunk {c} position {p}: wrong bytes"
+                        written[x].add(i)
+        for x in dst:
+            for i, old in enumerate(before[x]):
+                if i not in written[x] and blk(dst, x, i) != old:
+                    return f"group {x} block {i}: written though skipped"
+        return None
+    finally:
+        host.close()
+
+
 def sync(device: torch.device) -> None:
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
@@ -257,6 +324,15 @@ def main() -> int:
                 failures += err is not None
                 kind = pooled if isinstance(pooled, str) else "pooled" if pooled else "separate"
                 print(f"{name:<7} {kind:<9} {pname:<15} {'ok' if err is None else 'FAIL ' + err}")
+    for pname, opts in paths.items():
+        seed += 1
+        try:
+            err = check_hybrid(device, opts, seed)
+        except Exception:  # noqa: BLE001
+            err = "exception: " + traceback.format_exc().strip().splitlines()[-1]
+            traceback.print_exc()
+        failures += err is not None
+        print(f"{'hybrid':<7} {'separate':<9} {pname:<15} {'ok' if err is None else 'FAIL ' + err}")
     try:
         err = check_stream_order(device)
     except Exception:  # noqa: BLE001

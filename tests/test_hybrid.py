@@ -335,3 +335,13 @@ def test_hybrid_demo_catches_a_wrong_window_or_state(tmp_path, model, monkeypatc
     tally, _, _ = run_demo(turns=3, conversations=3, tier_dir=str(tmp_path), seed=1, device_name="cpu",
                            quiet=True, model=model, override={"tiers": [{"type": "memory"}]})
     assert tally.mismatches > 0
+
+
+@pytest.mark.parametrize("model", ["hybrid-swa", "hybrid-ssm"])
+def test_bench_arena_covers_hybrids(model):
+    from kvtiers.engine.bench import run_bench
+
+    res = {r["op"]: r for r in run_bench([1 << 20], 4, 3, ["separate"], "cpu", model)}
+    assert res["store"]["bytes"] == res["store"]["full_bytes"]  # stores keep whole chunks
+    assert 0 < res["load"]["bytes"] < res["load"]["full_bytes"]  # loads: window / last state only
+    assert res["load"]["model"] == model and res["load"]["gbps"] > 0 and res["load"]["ratio"] > 0

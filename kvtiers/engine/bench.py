@@ -11,6 +11,12 @@ The device cache is either one allocation per model with per-layer views (``pool
 default, as engines that allocate one KV pool do) or one allocation per layer tensor
 (``separate``, as vLLM allocates): on CPU one strided copy per tensor per run of chunks.
 
+``--model hybrid-swa`` / ``hybrid-ssm`` run the same rounds on a hybrid layout (half the
+layers sliding-window with a window of a quarter of the transfer; or a quarter attention,
+the rest Mamba layers with a conv and a recurrent state): stores copy whole chunks, loads
+only the window's blocks / the last chunk's state. The baseline copies as many bytes as
+ours moves, and the table shows what a load copies against whole chunks.
+
 torch is imported inside functions only: ``kvtiers`` imports without it.
 """
 
@@ -44,6 +50,9 @@ class Setup:
     engine: Any
     pool_flat: Any  # the device cache's bytes, flat (the baseline's source/destination)
     arena_flat: Any  # the arena's bytes the round covers, flat
+    model: str = "dense"
+    plans: dict[str, list[Any]] | None = None  # op -> chunks (hybrids); None: every block of every chunk
+    op_bytes: dict[str, int] | None = None  # op -> bytes one round moves (hybrids)
 
     def close(self) -> None:
         self.engine.close()
@@ -88,6 +97,56 @@ def make_setup(chunk_bytes: int, chunks: int, tensors: str = "pooled", device: s
     return Setup(chunk_bytes, chunks, tensors, dev, host, engine, pool_flat, arena_flat)
 
 
+def make_hybrid_setup(model: str, chunk_bytes: int, chunks: int, device: str = "cpu") -> Setup:
+    """A hybrid layout (separate tensors per layer, 16 KiB blocks of 16 tokens) of about
+    ``chunk_bytes`` per chunk, with store and load plans as the manager builds them."""
+    import numpy as np
+    import torch
+
+    from .arena import create_host_arena, slot_bytes_for
+    from .dma import DmaEngine
+    from .hybrid import chunk_specs, copied_bytes
+    from .layout import KVGroup, KVLayout
+
+    block, tpb = 16 * 1024, 16
+    dev = torch.device(device)
+    if model == "hybrid-swa":
+        bpc = max(1, chunk_bytes // (PIECES * block))
+        window = max(tpb, chunks * bpc * tpb // 4)
+        groups = [KVGroup("full", LAYERS // 2, 2, block), KVGroup("swa", LAYERS // 2, 2, block, kind="sliding",
+                                                                   window=window)]
+    elif model == "hybrid-ssm":
+        bpc = max(1, chunk_bytes // (LAYERS // 2 * block))
+        groups = [KVGroup("attn", LAYERS // 4, 2, block), KVGroup("conv", LAYERS * 3 // 4, 1, 4096, kind="ssm"),
+                  KVGroup("ssm", LAYERS * 3 // 4, 1, 64 * 1024, kind="ssm")]
+    else:
+        raise click.BadParameter(f"unknown model {model!r}")
+    layout = KVLayout(groups)
+    nblocks = chunks * bpc
+    gen = torch.Generator().manual_seed(chunk_bytes)
+    caches = {g.name: [[torch.randint(0, 256, (chunks if g.is_state else nblocks, g.block_bytes), dtype=torch.uint8,
+                                      generator=gen).to(dev) for _ in range(g.tensors_per_layer)]
+                       for _ in range(g.num_layers)] for g in groups}
+    cb = layout.chunk_bytes(bpc)
+    host = create_host_arena(chunks, slot_bytes_for(cb))
+    engine = DmaEngine(layout, caches, host, bpc)
+    keys = tuple(c.to_bytes(8, "little") for c in range(chunks))
+    blocks = list(range(nblocks))
+    states = list(range(chunks)) if layout.groups[-1].is_state else None
+    store = chunk_specs(layout, keys, blocks, bpc, load=False, state_slots=states, tokens_per_block=tpb)
+    load = chunk_specs(layout, keys, blocks, bpc, load=True, state_slot=0 if states else None, tokens_per_block=tpb)
+    op_bytes = {"store": sum(copied_bytes(layout, bpc, x) for x in store),
+                "load": sum(copied_bytes(layout, bpc, x) for x in load)}
+    pool_flat = torch.randint(0, 256, (chunks * cb,), dtype=torch.uint8, generator=gen).to(dev)
+    if dev.type == "cpu":
+        arena_flat = np.asarray(host.ndarray()).reshape(-1)[: chunks * cb]
+    else:
+        arena_flat = host.tensor().view(-1)[: chunks * cb]
+    return Setup(cb, chunks, "separate", dev, host, engine, pool_flat, arena_flat, model,
+                 {"store": [(x, c) for c, x in enumerate(store)], "load": [(x, c) for c, x in enumerate(load)]},
+                 op_bytes)
+
+
 def _timers(s: Setup) -> dict[str, tuple[Callable[[], None], Callable[[], None]]]:
     """op -> (ours, baseline), each moving chunks * chunk_bytes bytes and returning when done."""
     import numpy as np
@@ -97,9 +156,12 @@ def _timers(s: Setup) -> dict[str, tuple[Callable[[], None], Callable[[], None]]
     plan = [(list(range(c * bpc, (c + 1) * bpc)), c) for c in range(s.chunks)]
     counter = iter(range(1 << 62))
 
-    def run(submit: Callable[[int, Any], None]) -> None:
+    plans = s.plans or {"store": plan, "load": plan}
+    nb = s.op_bytes or {"store": s.chunks * s.chunk_bytes, "load": s.chunks * s.chunk_bytes}
+
+    def run(submit: Callable[[int, Any], None], op: str) -> None:
         tid = next(counter)
-        submit(tid, plan)
+        submit(tid, plans[op])
         eng.wait(tid)
         done = eng.poll()
         assert tid in done, (tid, done)
@@ -108,24 +170,24 @@ def _timers(s: Setup) -> dict[str, tuple[Callable[[], None], Callable[[], None]]
         pool_np = s.pool_flat.numpy()
 
         def base_store() -> None:
-            np.copyto(s.arena_flat, pool_np)
+            np.copyto(s.arena_flat[: nb["store"]], pool_np[: nb["store"]])
 
         def base_load() -> None:
-            np.copyto(pool_np, s.arena_flat)
+            np.copyto(pool_np[: nb["load"]], s.arena_flat[: nb["load"]])
     else:
         import torch
 
         def base_store() -> None:
-            s.arena_flat.copy_(s.pool_flat, non_blocking=True)
+            s.arena_flat[: nb["store"]].copy_(s.pool_flat[: nb["store"]], non_blocking=True)
             torch.accelerator.synchronize(s.device)
 
         def base_load() -> None:
-            s.pool_flat.copy_(s.arena_flat, non_blocking=True)
+            s.pool_flat[: nb["load"]].copy_(s.arena_flat[: nb["load"]], non_blocking=True)
             torch.accelerator.synchronize(s.device)
 
     return {
-        "store": (lambda: run(eng.submit_store), base_store),
-        "load": (lambda: run(eng.submit_load), base_load),
+        "store": (lambda: run(eng.submit_store, "store"), base_store),
+        "load": (lambda: run(eng.submit_load, "load"), base_load),
     }
 
 
@@ -154,22 +216,25 @@ def measure(s: Setup, rounds: int) -> list[dict[str, Any]]:
                     times[op][which].append(dt)
     out = []
     for op, (ours_t, base_t) in times.items():
-        gbps = total / statistics.median(ours_t) / 1e9
-        bgbps = total / statistics.median(base_t) / 1e9
+        moved = s.op_bytes[op] if s.op_bytes else total
+        gbps = moved / statistics.median(ours_t) / 1e9
+        bgbps = moved / statistics.median(base_t) / 1e9
         out.append({
             "op": op, "chunk_bytes": s.chunk_bytes, "gbps": round(gbps, 3), "baseline_gbps": round(bgbps, 3),
-            "ratio": round(gbps / bgbps, 3), "tensors": s.tensors, "chunks": s.chunks, "bytes": total,
+            "ratio": round(gbps / bgbps, 3), "tensors": s.tensors, "chunks": s.chunks, "bytes": moved,
+            "full_bytes": total, "model": s.model,
             "rounds": rounds, "reps": reps, "device": str(s.device),
             "baseline": "np.copyto" if s.device.type == "cpu" else "torch copy_ (pinned, non_blocking) + sync",
         })
     return out
 
 
-def run_bench(chunk_sizes: list[int], chunks: int, rounds: int, tensors: list[str], device: str) -> list[dict]:
+def run_bench(chunk_sizes: list[int], chunks: int, rounds: int, tensors: list[str], device: str,
+              model: str = "dense") -> list[dict]:
     results = []
-    for t in tensors:
+    for t in tensors if model == "dense" else ["separate"]:
         for cb in chunk_sizes:
-            s = make_setup(cb, chunks, t, device)
+            s = make_setup(cb, chunks, t, device) if model == "dense" else make_hybrid_setup(model, cb, chunks, device)
             try:
                 results.extend(measure(s, rounds))
             finally:
@@ -189,16 +254,27 @@ def run_bench(chunk_sizes: list[int], chunks: int, rounds: int, tensors: list[st
               help="Device cache: one allocation with per-layer views, one per layer tensor, or both.")
 @click.option("--device", default="cpu", show_default=True,
               help="Where the KV cache lives: cpu, or an accelerator (cuda, xpu, ...).")
-def arena(as_json: bool, rounds: int, chunk_mib: tuple[int, ...], chunks: int, tensors: str, device: str) -> None:
+@click.option("--model", type=click.Choice(["dense", "hybrid-swa", "hybrid-ssm"]), default="dense",
+              show_default=True, help="KV layout (hybrids: separate tensors, window-only / last-state loads).")
+def arena(as_json: bool, rounds: int, chunk_mib: tuple[int, ...], chunks: int, tensors: str, device: str,
+          model: str) -> None:
     """Device<->arena chunk copies (flat, 32 layers, K and V) against one raw copy of the same bytes."""
     kinds = ["pooled", "separate"] if tensors == "both" else [tensors]
-    results = run_bench([m * MiB for m in chunk_mib], chunks, rounds, kinds, device)
+    results = run_bench([m * MiB for m in chunk_mib], chunks, rounds, kinds, device, model)
     if as_json:
         click.echo(json.dumps({"results": results}, indent=1))
         return
     base = results[0]["baseline"] if results else ""
     click.echo(f"kvtiers bench arena: {LAYERS} layers x K,V, {chunks} chunks per transfer, "
                f"median of {rounds} rounds, baseline {base}")
+    if model != "dense":
+        click.echo(f"model {model}: per round, what each op copies of {results[0]['full_bytes'] / MiB:.1f} MiB "
+                   "in whole chunks (the baseline copies as many bytes)")
+        click.echo(f"{'op':<6} {'chunk':>9} {'copied MiB':>11} {'GB/s':>8} {'base GB/s':>10} {'ratio':>6}")
+        for r in results:
+            click.echo(f"{r['op']:<6} {r['chunk_bytes'] / MiB:>7.2f}Mi {r['bytes'] / MiB:>11.1f} {r['gbps']:>8.2f} "
+                       f"{r['baseline_gbps']:>10.2f} {r['ratio']:>5.2f}x")
+        return
     click.echo(f"{'op':<6} {'tensors':<9} {'chunk':>7} {'piece':>7} {'GB/s':>8} {'base GB/s':>10} {'ratio':>6}")
     for r in results:
         mib, kib = r["chunk_bytes"] // MiB, r["chunk_bytes"] // PIECES // 1024

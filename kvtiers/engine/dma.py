@@ -22,8 +22,8 @@ chunks of consecutive blocks going to consecutive slots cost one strided ``np.co
 tensor (one per group for a uniform pool) for the whole run of chunks; other chunks one copy
 per tensor per run of blocks, or one gather per tensor when the blocks are scattered.
 
-Hybrid layouts (see :mod:`.layout`): a chunk may name its block ids per group, with ``-1``
-for a position not to copy (a sliding-window block outside the window, the state of a chunk
+Hybrid layouts (see :mod:`.layout`): a chunk may name its block ids per group (a mapping),
+with ``-1`` for a position not to copy (a sliding-window block outside the window, the state of a chunk
 that is not the last of a load). SSM groups have one position per chunk, a state slot. Such
 transfers take a masked path: one gather / scatter per group on CPU; on an accelerator the
 same staging copies with the span rows of the copied positions only.
@@ -140,6 +140,18 @@ def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [len(ids)]))
     return [(int(s), int(ids[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
+
+
+def _masked_runs(arr: np.ndarray) -> list[tuple[int, int, int]]:
+    """Runs of positions not skipped (``-1``) whose ids are consecutive: ``(position, first id, count)``."""
+    pos = np.flatnonzero(arr >= 0)
+    if not len(pos):
+        return []
+    ids = arr[pos]
+    breaks = np.flatnonzero((np.diff(pos) != 1) | (np.diff(ids) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(pos)]))
+    return [(int(pos[a]), int(ids[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
 
 
 class DmaEngine:
@@ -355,9 +367,6 @@ class DmaEngine:
                 plan.append((self._group_ids(tid, ids, slot), slot))
                 continue
             arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-            if len(arr) and int(arr.min()) == -1:  # a position to skip: the masked path
-                plan.append((self._group_ids(tid, ids, slot), slot))
-                continue
             if len(arr) > self.blocks_per_chunk:
                 raise ValueError(f"transfer {tid}: chunk for slot {slot} has {len(arr)} blocks, "
                                  f"more than blocks_per_chunk={self.blocks_per_chunk}")
@@ -437,28 +446,41 @@ class DmaEngine:
             i = j
 
     def _cpu_masked(self, plan: list[tuple[Any, int]], load: bool) -> None:
-        """Chunks given per group: one gather (store) or scatter (load) per group and chunk
-        over the positions not skipped."""
+        """Chunks given per group: per group and chunk, one copy per tensor (per group for a
+        uniform pool) per run of positions not skipped; scattered blocks, one gather/scatter."""
         for per, slot in plan:
             slot_arr = self._arena_np[slot]
             for grp, arr in zip(self._groups, per, strict=True):
-                pos = np.flatnonzero(arr >= 0)
-                if not len(pos):
+                if not len(arr):
                     continue
-                ids = arr[pos]
                 lt, npos, bb = grp.num_tensors, grp.positions, grp.block_bytes
                 region = slot_arr[grp.offset : grp.offset + lt * npos * bb].reshape(lt, npos, bb)
-                if grp.np_pool3 is not None:
-                    if load:
-                        grp.np_pool3[:, ids] = region[:, pos]
-                    else:
-                        region[:, pos] = grp.np_pool3[:, ids]
+                runs = _masked_runs(arr)
+                if len(runs) > 4:  # scattered: fancy indexing over the positions kept
+                    pos = np.flatnonzero(arr >= 0)
+                    ids = arr[pos]
+                    views = [grp.np_pool3] if grp.np_pool3 is not None else grp.np_tensors
+                    for k, t in enumerate(views):
+                        reg = region if grp.np_pool3 is not None else region[k]
+                        if load:
+                            t[(slice(None), ids) if grp.np_pool3 is not None else ids] = (
+                                reg[:, pos] if grp.np_pool3 is not None else reg[pos])
+                        elif grp.np_pool3 is not None:
+                            reg[:, pos] = t[:, ids]
+                        else:
+                            reg[pos] = t[ids]
                     continue
-                for k, t in enumerate(grp.np_tensors):
-                    if load:
-                        t[ids] = region[k, pos]
+                for pos, first, count in runs:
+                    if grp.np_pool3 is not None:
+                        pairs = [(grp.np_pool3[:, first : first + count], region[:, pos : pos + count])]
                     else:
-                        region[k, pos] = t[ids]
+                        pairs = [(t[first : first + count], region[k, pos : pos + count])
+                                 for k, t in enumerate(grp.np_tensors)]
+                    for dev, reg in pairs:
+                        if load:
+                            np.copyto(dev, reg)
+                        else:
+                            np.copyto(reg, dev)
 
     def _cpu_merged(self, first: int, slot: int, k: int, load: bool) -> None:
         """``k`` full chunks of blocks ``first ..`` to slots ``slot ..``: one strided copy per

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -38,14 +38,15 @@ if TYPE_CHECKING:
 GROUP_KINDS = ("full", "sliding", "mla", "mla_indexer", "ssm")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KVGroup:
     """One set of layers with one block shape and one kind (e.g. the target model, a draft
     model, the sliding-window layers of a hybrid, the conv state of its Mamba layers).
 
     ``window``: the attention window in tokens, for ``kind="sliding"`` only. ``dtype`` and
     ``shape`` (of one block of one tensor) describe the bytes: they go into the namespace
-    (:meth:`describe`) and take no part in equality, which is about what is copied.
+    (:meth:`describe`). Equality is about what is copied: dtype, shape and the difference
+    between ``full``, ``mla`` and ``mla_indexer`` (copied alike) take no part in it.
     """
 
     name: str
@@ -54,8 +55,8 @@ class KVGroup:
     block_bytes: int  # bytes of one block (SSM: one state) of one tensor of one layer
     kind: str = "full"
     window: int | None = None  # tokens, sliding only
-    dtype: str | None = field(default=None, compare=False)
-    shape: tuple[int, ...] | None = field(default=None, compare=False)
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -92,6 +93,16 @@ class KVGroup:
     def num_tensors(self) -> int:
         """Tensors in the group: ``num_layers * tensors_per_layer``."""
         return self.num_layers * self.tensors_per_layer
+
+    def _copied(self) -> tuple[Any, ...]:
+        kind = self.kind if self.kind in ("sliding", "ssm") else "full"
+        return (self.name, self.num_layers, self.tensors_per_layer, self.block_bytes, kind, self.window)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KVGroup) and other._copied() == self._copied()
+
+    def __hash__(self) -> int:
+        return hash(self._copied())
 
     @property
     def is_state(self) -> bool:
