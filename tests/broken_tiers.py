@@ -409,6 +409,33 @@ class WholeJobPresentTier(MemoryTier):
         return [Lookup.HIT if k in self._present else Lookup.MISS for k in check_keys(keys)]
 
 
+class ZombieLoadTier(MemoryTier):
+    """Rule 11 (and 4): evicted keys answer MISS and are reported, but a load of one still
+    succeeds from a copy kept aside."""
+
+    def __init__(self, ctx: TierContext, *, max_bytes: int | None = None) -> None:
+        super().__init__(ctx, max_bytes=max_bytes)
+        self._aside: dict[bytes, bytes] = {}
+
+    @hookimpl
+    def submit_store(self, job: Job) -> None:
+        super().submit_store(job)
+        for k, s in zip(job.keys, job.slots, strict=True):
+            self._aside[k] = bytes(self.ctx.arena[s])
+
+    @hookimpl
+    def submit_load(self, job: Job) -> None:
+        self._check(job)
+        for k, s in zip(job.keys, job.slots, strict=True):
+            self.ctx.arena[s][:] = self._aside[k] if k in self._aside else poison_like(self.ctx.arena.slot_bytes)
+        failed = tuple(k for k in job.keys if k not in self._aside)
+        self._finished.append(JobResult(job.job_id, failed, 0, 0.0, "not stored" if failed else None))
+
+
+def poison_like(size: int) -> bytes:
+    return b"\xde\xad\xbe\xef" * (size // 4)
+
+
 class NormalisingTier(MemoryTier):
     """Rule 12: keys are "normalised" by dropping '/', so a/b and ab alias."""
 
@@ -494,6 +521,7 @@ BROKEN: dict[type, tuple[int, str]] = {
     SilentEvictTier: (11, "bounded"),
     GhostHitTier: (11, "bounded"),
     WholeJobPresentTier: (11, "bounded"),
+    ZombieLoadTier: (11, "bounded"),
     NormalisingTier: (12, "core"),
     NulTruncatingTier: (12, "core"),
 }

@@ -30,15 +30,19 @@ from .runner import CheckResult, Report, run_conformance, stuck_checks
               help="Examples of the Hypothesis stateful test.")
 @click.option("--check-timeout", type=click.FloatRange(min=1), default=DEFAULT_LIMITS.check_s, show_default=True,
               help="Seconds one check may run before it FAILs as hung (the run goes on).")
+@click.option("--keep", is_flag=True,
+              help="Keep what the suite stored in the location --config names (default: remove it).")
 @click.option("-v", "--verbose", is_flag=True,
               help="Also print one line per check, and the tier's warnings about the faults the suite injects.")
 def conformance(tier_type: str, config_json: str | None, config_file: str | None, levels: str | None,
                 junit_xml: str | None, seed: int | None, examples: int, check_timeout: float,
-                verbose: bool) -> None:
+                keep: bool, verbose: bool) -> None:
     """Run the conformance suite against tier TYPE (a registered name or pkg.module:Class).
 
     Without --config the tier's conformance_config(scratch) gives the options, in a scratch
-    directory created and removed for each check. Exit status 1 if any rule FAILs.
+    directory created and removed for each check (a tier without one and without required
+    options runs with {}). With --config, what the suite stored there is removed afterwards
+    unless --keep. Exit status 1 if any rule FAILs.
     """
     config = None
     if config_json is not None or config_file is not None:
@@ -74,8 +78,10 @@ def conformance(tier_type: str, config_json: str | None, config_file: str | None
 
     limits = DEFAULT_LIMITS.replace(examples=examples, check_s=check_timeout)
     report = run_conformance(tier_type, config, levels=levels, seed=seed, limits=limits,
-                             on_start=start, on_result=progress)
+                             on_start=start, on_result=progress, keep=keep)
     flush(None)
+    for note in report.notes:
+        click.echo(note, err=True)
     click.echo(report.summary())
     if junit_xml:
         write_junit(report, junit_xml)

@@ -116,6 +116,8 @@ class Harness:
         self.salt = os.urandom(4)
         self.instances: list[Instance] = []
         self._serial = itertools.count()
+        #: slot_bytes -> keys stored in that namespace by this check (for cleanup)
+        self.stored: dict[int, set[bytes]] = {}
 
     # -- keys --------------------------------------------------------------------------
     def key(self, tag: bytes = b"k") -> bytes:
@@ -302,6 +304,8 @@ class Instance:
         if prepare:
             (self.fill(keys, slots) if kind == "store" else self.poison(slots))
         job = Job(next(self._ids), keys, slots)
+        if kind == "store":
+            self.h.stored.setdefault(self.slot_bytes, set()).update(keys)
         hook = getattr(self.handle, f"submit_{kind}")
         try:
             t0 = time.perf_counter()

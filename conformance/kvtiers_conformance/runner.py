@@ -4,6 +4,7 @@ suite's own tests. ``TierTests`` runs the same check functions under pytest."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import pathlib
 import random
 import shutil
@@ -16,9 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtiers.errors import ConfigError
+from kvtiers.options import tier_options
 from kvtiers.registry import LEVELS, tier_levels
 
 from .catalog import RULE_LEVELS, RULES, Check, all_checks
+from .cleanup import Cleanup
 from .harness import CheckSkipped, ConformanceFailure, Harness, resolve_tier
 from .limits import DEFAULT_LIMITS, Limits
 
@@ -64,6 +67,7 @@ class Report:
     seed: int
     results: list[CheckResult] = field(default_factory=list)
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)  #: e.g. what the suite could not clean up
 
     def rules(self) -> list[RuleResult]:
         """One :class:`RuleResult` per (rule, level), in report order."""
@@ -204,12 +208,15 @@ def run_conformance(
     seed: int | None = None,
     on_result: Callable[[CheckResult], None] | None = None,
     on_start: Callable[[Report], None] | None = None,
+    keep: bool = False,
 ) -> Report:
     """Run the suite against a tier type and return a :class:`Report`.
 
     ``config`` is the tier's options, or a function of a fresh scratch directory returning
     them (called once per check); ``None`` uses the tier class's
-    ``conformance_config(scratch)``. ``levels`` defaults to the levels the tier claims;
+    ``conformance_config(scratch)``, or ``{}`` for a tier that has none and no required
+    option. With options given, what the run stored is removed afterwards (see
+    :mod:`~kvtiers_conformance.cleanup`) unless ``keep``. ``levels`` defaults to the levels the tier claims;
     checks of other levels are reported as SKIP. ``rules`` restricts the run to some rule
     numbers. ``on_start`` sees the (empty) report before the first check, ``on_result``
     each check result as it comes.
@@ -218,10 +225,8 @@ def run_conformance(
     claimed = tier_levels(info.cls)
     chosen = parse_levels(levels) if levels is not None else claimed
     if config is None:
-        factory = getattr(info.cls, "conformance_config", None)
-        if factory is None:
-            raise ConfigError(f"tier {info.name!r} has no conformance_config(scratch); pass --config")
-        config = factory
+        config = _default_config(info.name, info.cls)
+    cleanup = None if keep or callable(config) else Cleanup(config)  # before anything is stored
     seed = random.randrange(2**32) if seed is None else seed
     with _scratch(config) as options:  # a bad option is one clear error, not a FAIL per check
         preflight = Harness(tier_type, options, levels=chosen, limits=limits, seed=seed)
@@ -235,21 +240,48 @@ def run_conformance(
         on_start(report)
     t_start = time.monotonic()
     wanted = set(rules) if rules is not None else None
-    for i, c in enumerate(all_checks()):
-        if wanted is not None and c.rule not in wanted:
-            continue
-        if c.level not in chosen:
-            why = f"level {c.level} not claimed" if c.level not in claimed else f"level {c.level} not selected"
-            result = CheckResult(c, "SKIP", why)
-        else:
-            with _scratch(config) as options:
-                harness = Harness(tier_type, options, levels=chosen, limits=limits, seed=seed + i)
-                result = run_check(c, harness)
-        report.results.append(result)
-        if on_result:
-            on_result(result)
+    try:
+        for i, c in enumerate(all_checks()):
+            if wanted is not None and c.rule not in wanted:
+                continue
+            if c.level not in chosen:
+                why = f"level {c.level} not claimed" if c.level not in claimed else f"level {c.level} not selected"
+                result = CheckResult(c, "SKIP", why)
+            else:
+                with _scratch(config) as options:
+                    harness = Harness(tier_type, options, levels=chosen, limits=limits, seed=seed + i)
+                    result = run_check(c, harness)
+                    if cleanup is not None and c.test_name not in _stuck:
+                        _delete_stored(cleanup, harness)
+            report.results.append(result)
+            if on_result:
+                on_result(result)
+    finally:
+        if cleanup is not None:
+            cleanup.remove_files()
+            if cleanup.note():
+                report.notes.append(cleanup.note())
     report.seconds = time.monotonic() - t_start
     return report
+
+
+def _default_config(name: str, cls: type) -> Any:
+    """The tier's ``conformance_config``, or ``{}`` when every option has a default."""
+    factory = getattr(cls, "conformance_config", None)
+    if factory is not None:
+        return factory
+    required = [n for n, p in tier_options(cls).items() if p.default is inspect.Parameter.empty]
+    if required:
+        raise ConfigError(f"tier {name!r} needs option(s) {', '.join(required)} and has no "
+                          "conformance_config(scratch); pass --config")
+    return {}
+
+
+def _delete_stored(cleanup: Cleanup, harness: Harness) -> None:
+    try:
+        cleanup.delete_keys(harness)
+    except Exception as e:  # cleaning up must never change a check's outcome
+        cleanup.kept.append(f"deleting stored keys failed: {type(e).__name__}: {e}")
 
 
 @contextlib.contextmanager

@@ -82,6 +82,7 @@ def crash_safety(h: Harness) -> None:
         prefix = h.key(b"K")[:-4] + bytes([rnd])
         submitted = _run_and_kill(h, prefix, delay=h.rng.uniform(0.0, 0.05))
         keys = [crash_key(prefix, i) for i in range(submitted + BATCH)]
+        h.stored.setdefault(lim.crash_slot_bytes, set()).update(keys)
         t = h.open(slot_bytes=lim.crash_slot_bytes, num_slots=2 * BATCH)
         answers = t.resolve(keys)
         hits = [k for k, a in zip(keys, answers, strict=True) if a is Lookup.HIT]
