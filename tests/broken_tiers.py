@@ -488,6 +488,14 @@ class UncheckedDictTier(DictAsyncTier):
     checksum = False
 
 
+class ProcessLocalTier(DictAsyncTier):
+    """Rule 2 (shared): claims ``shared`` but its instances share a dict of their process,
+    as a tier sharing one handle per process might; two instances in one process would pass,
+    an instance in another process never sees the keys."""
+
+    levels = frozenset({"core", "shared"})
+
+
 class TornDirTier(DirTier):
     """Rule 10: writes chunk files in place, with no checksum; a kill mid-write leaves a
     short file that answers HIT and loads wrong bytes."""
@@ -501,6 +509,7 @@ BROKEN: dict[type, tuple[int, str]] = {
     StatLookupTier: (1, "core"),
     ForeverRetryTier: (1, "core"),
     DropEveryThirdTier: (2, "core"),
+    ProcessLocalTier: (2, "shared"),
     BitFlipTier: (3, "core"),
     PhantomLoadTier: (4, "core"),
     RaisingLoadTier: (4, "core"),

@@ -18,9 +18,10 @@ import itertools
 import os
 import pathlib
 import random
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from kvtiers import Arena, AsyncTier, Job, JobResult, Lookup, Namespace, TierCon
 from kvtiers.registry import TierHandle, TierInfo, get_registry, open_tier, validate_tier_class
 
 from .limits import DEFAULT_LIMITS, Limits
+
+if TYPE_CHECKING:
+    from .peer import RemoteInstance
 
 POISON_WORD = b"\xde\xad\xbe\xef"
 
@@ -80,6 +84,17 @@ def type_path(tier_type: str | type) -> str:
     if isinstance(tier_type, str):
         return tier_type
     return f"{tier_type.__module__}:{tier_type.__qualname__}"
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a subprocess of a check: this process's ``sys.path`` on its
+    ``PYTHONPATH``, so it imports the tier the way this process did."""
+    env = dict(os.environ)
+    paths = [p for p in sys.path if p]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
 
 
 def qkey(key: bytes) -> str:
@@ -158,6 +173,14 @@ class Harness:
         handle = open_tier(self.tier_type if by_name else self.info.cls, self.options(max_bytes), ctx)
         inst = Instance(self, handle, arena, removed)
         self.instances.append(inst)
+        return inst
+
+    def open_remote(self, *, slot_bytes: int | None = None) -> RemoteInstance:
+        """A new instance of the tier in another process (see :mod:`.peer`)."""
+        from .peer import RemoteInstance
+
+        inst = RemoteInstance(self, slot_bytes=slot_bytes)
+        self.instances.append(inst)  # type: ignore[arg-type]  # close_all closes it too
         return inst
 
     def close_all(self) -> None:

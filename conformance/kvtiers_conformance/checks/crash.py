@@ -4,7 +4,6 @@ then loads wrong bytes."""
 from __future__ import annotations
 
 import json
-import os
 import select
 import signal
 import subprocess
@@ -15,16 +14,7 @@ from kvtiers import Lookup
 
 from ..catalog import check
 from ..crash_child import BATCH, crash_key
-from ..harness import ConformanceFailure, Harness, fail, type_path
-
-
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [p for p in sys.path if p]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    return env
+from ..harness import ConformanceFailure, Harness, child_env, fail, type_path
 
 
 def _run_and_kill(h: Harness, prefix: bytes, delay: float) -> int:
@@ -41,7 +31,7 @@ def _run_and_kill(h: Harness, prefix: bytes, delay: float) -> int:
         fail("rule 10: the tier class lives in __main__; a subprocess cannot import it (pass 'pkg.mod:Class')")
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvtiers_conformance.crash_child", json.dumps(spec)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_child_env(), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(), text=True,
     )
     submitted = 0
     try:

@@ -1,5 +1,6 @@
 """Rules 2 and 7 across instances: ``durable`` (a new instance after close) and ``shared``
-(two live instances on one backend).
+(two live instances on one backend, the second in another process, as engines run them:
+see :mod:`..peer_child`).
 
 Across live instances a key stored by one may answer MISS on the other for a short while:
 an ``AsyncTier`` remembers a MISS for ``negative_ttl`` seconds, and a tier with an index
@@ -36,9 +37,10 @@ def read_your_writes_durable(h: Harness) -> None:
 
 @check(2, "read_your_writes_shared", "shared")
 def read_your_writes_shared(h: Harness) -> None:
-    """A key stored by one live instance becomes HIT on another (polling, see the module
-    docstring) and loads exactly there; also after the other first answered MISS."""
-    a, b = h.open(), h.open()
+    """A key stored by one live instance becomes HIT on another in another process (polling,
+    see the module docstring) and loads exactly there; also after the other first answered
+    MISS; and the other way round."""
+    a, b = h.open(), h.open_remote()
     early = h.keys(8, b"H")
     b.resolve(early)  # b now believes these are absent (a negative cache may hold that)
     a.store(early)
@@ -55,16 +57,20 @@ def read_your_writes_shared(h: Harness) -> None:
 
 @check(7, "concurrent_stores_shared", "shared")
 def concurrent_stores_shared(h: Harness) -> None:
-    """Two live instances store the same keys (same bytes) at once: both succeed, one valid copy."""
-    a, b = h.open(), h.open()
+    """Two live instances in two processes store the same keys (same bytes) at once: both
+    succeed, one valid copy."""
+    a, b = h.open(), h.open_remote()
     keys = h.keys(32, b"W")
+    ids_b = b.submit_stores([keys[i:i + 8][::-1] for i in range(0, 32, 8)])
     ids_a = [a.submit("store", keys[i:i + 8]) for i in range(0, 32, 8)]
-    ids_b = [b.submit("store", keys[i:i + 8][::-1]) for i in range(0, 32, 8)]
-    for inst, ids in ((a, ids_a), (b, ids_b)):
-        for jid, r in inst.wait(ids).items():
-            if not r.ok:
-                fail(f"rule 7 (shared): store job {jid} of a key another instance stored at the same time "
-                     f"failed {qkey(r.failed_keys[0])}: {r.error}")
+    for jid, r in a.wait(ids_a).items():
+        if not r.ok:
+            fail(f"rule 7 (shared): store job {jid} of a key another instance stored at the same time "
+                 f"failed {qkey(r.failed_keys[0])}: {r.error}")
+    for jid, (failed, error) in b.wait(ids_b).items():
+        if failed:
+            fail(f"rule 7 (shared): store job {jid} in the second process, of a key this one stored at the "
+                 f"same time, failed {qkey(failed[0])}: {error}")
     for inst in (a, b):
         inst.wait_hit(keys)
         inst.load_all(keys, why="rule 7 (shared)")
