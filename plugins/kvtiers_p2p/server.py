@@ -198,15 +198,19 @@ class PeerServer:
             self._drop(self._gone.pop())
 
     def _receive_some(self) -> None:
+        sock = self.sock
         for _ in range(256):
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                ident = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
-                self._handle(frames)
+                self._handle(ident)
             except P.ProtocolError as e:
-                self._misbehaved(frames[0].bytes, str(e))
+                self._misbehaved(ident, str(e))
+            finally:
+                while sock.getsockopt(zmq.RCVMORE):  # the rest of a message we did not use
+                    sock.recv(copy=False)
 
     def _misbehaved(self, ident: bytes, why: str) -> None:
         self.stats["malformed"] += 1
@@ -235,27 +239,49 @@ class PeerServer:
                 return True
             raise
 
+    def _send_chunk(self, ident: bytes, head: bytes, item: list[Any]) -> bool:
+        """Send a stored chunk zero-copy; its buffer is not reused until ZMQ is done with it."""
+        try:
+            tracker = self.sock.send_multipart([ident, head, item[0]], zmq.NOBLOCK, copy=False, track=True)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                self._gone.add(ident)
+                return True
+            raise
+        if tracker is not None and not tracker.done:
+            item[3].append(tracker)
+        self.stats["chunks_sent"] += 1
+        return True
+
     def _error(self, ident: bytes, rid: int, code: str, message: str) -> None:
         self.stats["refused"] += 1
         self._reply(ident, P.pack(P.ERR, rid, code, message))
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
-        if len(frames) < 2:
+    def _more(self) -> bool:
+        return bool(self.sock.getsockopt(zmq.RCVMORE))
+
+    def _handle(self, ident: bytes) -> None:
+        """Handle one message whose routing id was just received; its frames are read
+        one by one, so a PUT's chunk goes straight into a store buffer."""
+        if not self._more():
             raise P.ProtocolError("a message needs a header frame")
-        ident = frames[0].bytes
+        head = self.sock.recv(copy=False)
         until = self.banned.get(ident)
         if until is not None:
             if until > time.monotonic():
                 return
             del self.banned[ident]
-        if len(frames) > 3:
-            raise P.ProtocolError(f"{len(frames) - 1} frames in one message")
-        hdr = P.unpack(frames[1].buffer)
+        hdr = P.unpack(head.buffer)
         op, rid = hdr[0], hdr[1]
         if op not in P.REQUEST_OPS:
             raise P.ProtocolError(f"unknown op {op}")
-        if (op == P.PUT) != (len(frames) == 3):
-            raise P.ProtocolError(f"{P.REQUEST_OPS[op]} with {len(frames) - 1} frames")
+        if op == P.PUT:
+            if not self._more():
+                raise P.ProtocolError("PUT without a chunk frame")
+        elif self._more():
+            raise P.ProtocolError(f"{P.REQUEST_OPS[op]} with more than one frame")
         if op == P.HELLO:
             return self._hello(ident, rid, hdr)
         sess = self.sessions.get(ident)
@@ -278,7 +304,7 @@ class PeerServer:
             self.streams.append(Stream(sess, rid, keys))
         elif op == P.PUT:
             P.expect_len(hdr, 4, "PUT")
-            self._put(sess, rid, P.check_key(hdr[2]), P.check_hash(hdr[3]), frames[2])
+            self._put(sess, rid, P.check_key(hdr[2]), P.check_hash(hdr[3]))
         elif op == P.CANCEL:
             P.expect_len(hdr, 3, "CANCEL")
             target = hdr[2]
@@ -324,16 +350,29 @@ class PeerServer:
         caps = [s.max_bytes for s in self.sessions.values() if s.ns == ns and s.max_bytes is not None]
         return min(caps) if caps else None
 
-    def _put(self, sess: Session, rid: int, key: bytes, digest: int, data: zmq.Frame) -> None:
-        buf = data.buffer
-        if len(buf) != sess.chunk_bytes:
-            return self._error(sess.ident, rid, P.E_MALFORMED,
-                               f"chunk of {len(buf)} bytes, the namespace's chunks are {sess.chunk_bytes}")
+    def _put(self, sess: Session, rid: int, key: bytes, digest: int) -> None:
+        store, size = self.store, sess.chunk_bytes
+        if store.has(sess.ns, key):  # idempotent: keep the copy we have
+            store.get(sess.ns, key)
+            n = len(self.sock.recv(copy=False))
+            if n != size:
+                return self._error(sess.ident, rid, P.E_MALFORMED, f"chunk of {n} bytes, the namespace's are {size}")
+            return self._reply(sess.ident, P.pack(P.OK, rid, []))
+        got = store.reserve(sess.ns, size, self.quota(sess.ns))
+        if got is None:
+            self.sock.recv(copy=False)
+            return self._error(sess.ident, rid, P.E_CAPACITY, f"a chunk of {size} bytes never fits the capacity")
+        buf, evicted = got
+        n = self.sock.recv_into(buf)
+        if n != size or self._more():
+            store.release(sess.ns, buf)
+            if self._more():
+                raise P.ProtocolError("PUT with more than two frames")
+            return self._error(sess.ident, rid, P.E_MALFORMED, f"chunk of {n} bytes, the namespace's are {size}")
         if P.checksum(buf) != digest:  # damaged on the way: never keep it
+            store.release(sess.ns, buf)
             return self._error(sess.ident, rid, P.E_CORRUPT, "chunk arrived with a wrong xxh3")
-        evicted = self.store.put(sess.ns, key, data, digest, len(buf), self.quota(sess.ns))
-        if evicted is None:
-            return self._error(sess.ident, rid, P.E_CAPACITY, f"a chunk of {len(buf)} bytes never fits the capacity")
+        store.commit(sess.ns, key, buf, digest)
         self.stats["chunks_stored"] += 1
         self._reply(sess.ident, P.pack(P.OK, rid, evicted))
 
@@ -360,9 +399,7 @@ class PeerServer:
             if got is None:
                 ok = self._send(st.session.ident, P.pack(P.MISSING, st.rid, st.pos))
             else:
-                ok = self._send(st.session.ident, P.pack(P.CHUNK, st.rid, st.pos, got[1]), got[0])
-                if ok:
-                    self.stats["chunks_sent"] += 1
+                ok = self._send_chunk(st.session.ident, P.pack(P.CHUNK, st.rid, st.pos, got[1]), got)
             if ok:
                 st.pos += 1
                 progressed = True

@@ -1,0 +1,60 @@
+"""The baseline of ``kvtiers bench p2p``: plain ZMQ over the same DEALER/ROUTER pattern,
+without the protocol. ``[b"pull", n, size]`` is answered with ``n`` messages of ``size``
+bytes sent zero-copy from memory; ``[b"push", size, data]`` is received with ``recv_into``
+a pre-faulted buffer (as a peer cache must keep what it is sent) and answered ``[b"ok"]``.
+Both sides thus receive into memory of their own, as the tier does. Run as
+``python -m kvtiers_p2p.rawpeer BIND ENDPOINT_FILE PARENT_PID``."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import sys
+
+import zmq
+
+
+def main(argv: list[str]) -> None:
+    bind, endpoint_file, parent = argv[0], argv[1], int(argv[2])
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 1024)
+    s.bind(bind)
+    with open(endpoint_file + ".tmp", "w") as f:
+        f.write(s.getsockopt_string(zmq.LAST_ENDPOINT) + "\n")
+    os.replace(endpoint_file + ".tmp", endpoint_file)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    payloads: dict[int, zmq.Frame] = {}
+    pools: dict[int, list[memoryview]] = {}
+    turn = 0
+    while not stop and os.getppid() == parent:
+        if not s.poll(200):
+            continue
+        ident, op, size = s.recv(), s.recv(), int(s.recv())
+        if op == b"pull":
+            n = int(s.recv())
+            frame = payloads.get(size)
+            if frame is None:
+                frame = payloads[size] = zmq.Frame(os.urandom(size))
+            for _ in range(n):  # the same stored bytes each time, sent zero-copy as the server does
+                s.send_multipart([ident, b"c", frame], copy=False)
+        elif op == b"push":
+            pool = pools.get(size)
+            if pool is None:
+                flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+                m = mmap.mmap(-1, 64 * size, flags=flags)
+                pool = pools[size] = [memoryview(m)[i * size : (i + 1) * size] for i in range(64)]
+            turn = (turn + 1) % 64
+            s.recv_into(pool[turn])
+            s.send_multipart([ident, b"ok"])
+        while s.getsockopt(zmq.RCVMORE):
+            s.recv()
+    s.close(0)
+    ctx.term()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
