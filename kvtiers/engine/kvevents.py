@@ -193,7 +193,8 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._seq = 0
         self._lock = threading.Lock()
-        self.dropped = 0
+        self.dropped = 0  # batches not queued (queue full)
+        self._failed = 0  # batches the socket refused
         self.published = 0  # batches sent
         self.events = Counter()  # event type -> events published
         self._ctx = zmq.Context()
@@ -239,6 +240,17 @@ class KVEventPublisher:
             self.events[ev["type"] if isinstance(ev, dict) else ev[0]] += 1
         return seq
 
+    def wait_sent(self, timeout: float = 5.0) -> bool:
+        """Wait until every batch queued so far was sent (or dropped); False on timeout."""
+        with self._lock:
+            target = self._seq
+        deadline = time.monotonic() + timeout
+        while self.published + self.dropped + self._failed < target:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
     def close(self, linger: float | None = None) -> None:
         """Send what is queued, keep answering replay requests for ``linger`` seconds
         (default: the config's), then close the sockets. Idempotent."""
@@ -273,6 +285,7 @@ class KVEventPublisher:
                     self._buffer.append((seq, payload))
                     self.published += 1
                 except Exception:
+                    self._failed += 1
                     log.exception("kvtiers: KV event batch %d not sent", seq)
             deadline = time.monotonic() + self._linger
             while time.monotonic() < deadline:
