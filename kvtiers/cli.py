@@ -54,6 +54,7 @@ class LazyGroup(click.Group):
     lazy={
         "conformance": ("kvtiers_conformance.cli:conformance", "Run the conformance suite against a tier."),
         "demo": ("kvtiers.engine.demo:demo", "Serve simulated conversations through the tiers (the main job)."),
+        "new": ("kvtiers.scaffold.cli:new", "Scaffold a plugin distribution: kvtiers new tier NAME."),
         "events": ("kvtiers.events_cli:events", "KV events (vLLM's wire format): tail a publisher."),
         "simulate": ("kvtiers.engine.simulate_cli:simulate",
                      "Model offload policies x concurrency on an accelerator, through the real data path."),
