@@ -103,6 +103,10 @@ class Tail:
     def receive(self, seq: int, payload: bytes) -> None:
         if self.expected is None:
             self.expected = seq
+        if seq == 0 and self.expected > 1:  # a new publisher on the endpoint: its numbering starts over
+            print(f"kvtiers events: sequence restarted at 0 (after {self.expected - 1}): a new publisher",
+                  file=self.err)
+            self.expected = 0
         if seq < self.expected:
             return  # seen already (through replay)
         if seq > self.expected:

@@ -324,30 +324,65 @@ class TierObserver:
 # -- a tier's own metrics ---------------------------------------------------------------------
 
 _tier_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TierContext -> tier name
+_tier_registries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TierContext -> its manager's registry
 UNATTACHED = "unattached"
 
 
-class _Bound:
-    """A metric family of a tier with its ``tier`` label filled in at each call (the
-    manager names a tier after it was constructed). Without prometheus_client every call
-    does nothing."""
+@dataclass(frozen=True)
+class _Spec:
+    kind: str  # "counter" | "gauge" | "histogram"
+    name: str
+    documentation: str
+    labelnames: tuple[str, ...]
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
 
-    def __init__(self, family: Any, ctx: Any, labels: Mapping[str, str] | None = None) -> None:
-        self._family = family
+
+def _custom_family(spec: _Spec, registry: Any) -> Any:
+    """The family of ``spec`` in ``registry`` (created on first use), or ``None`` without
+    prometheus_client. The same name with another kind or labels is a ``ValueError``."""
+    fam = _families_for(registry)
+    if fam is None:
+        return None
+    with fam.lock:
+        known = fam.custom.get(spec.name)
+        if known is not None:
+            if known[0] != spec.kind or known[2] != spec.labelnames:
+                raise ValueError(f"metric {spec.name!r} exists as a {known[0]} with labels {list(known[2])}")
+            return known[1]
+        import prometheus_client as pc
+
+        args = (spec.name, spec.documentation, ["tier", *spec.labelnames])
+        if spec.kind == "counter":
+            family = pc.Counter(*args, registry=fam.registry)
+        elif spec.kind == "gauge":
+            family = pc.Gauge(*args, registry=fam.registry, multiprocess_mode="livesum")
+        else:
+            family = pc.Histogram(*args, registry=fam.registry, buckets=spec.buckets)
+        fam.custom[spec.name] = (spec.kind, family, spec.labelnames)
+        return family
+
+
+class _Bound:
+    """One of a tier's own metrics. The ``tier`` label and the registry are those of the
+    manager the tier is attached to, looked up at each call (a tier makes its metrics in
+    ``__init__``, before the manager names it). Without prometheus_client calls do nothing."""
+
+    def __init__(self, spec: _Spec, ctx: Any, labels: Mapping[str, str] | None = None) -> None:
+        self._spec = spec
         self._ctx = ctx
         self._labels = dict(labels or {})
 
     def labels(self, *values: str, **labels: str) -> _Bound:
         """The series with these extra labels (as prometheus_client's ``labels``)."""
         if values:
-            names = [n for n in self._family._labelnames if n != "tier"] if self._family is not None else []
-            labels = {**dict(zip(names, values, strict=True)), **labels}
-        return _Bound(self._family, self._ctx, {**self._labels, **labels})
+            labels = {**dict(zip(self._spec.labelnames, values, strict=True)), **labels}
+        return _Bound(self._spec, self._ctx, {**self._labels, **labels})
 
     def _child(self) -> Any:
-        if self._family is None:
+        family = _custom_family(self._spec, _tier_registries.get(self._ctx))
+        if family is None:
             return None
-        return self._family.labels(tier=_tier_names.get(self._ctx, UNATTACHED), **self._labels)
+        return family.labels(tier=_tier_names.get(self._ctx, UNATTACHED), **self._labels)
 
     def inc(self, amount: float = 1) -> None:
         c = self._child()
@@ -371,14 +406,12 @@ class _Bound:
 
 
 class TierMetrics:
-    """What :func:`tier_metrics` returns: makes a tier's own metric families, labelled
-    with the tier's name (``tier``) plus ``labelnames``. Families are shared by name
-    between instances of a tier; asking for a name again with another kind or labels is
-    a ``ValueError``."""
+    """What :func:`tier_metrics` returns: makes a tier's own metrics, labelled with the
+    tier's name (``tier``) plus ``labelnames``. Instances of a tier share a family by
+    name; the same name with another kind or labels is a ``ValueError`` when first used."""
 
-    def __init__(self, ctx: Any, registry: Any = None) -> None:
+    def __init__(self, ctx: Any) -> None:
         self._ctx = ctx
-        self._registry = registry
 
     def counter(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> _Bound:
         """A counter (exposed as ``<name>_total``): ``.inc(n)``, ``.labels(...)``."""
@@ -391,42 +424,25 @@ class TierMetrics:
     def histogram(self, name: str, documentation: str, labelnames: Sequence[str] = (),
                   buckets: Sequence[float] = LATENCY_BUCKETS) -> _Bound:
         """A histogram: ``.observe(v)``."""
-        return self._make("histogram", name, documentation, labelnames, buckets=tuple(buckets))
+        return self._make("histogram", name, documentation, labelnames, tuple(buckets))
 
-    def _make(self, kind: str, name: str, documentation: str, labelnames: Sequence[str], **kw: Any) -> _Bound:
+    def _make(self, kind: str, name: str, documentation: str, labelnames: Sequence[str],
+              buckets: tuple[float, ...] = LATENCY_BUCKETS) -> _Bound:
         if not isinstance(name, str) or not _NAME.match(name):
             raise ValueError(f"metric name {name!r}: letters, digits and underscores, not starting with a digit")
         labels = tuple(labelnames)
         if "tier" in labels:
             raise ValueError(f"metric {name!r}: the 'tier' label is added for you")
-        fam = _families_for(self._registry)
-        if fam is None:
-            return _Bound(None, self._ctx)
-        with fam.lock:
-            known = fam.custom.get(name)
-            if known is not None:
-                if known[0] != kind or known[2] != labels:
-                    raise ValueError(f"metric {name!r} exists as a {known[0]} with labels {list(known[2])}")
-                return _Bound(known[1], self._ctx)
-            import prometheus_client as pc
-
-            args = (name, documentation, ["tier", *labels])
-            if kind == "counter":
-                family = pc.Counter(*args, registry=fam.registry)
-            elif kind == "gauge":
-                family = pc.Gauge(*args, registry=fam.registry, multiprocess_mode="livesum")
-            else:
-                family = pc.Histogram(*args, registry=fam.registry, buckets=kw["buckets"])
-            fam.custom[name] = (kind, family, labels)
-            return _Bound(family, self._ctx)
+        return _Bound(_Spec(kind, name, documentation, labels, buckets), self._ctx)
 
 
-def tier_metrics(ctx: Any, registry: Any = None) -> TierMetrics:
+def tier_metrics(ctx: Any) -> TierMetrics:
     """The documented call for a tier's own metrics: ``m = kvtiers.metrics.tier_metrics(ctx)``
     in ``__init__``, then ``self.compactions = m.counter("mytier_compactions", "...")`` and
     ``self.compactions.inc()`` when it happens. Each series carries ``tier=<the tier's
-    name in the manager>``. Works (doing nothing) where prometheus_client is absent."""
-    return TierMetrics(ctx, registry)
+    name in the manager>`` and lands in the manager's registry. Does nothing where
+    prometheus_client is absent."""
+    return TierMetrics(ctx)
 
 
 # -- the manager's host cache, DMA engine and tiers ------------------------------------------
@@ -442,6 +458,7 @@ class ManagerMetrics:
         self.interval = interval
         self.tiers: dict[str, TierObserver] = {}
         self.server: MetricsServer | None = None  # serving /metrics when the config gave a port
+        self.registry = registry
         self._fam = _families_for(registry)
         self._last = 0.0
         self._seen: Counter = Counter()  # cumulative values already exported (for deltas)
@@ -502,6 +519,7 @@ class ManagerMetrics:
             t.handle.add_wrapper(obs, name="kvtiers-metrics")
             t.handle.ctx.add_removed_listener(obs.removed)
             _tier_names[t.handle.ctx] = t.name
+            _tier_registries[t.handle.ctx] = self.registry
             self.tiers[t.name] = obs
 
 
@@ -517,11 +535,11 @@ def attach_metrics(mgr: Any, config: Mapping[str, Any] | MetricsConfig | None = 
     mm = ManagerMetrics(mgr, interval=cfg.interval, registry=registry)
     events = mgr._events  # the manager's event bus (kvtiers.engine.events)
     events.add_flush_hook(mm.tick)
-    events.add_closer(lambda: mm.tick(force=True))
     if cfg.port is not None:
         server = serve_metrics(cfg.port, cfg.addr, registry=registry)
         mm.server = server
         events.add_closer(server.close)
+    events.add_closer(lambda: mm.tick(force=True))  # closers run last-added first: before the server stops
     mgr.metrics = mm
     return mm
 
