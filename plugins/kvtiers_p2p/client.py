@@ -224,7 +224,7 @@ class PeerClient:
         s.setsockopt(zmq.RCVHWM, 256)
         s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
-        s.setsockopt(zmq.MAXMSGSIZE, max(self.chunk_bytes, P.MAX_HEADER))
+        s.setsockopt(zmq.MAXMSGSIZE, max(self.chunk_bytes, P.MAX_REPLY_HEADER))
         if self.curve is not None:
             server_key, public, secret = self.curve
             s.curve_serverkey = server_key
@@ -242,14 +242,15 @@ class PeerClient:
             self.poller.unregister(peer.mon)
             peer.sock.disable_monitor()
             peer.mon.close(0)
-            peer.sock.close(0)
+            peer.sock.close()
             peer.sock = peer.mon = None
         peer.ready = peer.connected = False
 
     def _remove_peer(self, peer: Peer, why: str, bye: bool = False) -> None:
         if bye and peer.ready and peer.sock is not None:
-            try:
+            try:  # so the server ends our session (and its max_bytes cap) now, not at its idle timeout
                 peer.sock.send(P.pack(P.BYE, next(self._rids)), zmq.NOBLOCK)
+                peer.sock.setsockopt(zmq.LINGER, 200)
             except zmq.ZMQError:
                 pass
         self._fail_peer(peer, why, queued=True)
@@ -372,7 +373,7 @@ class PeerClient:
             except zmq.Again:
                 return
             try:
-                hdr = P.unpack(head)
+                hdr = P.unpack(head, reply=True)
                 self._answer(peer, hdr)
             except P.ProtocolError as e:
                 log.warning("p2p: malformed reply from %s: %s", peer.url, e)

@@ -35,7 +35,8 @@ HELLO, LOOKUP, GET, PUT, CANCEL, BYE = 1, 2, 3, 4, 5, 6
 OK, CHUNK, MISSING, DONE, ERR = 16, 17, 18, 19, 20
 REQUEST_OPS = {HELLO: "HELLO", LOOKUP: "LOOKUP", GET: "GET", PUT: "PUT", CANCEL: "CANCEL", BYE: "BYE"}
 
-MAX_HEADER = 256 * 1024  #: a header frame longer than this is malformed
+MAX_HEADER = 256 * 1024  #: a request header longer than this is malformed
+MAX_REPLY_HEADER = 64 << 20  #: replies may list many evicted keys
 MAX_BATCH = 1024  #: keys per LOOKUP or GET
 MAX_RID = (1 << 63) - 1
 
@@ -65,16 +66,18 @@ def pack(*items: Any) -> bytes:
     return msgpack.packb(list(items), use_bin_type=True)
 
 
-def unpack(frame: bytes | memoryview) -> list[Any]:
+def unpack(frame: bytes | memoryview, *, reply: bool = False) -> list[Any]:
     """Decode a header frame into a list whose first two items are ``op`` and ``rid``;
-    raise :class:`ProtocolError` for anything else."""
-    if len(frame) > MAX_HEADER:
-        raise ProtocolError(f"header of {len(frame)} bytes exceeds {MAX_HEADER}")
+    raise :class:`ProtocolError` for anything else. ``reply``: a server's answer, whose
+    list of evicted keys may be long."""
+    limit = MAX_REPLY_HEADER if reply else MAX_HEADER
+    if len(frame) > limit:
+        raise ProtocolError(f"header of {len(frame)} bytes exceeds {limit}")
     try:
         hdr = msgpack.unpackb(
             frame, raw=False, use_list=True, strict_map_key=True,
-            max_bin_len=MAX_HEADER, max_str_len=4096, max_array_len=MAX_BATCH + 8, max_map_len=64,
-            max_ext_len=0,
+            max_bin_len=limit, max_str_len=4096, max_array_len=limit // 2 if reply else MAX_BATCH + 8,
+            max_map_len=64, max_ext_len=0,
         )  # fmt: skip
     except Exception as e:  # msgpack raises many types for garbage
         raise ProtocolError(f"header is not msgpack ({type(e).__name__})") from None
