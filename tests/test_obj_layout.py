@@ -58,37 +58,44 @@ def test_normalise_prefix_rejects(prefix):
 
 def test_trailer_fields_and_checks():
     payload = bytes(range(256)) * 16
-    t = layout.make_trailer(b"key", payload)
-    assert len(t) == layout.TRAILER_BYTES == 32
-    assert t[:8] == b"KVTOBJ01"
+    ns = "0123456789abcdef"
+    t = layout.make_trailer(b"key", payload, ns)
+    assert len(t) == layout.TRAILER_BYTES == 40
+    assert t[:8] == b"KVTOBJ02"
     assert int.from_bytes(t[8:16], "little") == len(payload)
     assert int.from_bytes(t[16:24], "little") == xxhash.xxh3_64_intdigest(payload)
     assert int.from_bytes(t[24:32], "little") == xxhash.xxh3_64_intdigest(b"key")
-    layout.check_trailer(b"key", payload, t)
+    assert t[32:40] == bytes.fromhex(ns)
+    layout.check_trailer(b"key", payload, t, ns)
+    assert layout.tail_payload_length(b"key", t, ns) == len(payload)
+    assert layout.tail_payload_length(b"kez", t, ns) is None
+    assert layout.tail_payload_length(b"key", t, "fedcba9876543210") is None
+    with pytest.raises(layout.CorruptObject, match="namespace 0123456789abcdef, not fedcba9876543210"):
+        layout.check_trailer(b"key", payload, t, "fedcba9876543210")
     flipped = bytearray(payload)
     flipped[1000] ^= 1
     with pytest.raises(layout.CorruptObject, match="checksum"):
-        layout.check_trailer(b"key", flipped, t)
+        layout.check_trailer(b"key", flipped, t, ns)
     with pytest.raises(layout.CorruptObject, match="another key"):
-        layout.check_trailer(b"kez", payload, t)
+        layout.check_trailer(b"kez", payload, t, ns)
     with pytest.raises(layout.CorruptObject, match="magic"):
-        layout.check_trailer(b"key", payload, b"X" + t[1:])
+        layout.check_trailer(b"key", payload, b"X" + t[1:], ns)
     with pytest.raises(layout.CorruptObject, match="payload bytes"):
-        layout.check_trailer(b"key", payload[:-1], t)
+        layout.check_trailer(b"key", payload[:-1], t, ns)
     with pytest.raises(layout.CorruptObject):
-        layout.check_trailer(b"key", payload, t[:-1])
+        layout.check_trailer(b"key", payload, t[:-1], ns)
 
 
 def test_target_splits_payload_and_trailer():
     out = memoryview(bytearray(10))
     tg = _Target(out)
-    obj = bytes(range(42))
+    obj = bytes(range(10 + layout.TRAILER_BYTES))
     tg.write_at(0, obj[:7])
     tg.write_at(7, obj[7:20])  # crosses into the trailer
     tg.write_at(20, obj[20:])
     assert bytes(out) == obj[:10] and bytes(tg.trailer) == obj[10:]
     with pytest.raises(layout.CorruptObject):
-        tg.write_at(40, b"abc")
+        tg.write_at(len(obj) - 2, b"abc")
 
 
 def test_slices_cover_range_without_copies():

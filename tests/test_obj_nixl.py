@@ -46,7 +46,7 @@ def test_each_backend_reads_what_the_other_wrote(s3_server, slot_bytes, part_siz
         # NIXL's object is byte for byte the documented format
         name = layout.object_name(opts["prefix"], ctx_n.namespace.digest, b"n0")
         body = s3(s3_server, "get_object", Bucket=BUCKET, Key=name)["Body"]
-        assert body == by_n[0] + layout.make_trailer(b"n0", by_n[0])
+        assert body == by_n[0] + layout.make_trailer(b"n0", by_n[0], ctx_n.namespace.digest)
         for ctx in (ctx_a, ctx_n):
             for i in range(4):
                 ctx.arena[i][:] = b"\xee" * slot_bytes
@@ -66,7 +66,7 @@ def test_each_backend_reads_what_the_other_wrote(s3_server, slot_bytes, part_siz
     [
         (lambda b: b[:100] + bytes([b[100] ^ 1]) + b[101:], "checksum"),
         (lambda b: b[:-1000], "magic|bytes"),  # ends inside the payload: the trailer is pattern
-        (lambda b: b[:-10], "checksum|another key|magic|bytes"),  # a torn trailer
+        (lambda b: b[:-10], "checksum|another key|namespace|magic|bytes"),  # a torn trailer
         (lambda b: b + b"extra", "longer"),
         (lambda b: b + b"\0" * 100, "longer"),
     ],

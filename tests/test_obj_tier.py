@@ -49,9 +49,10 @@ def test_objects_follow_documented_layout_and_format(s3_server, obj_options):
     name = layout.object_name(obj_options["prefix"], digest, b"k/1")
     assert name.startswith(f"{obj_options['prefix']}/{digest}/") and name.endswith(b"k/1".hex() + ".bin")
     body = s3(s3_server, "get_object", Bucket=BUCKET, Key=name)["Body"]
-    assert len(body) == len(data) + 32 and body[: len(data)] == data
+    assert len(body) == len(data) + 40 and body[: len(data)] == data
     t = body[len(data) :]
-    assert t[:8] == b"KVTOBJ01" and int.from_bytes(t[8:16], "little") == len(data)
+    assert t[:8] == b"KVTOBJ02" and int.from_bytes(t[8:16], "little") == len(data)
+    assert t[32:40] == bytes.fromhex(digest)
     assert int.from_bytes(t[16:24], "little") == xxhash.xxh3_64_intdigest(data)
     cfg = s3(s3_server, "get_object", Bucket=BUCKET, Key=layout.config_name(obj_options["prefix"], digest))["Body"]
     ctx.namespace.check_document(cfg)
@@ -70,7 +71,7 @@ def test_multipart_store_and_ranged_load(s3_server, obj_options):
         h.close()
     name = layout.object_name(obj_options["prefix"], ctx.namespace.digest, b"big")
     head = s3(s3_server, "head_object", Bucket=BUCKET, Key=name)
-    assert head["ContentLength"] == (11 << 20) + 32
+    assert head["ContentLength"] == layout.object_size(11 << 20)
     assert head["ETag"].strip('"').endswith("-3")  # three parts: 5 + 5 + 1 MiB and the trailer
     ups = s3(s3_server, "list_multipart_uploads", Bucket=BUCKET, Prefix=obj_options["prefix"])
     assert not ups.get("Uploads")
@@ -204,7 +205,7 @@ def test_endpoint_override_alias_and_bad_options(obj_options):
 def test_max_bytes_evicts_lru_and_reports(s3_server, obj_options):
     removed = []
     ctx = make_ctx(removed=removed)
-    size = ctx.arena.slot_bytes + 32
+    size = layout.object_size(ctx.arena.slot_bytes)
     h = open_obj(ctx, dict(obj_options, max_bytes=3 * size))
     try:
         for i, k in enumerate([b"k0", b"k1", b"k2"]):

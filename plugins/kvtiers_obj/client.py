@@ -13,11 +13,11 @@ import aiohttp.payload
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession, get_session
 from botocore import UNSIGNED
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, ReadTimeoutError
 
 __all__ = [
     "AioSession", "BotoCoreError", "ChunkBody", "ClientError", "client_config", "error_code", "get_session",
-    "shared_session",
+    "shared_session", "timeout_kind",
 ]  # fmt: skip
 
 PIECE = 1 << 20
@@ -130,3 +130,12 @@ def is_exists(exc: BaseException) -> bool:
         409,
         412,
     )
+
+
+def timeout_kind(exc: BaseException) -> str | None:
+    """``"read"`` or ``"connect"`` for botocore's timeout errors (after its retries), else ``None``."""
+    if isinstance(exc, ReadTimeoutError):
+        return "read"
+    if isinstance(exc, ConnectTimeoutError):
+        return "connect"
+    return None

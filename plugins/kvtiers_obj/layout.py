@@ -10,19 +10,24 @@ short or skewed keys still spread evenly; the file name is the full lowercase he
 key, so no key escapes its namespace and no two keys alias. An empty ``prefix`` drops the
 leading ``<prefix>/``.
 
-Object format: the chunk's bytes followed by a 32-byte trailer (all integers
+Object format: the chunk's bytes followed by a 40-byte trailer (all integers
 little-endian unsigned)::
 
     offset 0        payload          N bytes (the arena slot)
-    offset N+0      magic            8 bytes  b"KVTOBJ01"
+    offset N+0      magic            8 bytes  b"KVTOBJ02"
     offset N+8      payload length   u64      N
     offset N+16     payload xxh3_64  u64      xxhash.xxh3_64(payload, seed=0)
     offset N+24     key xxh3_64      u64      xxhash.xxh3_64(key, seed=0)
+    offset N+32     namespace        8 bytes  the namespace digest (16 hex digits) as bytes
 
-An object is valid only if its size is ``N + 32``, the magic matches, the length is
-``N``, and both hashes match. The trailer sits after the payload so a load streams the
-payload straight into the slot and any data path (aiobotocore, NIXL) can write it as a
-second piece.
+An object is valid only if its size is ``N + 40``, the magic matches, the length is
+``N``, the namespace is the reader's and both hashes match. The trailer sits after the
+payload so a load streams the payload straight into the slot and any data path
+(aiobotocore, NIXL) can write it as a second piece. An object whose size is not ``N + 40``
+but whose last 40 bytes are a valid trailer for the same key and namespace holds a chunk of
+another size (an arena of another slot size on the same namespace): a reader leaves it
+alone (:func:`tail_payload_length`). Objects of the first format (``KVTOBJ01``, a 32-byte
+trailer without the namespace) are treated as corrupt.
 """
 
 from __future__ import annotations
@@ -32,15 +37,24 @@ import struct
 
 import xxhash
 
-MAGIC = b"KVTOBJ01"
-TRAILER = struct.Struct("<8sQQQ")
-TRAILER_BYTES = TRAILER.size  # 32
+MAGIC = b"KVTOBJ02"
+TRAILER = struct.Struct("<8sQQQ8s")
+TRAILER_BYTES = TRAILER.size  # 40
 CONFIG_NAME = "config.json"
 SUFFIX = ".bin"
 
 
 class CorruptObject(ValueError):
     """An object that is short, long, or fails its trailer checks."""
+
+
+class SizeMismatch(CorruptObject):
+    """An object whose size is not the expected one (``size``: its size, when known): corrupt,
+    or a chunk of another size; :func:`tail_payload_length` on its last bytes tells which."""
+
+    def __init__(self, message: str, size: int | None = None) -> None:
+        super().__init__(message)
+        self.size = size
 
 
 def normalise_prefix(prefix: str) -> str:
@@ -86,21 +100,45 @@ def object_size(payload_bytes: int) -> int:
     return payload_bytes + TRAILER_BYTES
 
 
-def make_trailer(key: bytes, payload: memoryview | bytes) -> bytes:
-    """The 32-byte trailer for ``payload`` stored under ``key``."""
-    return TRAILER.pack(MAGIC, len(payload), xxhash.xxh3_64_intdigest(payload), xxhash.xxh3_64_intdigest(key))
+def namespace_bytes(digest: str) -> bytes:
+    """The 8 trailer bytes of a namespace digest (16 hex digits)."""
+    raw = bytes.fromhex(digest)
+    if len(raw) != 8:
+        raise ValueError(f"namespace digest {digest!r} is not 16 hex digits")
+    return raw
 
 
-def check_trailer(key: bytes, payload: memoryview | bytes, trailer: bytes | bytearray | memoryview) -> None:
-    """Raise :class:`CorruptObject` unless ``trailer`` vouches for ``payload`` under ``key``."""
+def make_trailer(key: bytes, payload: memoryview | bytes, digest: str) -> bytes:
+    """The 40-byte trailer for ``payload`` stored under ``key`` in namespace ``digest``."""
+    return TRAILER.pack(MAGIC, len(payload), xxhash.xxh3_64_intdigest(payload), xxhash.xxh3_64_intdigest(key),
+                        namespace_bytes(digest))
+
+
+def check_trailer(key: bytes, payload: memoryview | bytes, trailer: bytes | bytearray | memoryview,
+                  digest: str) -> None:
+    """Raise :class:`CorruptObject` unless ``trailer`` vouches for ``payload`` under ``key``
+    in namespace ``digest``."""
     if len(trailer) != TRAILER_BYTES:
         raise CorruptObject(f"trailer is {len(trailer)} bytes, expected {TRAILER_BYTES}")
-    magic, length, digest, key_digest = TRAILER.unpack(trailer)
+    magic, length, payload_digest, key_digest, ns = TRAILER.unpack(trailer)
     if magic != MAGIC:
         raise CorruptObject(f"bad magic {magic!r}")
     if length != len(payload):
         raise CorruptObject(f"trailer says {length} payload bytes, object holds {len(payload)}")
+    if ns != namespace_bytes(digest):
+        raise CorruptObject(f"trailer belongs to namespace {ns.hex()}, not {digest}")
     if key_digest != xxhash.xxh3_64_intdigest(key):
         raise CorruptObject("trailer belongs to another key")
-    if digest != xxhash.xxh3_64_intdigest(payload):
+    if payload_digest != xxhash.xxh3_64_intdigest(payload):
         raise CorruptObject("payload checksum mismatch")
+
+
+def tail_payload_length(key: bytes, tail: bytes | bytearray | memoryview, digest: str) -> int | None:
+    """The payload length a valid trailer of ``key`` in namespace ``digest`` declares, if
+    ``tail`` (an object's last :data:`TRAILER_BYTES` bytes) is one; else ``None``."""
+    if len(tail) != TRAILER_BYTES:
+        return None
+    magic, length, _, key_digest, ns = TRAILER.unpack(tail)
+    if magic != MAGIC or ns != namespace_bytes(digest) or key_digest != xxhash.xxh3_64_intdigest(key):
+        return None
+    return length

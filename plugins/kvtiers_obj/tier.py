@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 from kvtiers import AsyncTier, ConfigError, TierError, hookimpl
-from kvtiers.types import TierContext, check_keys
+from kvtiers.types import Namespace, TierContext, check_keys
 
 from . import layout
 from .capacity import LruBytes
@@ -32,6 +32,17 @@ PROBE_TIMEOUT = 3.0  # a HEAD for lookup unanswered this long counts as a miss
 
 def _tname() -> str:
     return "tier 'obj'"
+
+
+class S3Timeout(ConnectionError):
+    """An S3 operation that got no answer in time; the message names the operation, the
+    object, the endpoint and the bound. (Not a ``TimeoutError``: that would read as the
+    base class's own deadline and lose the message.)"""
+
+
+class OtherChunkSize(ValueError):
+    """The key's object holds a valid chunk of another size (an arena of another slot size
+    on the same namespace): not this instance's to load, replace or delete."""
 
 
 async def run_all(coros: Sequence[Awaitable[Any]], limit: int) -> list[Any]:
@@ -196,6 +207,8 @@ class ObjTier(AsyncTier):
         self._bg: set[asyncio.Task] = set()
         self._cap_lock = threading.Lock()
         self._lru = LruBytes(max_bytes) if max_bytes is not None else None
+        self._size = layout.object_size(ctx.arena.slot_bytes)  # every object this instance writes or loads
+        self._warned_size = False
         open_bound = 3 * op_timeout + 10
         try:
             self.run_sync(asyncio.wait_for(self._open(), open_bound), timeout=open_bound + 5)
@@ -205,7 +218,10 @@ class ObjTier(AsyncTier):
             except Exception:
                 pass
             if isinstance(e, (asyncio.TimeoutError, concurrent.futures.TimeoutError)):
-                raise TierError(f"{t}: no answer from {self._where} within {open_bound:g} s") from None
+                raise TierError(
+                    f"{t}: opening (credentials, bucket, namespace document) at {self._where} got no answer "
+                    f"within {open_bound:g} s (3 x op_timeout + 10 s)"
+                ) from None
             raise
 
     @classmethod
@@ -215,6 +231,50 @@ class ObjTier(AsyncTier):
         from .bench import baseline
 
         return baseline(tier, chunk_bytes)
+
+    @classmethod
+    def conformance_corrupt(cls, config: dict, namespace: Namespace, key: bytes) -> None:
+        """Damage the stored object of ``key`` in place, as bit rot would: rewrite it with
+        three payload bytes flipped, same length, same content type and user metadata (the
+        trailer is left as it was, so a load must fail the key). ``config``: the options of
+        an instance that stored ``key``; ``namespace``: its namespace. For the conformance
+        suite (rule 4)."""
+        from . import client as c
+
+        prefix = layout.normalise_prefix(config.get("prefix", "kvtiers"))
+        bucket = config["bucket"]
+        name = layout.object_name(prefix, namespace.digest, key)
+        endpoint = config.get("endpoint_url") or config.get("endpoint_override")
+        key_id, secret = config.get("aws_access_key_id"), config.get("aws_secret_access_key")
+
+        async def damage() -> None:
+            session = c.get_session()  # a session of this loop's own
+            unsigned = key_id is None and await session.get_credentials() is None
+            cfg = c.client_config(
+                max_pool_connections=2, connect_timeout=float(config.get("connect_timeout", 3.0)),
+                read_timeout=float(config.get("read_timeout", 10.0)), max_attempts=3,
+                addressing_style=config.get("addressing_style") or ("path" if endpoint else "auto"), unsigned=unsigned,
+            )  # fmt: skip
+            kwargs: dict[str, Any] = {"region_name": config.get("region") or "us-east-1", "config": cfg}
+            if endpoint:
+                kwargs["endpoint_url"] = endpoint
+            if key_id is not None:
+                kwargs.update(aws_access_key_id=key_id, aws_secret_access_key=secret)
+            async with session.create_client("s3", **kwargs) as cl:
+                r = await cl.get_object(Bucket=bucket, Key=name)
+                async with r["Body"] as b:
+                    body = bytearray(await b.read())
+                n = len(body) - layout.TRAILER_BYTES
+                if n <= 0:
+                    raise ValueError(f"s3://{bucket}/{name} is {len(body)} bytes: not a chunk object")
+                for off in {0, n // 2, n - 1}:
+                    body[off] ^= 0xFF
+                extra = {"ContentType": r["ContentType"]} if r.get("ContentType") else {}
+                await cl.put_object(Bucket=bucket, Key=name, Body=bytes(body), Metadata=r.get("Metadata") or {},
+                                    **extra)
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a loop of its own, whatever the caller runs
+            pool.submit(asyncio.run, damage()).result(timeout=120)
 
     def __repr__(self) -> str:
         return f"<ObjTier s3://{self.bucket}/{layout.namespace_dir(self.prefix, self.digest)} at {self._where}>"
@@ -265,6 +325,8 @@ class ObjTier(AsyncTier):
     def _translate(self, e: BaseException, what: str) -> Exception:
         """A one-line ConfigError/TierError for an error met while opening."""
         c, t = self._c, _tname()
+        if isinstance(e, S3Timeout):
+            return TierError(f"{t}: {what}: {e}")
         if isinstance(e, c.ClientError):
             status, code = c.http_status(e), c.error_code(e)
             if status in (401, 403) or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
@@ -280,7 +342,30 @@ class ObjTier(AsyncTier):
         return TierError(f"{t}: cannot reach {self._where} ({what}): {type(e).__name__}: {e}")
 
     async def _call(self, fn: Callable[..., Awaitable[Any]], **kwargs: Any) -> Any:
-        return await asyncio.wait_for(fn(**kwargs), self.op_timeout)
+        """``fn(**kwargs)`` (a client method) within ``op_timeout``; see :meth:`_timed`."""
+        target = f"s3://{kwargs.get('Bucket', self.bucket)}/{kwargs.get('Key', '')}".rstrip("/")
+        return await self._timed(fn.__name__, target, fn(**kwargs), self.op_timeout)
+
+    async def _timed(self, what: str, target: str, aw: Awaitable[Any], budget: float) -> Any:
+        """Await ``aw`` for at most ``budget`` seconds. No answer in time, ours or botocore's
+        (read or connect timeout after its attempts), is an :class:`S3Timeout` naming
+        ``what``, ``target``, the endpoint and the bound that ran out."""
+        try:
+            return await asyncio.wait_for(aw, budget)
+        except asyncio.TimeoutError:
+            bound = f"{budget:.3g} s (op_timeout={self.op_timeout:g} s)"
+        except Exception as e:
+            kind = self._c.timeout_kind(e)
+            if kind is None:
+                raise
+            connect, read, attempts = self._timeouts
+            bound = f"{kind}_timeout={read if kind == 'read' else connect:g} s, {attempts} attempt(s)"
+        raise S3Timeout(f"{what} of {target} at {self._where} timed out: no answer within {bound}")
+
+    def _job_budget(self) -> float:
+        """The bound on one key's store or load: a little under ``op_timeout``, so this
+        tier's timeout, which says what timed out, fires before the base class's."""
+        return self.op_timeout - min(1.0, 0.2 * self.op_timeout)
 
     async def _check_bucket(self) -> None:
         c, cl = self._c, self._client
@@ -313,7 +398,7 @@ class ObjTier(AsyncTier):
             try:
                 r = await self._call(cl.get_object, Bucket=self.bucket, Key=name)
                 async with r["Body"] as body:
-                    raw = await asyncio.wait_for(body.read(), self.op_timeout)
+                    raw = await self._timed("reading", f"s3://{self.bucket}/{name}", body.read(), self.op_timeout)
             except Exception as e:
                 if not c.is_missing(e):
                     raise self._translate(e, f"reading s3://{self.bucket}/{name}") from None
@@ -347,7 +432,7 @@ class ObjTier(AsyncTier):
             async for page in paginator.paginate(Bucket=self.bucket, Prefix=pfx):
                 for o in page.get("Contents", []):
                     key = layout.key_from_name(o["Key"])
-                    if key is not None:
+                    if key is not None and int(o.get("Size", 0)) == self._size:  # others' sizes: not ours
                         found.append((o.get("LastModified"), o["Key"], key, int(o.get("Size", 0))))
         except Exception as e:
             raise self._translate(e, f"listing s3://{self.bucket}/{pfx}") from None
@@ -377,13 +462,15 @@ class ObjTier(AsyncTier):
                 log.warning("obj: could not delete %s chunk %s: %s", reason, k.hex(), e)
 
         await asyncio.gather(*(one(k) for k in keys))
-        self.forget(keys)
         if self._lru is not None:
             with self._cap_lock:
                 for k in keys:
                     self._lru.discard(k)
-        if done:
-            self.ctx.removed(done, reason)
+        if done:  # MISS from now on, also for a job in flight that holds them; to ctx.removed
+            self.evicted(done, reason)
+        kept = [k for k in keys if k not in done]
+        if kept:
+            self.forget(kept)
         return done
 
     async def _record(self, key: bytes, size: int) -> None:
@@ -407,16 +494,26 @@ class ObjTier(AsyncTier):
 
     # -- the AsyncTier coroutines ---------------------------------------------------------
     async def exists(self, key: bytes) -> bool:
-        """HEAD the chunk; a server that fails or does not answer within ``PROBE_TIMEOUT``
-        answers ``False`` (a miss for ``negative_ttl``, then asked again)."""
+        """HEAD the chunk: present with this arena's object size (a chunk of another size is
+        a miss); a server that fails or does not answer within ``PROBE_TIMEOUT`` answers
+        ``False`` (a miss for ``negative_ttl``, then asked again)."""
         try:
             head = self._head_size(self._name(key))
-            return await asyncio.wait_for(head, min(self.op_timeout, PROBE_TIMEOUT)) is not None
+            return await asyncio.wait_for(head, min(self.op_timeout, PROBE_TIMEOUT)) == self._size
         except Exception as e:
             log.debug("obj: HEAD %s failed: %s", key.hex(), e)
             return False
 
+    def _where_is(self, key: bytes) -> str:
+        return f"s3://{self.bucket}/{self._name(key)}"
+
     async def put(self, key: bytes, data: memoryview) -> None:
+        await self._timed("store", self._where_is(key), self._put(key, data), self._job_budget())
+
+    async def get_into(self, key: bytes, out: memoryview) -> bool:
+        return await self._timed("load", self._where_is(key), self._get_into(key, out), self._job_budget())
+
+    async def _put(self, key: bytes, data: memoryview) -> None:
         size = layout.object_size(len(data))
         if self.max_bytes is not None and size > self.max_bytes:
             raise ValueError(f"chunk of {size} bytes exceeds max_bytes={self.max_bytes}")
@@ -430,9 +527,15 @@ class ObjTier(AsyncTier):
         if found == size:
             await self._record(key, size)
             return
-        if found is not None:  # a short or foreign object blocks the write-once PUT
-            await self._drop([key], "corrupt")
-        trailer = layout.make_trailer(key, data)
+        if found is not None:  # another object blocks the write-once PUT
+            other = await self._other_size(name, key, found)
+            if other is not None:
+                raise OtherChunkSize(
+                    f"s3://{self.bucket}/{name} holds this key as a chunk of {other} bytes, this arena's slots are "
+                    f"{len(data)} bytes (another slot size on the same namespace): left alone"
+                )
+            await self._drop([key], "corrupt")  # short, long or from another namespace
+        trailer = layout.make_trailer(key, data, self.digest)
         if self._nixl is not None:
             await self._nixl.write(name, data, trailer)
         elif len(data) > self.part_size:
@@ -479,7 +582,7 @@ class ObjTier(AsyncTier):
         except Exception as e:  # a bucket lifecycle rule cleans up what is left
             log.debug("obj: abort of upload %s for %s failed: %s", upload_id, name, e)
 
-    async def get_into(self, key: bytes, out: memoryview) -> bool:
+    async def _get_into(self, key: bytes, out: memoryview) -> bool:
         name = self._name(key)
         target = _Target(out)
         self._busy[key] = self._busy.get(key, 0) + 1
@@ -492,17 +595,53 @@ class ObjTier(AsyncTier):
                 found = await self._get_range(name, target, 0, target.size, ranged=False)
             if not found:
                 return False
-            layout.check_trailer(key, out, target.trailer)
+            layout.check_trailer(key, out, target.trailer, self.digest)
         except layout.CorruptObject as e:
+            if isinstance(e, layout.SizeMismatch):
+                other = await self._other_size(name, key, e.size)
+                if other is not None:  # not corrupt: a chunk of another size, not ours to touch
+                    self._note_other_size(name, other)
+                    return False
             log.warning("obj: chunk %s in s3://%s/%s is corrupt (%s): deleting it", key.hex(), self.bucket, name, e)
             await self._drop([key], "corrupt")
-            raise
+            raise layout.CorruptObject(str(e)) from None
         finally:
             n = self._busy.pop(key) - 1
             if n:
                 self._busy[key] = n
         await self._record(key, target.size)
         return True
+
+    async def _other_size(self, name: str, key: bytes, size: int | None) -> int | None:
+        """The payload size of the chunk of another size stored as ``name`` (``size``: the
+        object's size, when known), or ``None`` if the object is not one (corrupt, from
+        another namespace, gone). Errors asking are raised: nothing is deleted on a guess."""
+        if size is None:
+            size = await self._head_size(name)
+        if size is None or size <= layout.TRAILER_BYTES or size == self._size:
+            return None
+        try:
+            r = await self._client.get_object(Bucket=self.bucket, Key=name,
+                                              Range=f"bytes={size - layout.TRAILER_BYTES}-{size - 1}")
+        except Exception as e:
+            if self._c.is_missing(e) or self._c.error_code(e) == "InvalidRange":
+                return None
+            raise
+        async with r["Body"] as body:
+            tail = await body.read()
+        n = layout.tail_payload_length(key, tail, self.digest)
+        return n if n is not None and layout.object_size(n) == size else None
+
+    def _note_other_size(self, name: str, payload: int) -> None:
+        msg = ("obj: s3://%s/%s holds a chunk of %d bytes, this arena's slots are %d bytes: another slot size "
+               "on the same namespace; such chunks are misses here and left alone (put the chunk size in the "
+               "namespace so the two use different prefixes)")
+        args = (self.bucket, name, payload, self.ctx.arena.slot_bytes)
+        if not self._warned_size:
+            self._warned_size = True
+            log.warning(msg, *args)
+        else:
+            log.debug(msg, *args)
 
     async def _get_nixl(self, key: bytes, name: str, target: _Target) -> bool:
         """Load through NIXL; a failed transfer is classified by a HEAD (missing -> ``False``,
@@ -516,7 +655,7 @@ class ObjTier(AsyncTier):
             if size is None:
                 return False
             if size != target.size:
-                raise layout.CorruptObject(f"object is {size} bytes, expected {target.size}") from None
+                raise layout.SizeMismatch(f"object is {size} bytes, expected {target.size}", size) from None
             raise
         return True
 
@@ -531,15 +670,15 @@ class ObjTier(AsyncTier):
             if self._c.is_missing(e):
                 return False
             if self._c.error_code(e) == "InvalidRange":
-                raise layout.CorruptObject("object is shorter than expected") from None
+                raise layout.SizeMismatch("object is shorter than expected") from None
             raise
         async with r["Body"] as body:
             total = r.get("ContentRange", "").rpartition("/")[2] if ranged else ""
             length = int(r["ContentLength"])
             if total.isdigit() and int(total) != target.size:
-                raise layout.CorruptObject(f"object is {total} bytes, expected {target.size}")
+                raise layout.SizeMismatch(f"object is {total} bytes, expected {target.size}", int(total))
             if length != hi - lo:
-                raise layout.CorruptObject(f"object is {length} bytes, expected {hi - lo}")
+                raise layout.SizeMismatch(f"object is {length} bytes, expected {hi - lo}", None if ranged else length)
             await self._stream(body, target, lo, hi)
         return True
 
