@@ -47,9 +47,13 @@ def test_layout_config_json_and_file_format(env):
     raw = open(path, "rb").read()
     assert len(raw) == SLOT + 4096 and raw[:SLOT] == pattern(key)
     trailer = memoryview(bytearray(raw[SLOT:]))
-    assert layout.check_trailer(trailer, key, SLOT) == layout.data_digest(memoryview(raw[:SLOT]))
+    ns = layout.namespace_tag(env.ctx.namespace.digest)
+    assert raw[SLOT + 112 : SLOT + 120] == ns and raw[SLOT + 8 : SLOT + 12] == (2).to_bytes(4, "little")
+    assert layout.check_trailer(trailer, key, SLOT, ns) == layout.data_digest(memoryview(raw[:SLOT]))
     with pytest.raises(ValueError, match="different key"):
-        layout.check_trailer(trailer, b"other", SLOT)
+        layout.check_trailer(trailer, b"other", SLOT, ns)
+    with pytest.raises(ValueError, match="another namespace"):
+        layout.check_trailer(trailer, key, SLOT, bytes(8))
 
 
 def test_namespace_with_a_different_description_is_an_error_at_open(env):
@@ -153,13 +157,17 @@ def test_lookup_is_fast_and_does_no_io_on_the_callers_thread(env, monkeypatch):
     unknown = [b"u%d" % i for i in range(1000)]
     caller = threading.current_thread()
     calls = []
-    real_stat = os.stat
+    real_stat, real_lstat = os.stat, os.lstat
 
-    def watching_stat(*a, **k):
-        calls.append(threading.current_thread())
-        return real_stat(*a, **k)
+    def watching(real):
+        def stat(*a, **k):
+            calls.append(threading.current_thread())
+            return real(*a, **k)
 
-    monkeypatch.setattr(os, "stat", watching_stat)
+        return stat
+
+    monkeypatch.setattr(os, "stat", watching(real_stat))
+    monkeypatch.setattr(os, "lstat", watching(real_lstat))
     times = []
     for _ in range(5):
         t0 = time.perf_counter()

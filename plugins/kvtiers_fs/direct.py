@@ -4,7 +4,8 @@ O_DIRECT moves bytes between the disk and the arena without the page cache (no s
 copy, no cache pollution); it needs offsets, lengths and buffer addresses aligned, which the
 chunk layout (data at 0, one 4096-byte trailer page) and the page-aligned arena provide.
 tmpfs and some network file systems refuse it: the tier then falls back to buffered I/O
-with one warning per root.
+with one warning per root. On a read-only directory the probe reads an existing file
+instead of writing one (:func:`probe_read`).
 """
 
 from __future__ import annotations
@@ -66,31 +67,61 @@ def probe(directory: str) -> str | None:
     except OSError as e:
         if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
             return errno.errorcode.get(e.errno, str(e.errno))
+        if fd < 0 and e.errno in _READ_ONLY:  # cannot create a file here: probe by reading
+            return probe_read(directory)
         raise
     finally:
         if fd >= 0:
             os.close(fd)
         try:
             os.unlink(path)
-        except FileNotFoundError:
+        except OSError:
             pass
         view.release()
         buf.close()
 
 
-def choose(directory: str, want: bool | None, arena_aligned: bool) -> bool:
+_READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def probe_read(directory: str, name: str = "config.json") -> str | None:
+    """Try an O_DIRECT read of the first page of ``directory/name`` (for directories this
+    process may not write). Returns ``None`` if it works, else a short reason."""
+    if not O_DIRECT:
+        return "O_DIRECT is not available on this platform"
+    buf = aligned_buffer()
+    view = memoryview(buf)
+    try:
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NONBLOCK | O_DIRECT | os.O_CLOEXEC)
+        try:
+            os.preadv(fd, [view], 0)
+        finally:
+            os.close(fd)
+        return None
+    except OSError as e:
+        return f"read-only, read probe: {errno.errorcode.get(e.errno or 0, str(e))}"
+    finally:
+        view.release()
+        buf.close()
+
+
+def choose(directory: str, want: bool | None, arena_aligned: bool, *, read_only: bool = False) -> bool:
     """Decide whether to use O_DIRECT under ``directory``.
 
     ``want`` is the ``direct`` option: ``None`` probes and falls back with one warning per
     directory, ``False`` never uses it, ``True`` requires it (``ValueError`` if impossible).
+    ``read_only``: probe by reading an existing file, never by writing one.
     """
     if want is False:
         return False
     why = None if arena_aligned else "the arena is not page-aligned"
     if why is None:
-        where = (directory, os.stat(directory).st_dev)
+        try:
+            where = (directory, os.stat(directory).st_dev)
+        except FileNotFoundError:  # a read-only root without this namespace: nothing to read
+            return False
         if where not in _probed:  # once per directory and device
-            _probed[where] = probe(directory)
+            _probed[where] = probe_read(directory) if read_only else probe(directory)
         why = _probed[where]
     if why is None:
         return True

@@ -158,7 +158,11 @@ def gc_root(
     chunks: list[tuple[float, str, int]] = []
     for d in nsdirs:
         for path, mtime, size in _temps(d):
-            if layout.temp_is_stale(os.path.basename(path), mtime, now, stale_after):
+            try:
+                stale = layout.temp_is_stale(path, mtime, now, stale_after)
+            except FileNotFoundError:
+                continue  # published or removed meanwhile
+            if stale:
                 report.removed.append((path, "stale temporary file"))
                 report.freed_bytes += size
                 if not dry_run:

@@ -6,12 +6,18 @@ survives a restart: loads touch their file's mtime), by the tier's own stores, e
 and loads, and by batched ``stat`` probes of keys it does not know, which is how files
 written by other instances are found. A probe that finds nothing is remembered for
 ``negative_ttl`` seconds. ``lookup`` only reads dictionaries: no I/O, no lock.
+
+A rescan (:meth:`Index.merge_scan` after :meth:`Index.begin_scan`) replaces the view with
+what is on disk: every instance's files, ordered by the later of their mtime and this
+instance's last use, so ``max_bytes`` bounds the namespace directory as a whole. Only
+regular files of the instance's chunk size count (:func:`scan` skips anything else).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat as _stat
 import threading
 import time
 from collections import OrderedDict
@@ -37,6 +43,8 @@ class Index:
         self.reading: dict[bytes, int] = {}
         self.writing: dict[bytes, int] = {}  # keys this instance is storing: counted in `reserved`
         self.dropped_during_scan: set[bytes] | None = None  # removals the running scan may not see
+        self.changed_during_scan: set[bytes] | None = None  # keys added or used while a scan runs
+        self.last_use: dict[bytes, float] = {}  # key -> wall time this instance last stored/read/touched it
 
     # -- updates (any thread) --------------------------------------------------------
     def add(self, key: bytes, nbytes: int) -> None:
@@ -52,12 +60,18 @@ class Index:
         self.used += nbytes
         self.absent.pop(key, None)
         self.unread.discard(key)
+        self.last_use[key] = time.time()
+        if self.changed_during_scan is not None:
+            self.changed_during_scan.add(key)
 
     def touch(self, key: bytes) -> bool:
         """Mark ``key`` most recently used; False if unknown."""
         with self.lock:
             if key in self.entries:
                 self.entries.move_to_end(key)
+                self.last_use[key] = time.time()
+                if self.changed_during_scan is not None:
+                    self.changed_during_scan.add(key)
                 return True
             return False
 
@@ -67,6 +81,7 @@ class Index:
             n = self.entries.pop(key, None)
             if n is not None:
                 self.used -= n
+            self.last_use.pop(key, None)
             if self.dropped_during_scan is not None:
                 self.dropped_during_scan.add(key)
             if absent:
@@ -85,34 +100,47 @@ class Index:
                 self.absent = {k: t for k, t in self.absent.items() if t > now or k in self.unread}
 
     def begin_scan(self) -> None:
-        """Start remembering removals, so a scan that listed a file before it was removed
-        does not bring it back."""
+        """Start remembering removals and uses, so a scan that listed a file before it was
+        removed does not bring it back, and what changed meanwhile stays most recent."""
         with self.lock:
             self.dropped_during_scan = set()
+            self.changed_during_scan = set()
 
-    def merge_scan(self, found: list[tuple[float, bytes, int]]) -> None:
-        """Put scanned files (mtime, key, bytes) before everything known so far, oldest
-        first, keeping what stores and probes added since open as more recent."""
-        found.sort()
+    def merge_scan(self, found: list[tuple[float, bytes, int]]) -> list[bytes]:
+        """Make the view what a scan found: files (mtime, key, bytes), oldest first by the
+        later of their mtime and this instance's last use, then what was added or used while
+        the scan ran. Returns the keys known before that the scan did not find (removed
+        under this instance, e.g. by another instance's eviction or by gc)."""
         with self.lock:
-            gone = self.dropped_during_scan or set()
-            self.dropped_during_scan = None
+            dropped = self.dropped_during_scan or set()
+            changed = self.changed_during_scan or set()
+            self.dropped_during_scan = self.changed_during_scan = None
+            last_use = self.last_use
+            ordered = sorted(
+                (max(t, last_use.get(k, 0.0)), k, n)
+                for t, k, n in found
+                # a key being stored is already counted in `reserved`; its store adds it
+                if k not in dropped and k not in changed and k not in self.writing
+            )
             merged: OrderedDict[bytes, int] = OrderedDict()
             used = 0
-            for _, k, n in found:
-                # a key being stored is already counted in `reserved`; its store adds it
-                if k not in self.entries and k not in merged and k not in gone and k not in self.writing:
+            for _, k, n in ordered:
+                if k not in merged:
                     merged[k] = n
                     used += n
             for k, n in self.entries.items():
-                merged[k] = n
-                used += n
+                if k in changed:  # not in `ordered`: most recent, after every scanned file
+                    merged[k] = n
+                    used += n
+            gone = [k for k in self.entries if k not in merged]
+            for k in gone:
+                last_use.pop(k, None)
             self.entries = merged
             self.used = used
-            for _, k, _ in found:
-                if k not in gone:
-                    self.absent.pop(k, None)
-                    self.unread.discard(k)
+            for k in merged:
+                self.absent.pop(k, None)
+                self.unread.discard(k)
+            return gone
 
     # -- pins --------------------------------------------------------------------------
     def pin(self, key: bytes) -> None:
@@ -150,6 +178,7 @@ class Index:
                 if k in self.reading or k in self.writing:
                     continue
                 n = self.entries.pop(k)
+                self.last_use.pop(k, None)
                 self.used -= n
                 excess -= n
                 if self.dropped_during_scan is not None:
@@ -180,9 +209,10 @@ class Index:
 class Prober:
     """One thread that ``stat``s unknown keys in batches and records what it finds."""
 
-    def __init__(self, index: Index, path_of: Callable[[bytes], str], name: str) -> None:
+    def __init__(self, index: Index, path_of: Callable[[bytes], str], name: str, file_bytes: int) -> None:
         self.index = index
         self.path_of = path_of
+        self.file_bytes = file_bytes  # only regular files of this size are chunks of ours
         self._cond = threading.Condition()
         self._pending: dict[bytes, None] = {}
         self._stop = False
@@ -219,11 +249,14 @@ class Prober:
             missing = []
             for k in batch:
                 try:
-                    st = os.stat(self.path_of(k))
+                    st = os.lstat(self.path_of(k))
                 except OSError:
                     missing.append(k)
                 else:
-                    self.index.add(k, st.st_size)
+                    if _stat.S_ISREG(st.st_mode) and st.st_size == self.file_bytes:
+                        self.index.add(k, st.st_size)
+                    else:  # a FIFO, directory, link or another slot size: not a chunk of ours
+                        missing.append(k)
             self.index.mark_absent(missing)
             with self._cond:
                 for k in batch:
@@ -232,12 +265,15 @@ class Prober:
     def pending(self, key: bytes) -> bool:
         return key in self._pending
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop the thread; False if it is still stuck in a ``stat`` after ``timeout``."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         if self._started:
-            self._thread.join()
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
 
 
 def scan(
@@ -246,12 +282,24 @@ def scan(
     stale_after: float,
     stopping: Callable[[], bool] = lambda: False,
     clean: bool = True,
+    problems: list[str] | None = None,
 ) -> tuple[list[tuple[float, bytes, int]], list[str]]:
-    """Walk a namespace directory: return its chunk files as ``(mtime, key, bytes)`` and
-    the stale temporary files it removed (none unless ``clean``)."""
+    """Walk a namespace directory: return its chunk files (regular files named
+    ``<key hex>.bin``) as ``(mtime, key, bytes)`` and the stale temporary files it removed
+    (none unless ``clean``). One bad entry never stops the walk: an entry or directory
+    that cannot be read, or a stale temporary file that cannot be removed (EACCES, EROFS,
+    an immutable file), is skipped, logged, and described in ``problems`` if given."""
     found: list[tuple[float, bytes, int]] = []
     removed: list[str] = []
+    trouble: list[str] = [] if problems is None else problems
     now = time.time()
+
+    def skip(what: str, e: OSError) -> None:
+        if len(trouble) < 1000:
+            trouble.append(f"{what}: {e.strerror or e}")
+        if len(trouble) <= 3:
+            log.warning("fs tier: scan skipped %s: %s", what, e.strerror or e)
+
     try:
         level1 = sorted(e.name for e in os.scandir(nsdir) if len(e.name) == 2 and e.is_dir(follow_symlinks=False))
     except FileNotFoundError:
@@ -263,10 +311,16 @@ def scan(
             level2 = [e.path for e in os.scandir(f"{nsdir}/{h1}") if e.is_dir(follow_symlinks=False)]
         except FileNotFoundError:
             continue
+        except OSError as e:
+            skip(f"{nsdir}/{h1}", e)
+            continue
         for d in level2:
             try:
                 entries = list(os.scandir(d))
             except FileNotFoundError:
+                continue
+            except OSError as e:
+                skip(d, e)
                 continue
             for e in entries:
                 name = e.name
@@ -275,12 +329,17 @@ def scan(
                         key = layout.key_of_name(name)
                         if key is not None:
                             st = e.stat(follow_symlinks=False)
-                            found.append((st.st_mtime, key, st.st_size))
+                            if _stat.S_ISREG(st.st_mode):  # a FIFO, directory or link is no chunk
+                                found.append((st.st_mtime, key, st.st_size))
                     elif clean and name.endswith(layout.TEMP_SUFFIX):
                         st = e.stat(follow_symlinks=False)
-                        if layout.temp_is_stale(name, st.st_mtime, now, stale_after):
+                        if layout.temp_is_stale(e.path, st.st_mtime, now, stale_after):
                             os.unlink(e.path)
                             removed.append(e.path)
                 except FileNotFoundError:
                     continue  # another instance removed or published it meanwhile
+                except OSError as err:
+                    skip(e.path, err)
+    if len(trouble) > 3:
+        log.warning("fs tier: scan of %s skipped %d entries in all", nsdir, len(trouble))
     return found, removed

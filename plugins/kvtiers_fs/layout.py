@@ -12,16 +12,22 @@ no key can escape the root and two distinct keys never share a name.
 
 A chunk file is the chunk's bytes at offset 0 (a multiple of 4096 long) followed by one
 4096-byte trailer page, so both halves stay O_DIRECT-aligned and one ``preadv`` reads them
-into [arena slot, trailer buffer]. The trailer (little-endian)::
+into [arena slot, trailer buffer]. The trailer (little-endian), format version 2::
 
     magic "KVTFSCH1" | version u32 | flags u32 | data_len u64 | key_len u32 | pad u32 |
-    key (64 bytes, zero-padded) | xxh3-128 of the data (16 bytes) | xxh3-64 of the above (8)
+    key (64 bytes, zero-padded) | xxh3-128 of the data (16 bytes) |
+    namespace digest (8 bytes: its 16 hex digits as binary) | xxh3-64 of the above (8)
 
-followed by zeros up to 4096 bytes.
+followed by zeros up to 4096 bytes. Version 1 (no namespace field; its xxh3-64 at offset
+112) is still read. A temporary file is held under an exclusive ``flock`` by its writer for
+as long as it is written: that, not the pid in its name, is how cleaners tell a live writer
+(:func:`temp_is_stale`).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import secrets
 import socket
@@ -31,14 +37,24 @@ import xxhash
 
 TRAILER_BYTES = 4096
 MAGIC = b"KVTFSCH1"
-VERSION = 1
+VERSION = 2
 CHUNK_SUFFIX = ".bin"
 TEMP_SUFFIX = ".tmp"
 CONFIG_NAME = "config.json"
 
-_HEAD = struct.Struct("<8sIIQI4x64s16s")
+_HEAD_V1 = struct.Struct("<8sIIQI4x64s16s")
+_HEAD = struct.Struct("<8sIIQI4x64s16s8s")
 _TAIL = struct.Struct("<Q")
 TRAILER_USED = _HEAD.size + _TAIL.size
+#: a temporary file of this host whose lock nobody holds, but whose pid is alive, is removed
+#: once it is this old (seconds): a writer that does not lock (an older kvtiers)
+LOCK_GRACE_SECONDS = 60.0
+_LOCK_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
+
+
+class NotOurs(ValueError):
+    """A valid chunk file this instance must leave alone: another slot size (geometry) or
+    a newer on-disk format. A load of it is a miss; the file is never deleted for it."""
 
 _HOST = socket.gethostname().split(".")[0].replace("@", "_")[:32] or "host"
 
@@ -93,6 +109,39 @@ def temp_owner(name: str) -> tuple[int, str] | None:
         return None
 
 
+def lock_temp(fd: int) -> bool:
+    """Take the writer's exclusive lock on a new temporary file (held until ``fd`` is
+    closed). False where the file system does not support locks."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in _LOCK_UNSUPPORTED:
+            return False
+        raise
+    return True
+
+
+def temp_locked(path: str) -> bool | None:
+    """Whether a live writer holds the lock of temporary file ``path``: True (held),
+    False (free: nobody writes it), None (unknown: the file system has no locks, or the file
+    cannot be opened). Never blocks: ``O_NONBLOCK`` open, non-blocking lock attempt."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # also releases the lock, if we took it
+    return False
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -108,39 +157,67 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def temp_is_stale(name: str, mtime: float, now: float, stale_after: float) -> bool:
-    """A temporary file is stale when its writer (on this host) is gone, or it is older
-    than ``stale_after`` seconds (writers on other hosts cannot be asked)."""
-    owner = temp_owner(name)
+def temp_is_stale(path: str, mtime: float, now: float, stale_after: float) -> bool:
+    """Whether temporary file ``path`` (one of ours, by its name) is abandoned.
+
+    Its writer holds an exclusive ``flock`` on it while writing, which is seen across PID
+    namespaces and containers on one kernel: a held lock means a live writer, whatever its
+    pid says. A free lock on a file whose writer's host (in its name) is this host means the
+    writer is gone once its pid is not alive here or the file is older than
+    :data:`LOCK_GRACE_SECONDS` (a writer that does not lock, e.g. an older kvtiers; a writer
+    checks after locking that its file was not removed meanwhile). On another host a lock may
+    be local to that host (some NFS mounts), so there, and where locks are unsupported, only
+    age counts: older than ``stale_after`` seconds. Raises ``FileNotFoundError`` if the file
+    is gone.
+    """
+    owner = temp_owner(os.path.basename(path))
     if owner is None:
         return False
-    pid, host = owner
-    if host == _HOST and pid != os.getpid() and not _pid_alive(pid):
+    locked = temp_locked(path)
+    if locked:
+        return False
+    age = now - mtime
+    if locked is False and owner[1] == _HOST and (age > LOCK_GRACE_SECONDS or not _pid_alive(owner[0])):
         return True
-    return now - mtime > stale_after
+    return age > stale_after
 
 
-def pack_trailer(buf: memoryview, key: bytes, data_len: int, digest: bytes) -> None:
-    """Write the trailer of a chunk of ``data_len`` bytes with xxh3-128 ``digest`` into
-    ``buf`` (at least :data:`TRAILER_USED` bytes; the rest of the page must be zero)."""
-    _HEAD.pack_into(buf, 0, MAGIC, VERSION, 0, data_len, len(key), key, digest)
+def namespace_tag(digest: str) -> bytes:
+    """The 8 bytes a trailer records for a namespace: its 16-hex-digit digest as binary."""
+    return bytes.fromhex(digest)
+
+
+def pack_trailer(buf: memoryview, key: bytes, data_len: int, digest: bytes, ns: bytes) -> None:
+    """Write the trailer of a chunk of ``data_len`` bytes with xxh3-128 ``digest`` of
+    namespace tag ``ns`` (:func:`namespace_tag`) into ``buf`` (at least
+    :data:`TRAILER_USED` bytes; the rest of the page must be zero)."""
+    _HEAD.pack_into(buf, 0, MAGIC, VERSION, 0, data_len, len(key), key, digest, ns)
     _TAIL.pack_into(buf, _HEAD.size, xxhash.xxh3_64_intdigest(buf[: _HEAD.size]))
 
 
-def check_trailer(buf: memoryview, key: bytes, data_len: int) -> bytes:
+def check_trailer(buf: memoryview, key: bytes, data_len: int, ns: bytes | None) -> bytes:
     """Return the data digest recorded in trailer ``buf`` if it describes ``key`` with
-    ``data_len`` bytes; raise ``ValueError`` saying what is wrong otherwise."""
-    magic, version, _flags, dlen, klen, kbuf, digest = _HEAD.unpack_from(buf, 0)
+    ``data_len`` bytes in namespace ``ns`` (``None``: any namespace); raise
+    :class:`NotOurs` for a valid chunk of ``key`` with another length or a newer format,
+    ``ValueError`` saying what is wrong otherwise (a corrupt or misplaced file)."""
+    magic, version = struct.unpack_from("<8sI", buf, 0)
     if magic != MAGIC:
         raise ValueError("bad magic (not a chunk file, or truncated)")
-    if _TAIL.unpack_from(buf, _HEAD.size)[0] != xxhash.xxh3_64_intdigest(buf[: _HEAD.size]):
+    if version > VERSION:
+        raise NotOurs(f"chunk format version {version} is newer than this kvtiers reads ({VERSION})")
+    head = _HEAD if version >= 2 else _HEAD_V1
+    if _TAIL.unpack_from(buf, head.size)[0] != xxhash.xxh3_64_intdigest(buf[: head.size]):
         raise ValueError("trailer checksum mismatch")
-    if version != VERSION:
+    if version < 1:
         raise ValueError(f"unknown chunk format version {version}")
+    fields = head.unpack_from(buf, 0)
+    dlen, klen, kbuf, digest = fields[3:7]
     if klen != len(key) or kbuf[:klen] != key:
         raise ValueError("trailer names a different key")
+    if version >= 2 and ns is not None and fields[7] != ns:
+        raise ValueError(f"chunk of another namespace ({fields[7].hex()})")
     if dlen != data_len:
-        raise ValueError(f"chunk holds {dlen} bytes, slot is {data_len}")
+        raise NotOurs(f"chunk holds {dlen} bytes, slot is {data_len} (another slot size)")
     return digest
 
 
@@ -154,19 +231,23 @@ def file_bytes(data_len: int) -> int:
     return data_len + TRAILER_BYTES
 
 
-def ensure_namespace(root_dir: str, namespace) -> str:
+def ensure_namespace(root_dir: str, namespace, *, read_only: bool = False) -> str:
     """Create ``root_dir/<digest>/`` and its ``config.json`` (atomically, once), or check
-    the stored one describes ``namespace``; return the namespace directory.
+    the stored one describes ``namespace``; return the namespace directory. With
+    ``read_only`` nothing is created: a namespace that is not there is simply empty.
 
     Raises ``ValueError`` when the digest's directory holds a different description.
     """
     nsdir = os.path.join(os.path.abspath(root_dir), namespace.digest)
-    os.makedirs(nsdir, exist_ok=True)
+    if not read_only:
+        os.makedirs(nsdir, exist_ok=True)
     cfg = os.path.join(nsdir, CONFIG_NAME)
     try:
         with open(cfg, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
+        if read_only:
+            return nsdir
         tmp = f"{cfg}.{os.getpid()}@{_HOST}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
         try:
             with open(tmp, "wb") as f:

@@ -3,7 +3,8 @@
 Tasks are ``fn(scratch)`` callables; ``scratch`` is the worker's 4096-byte aligned
 ``memoryview`` (the chunk trailer is read into and written from it, so O_DIRECT holds
 without allocating per operation). Threads start on first use and are joined by
-:meth:`Pool.shutdown`, which runs every task already queued first.
+:meth:`Pool.shutdown`, which runs every task already queued first (within a bound: threads
+stuck in I/O past it are abandoned).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from .direct import aligned_buffer
@@ -76,12 +78,16 @@ class Pool:
             scratch.release()
             page.close()
 
-    def shutdown(self) -> None:
-        """Run what is queued, stop and join every thread."""
+    def shutdown(self, timeout: float | None = None) -> list[threading.Thread]:
+        """Run what is queued, stop and join every thread, waiting at most ``timeout``
+        seconds in all; return the threads still running then (stuck in I/O: they are
+        daemon threads, abandoned)."""
         with self._lock:
             self._stopped = True
             threads, self._threads = self._threads, []
         for _ in threads:
             self._q.put(_STOP)
+        deadline = None if timeout is None else time.monotonic() + timeout
         for t in threads:
-            t.join()
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return [t for t in threads if t.is_alive()]

@@ -10,6 +10,11 @@ spread over every thread. A store writes ``[slot, trailer]`` with one ``pwritev`
 unique temporary file and renames it into place (an existing chunk file means success);
 a load reads both with one ``preadv`` straight into the arena slot and checks the trailer
 and the xxh3-128 of the bytes before reporting success.
+
+Nothing at a chunk's path can block or mislead a load: files are opened ``O_NONBLOCK |
+O_NOFOLLOW`` and anything but a regular file (a FIFO, directory, device, symbolic link) is a
+failed key, left alone. ``close`` is bounded by ``close_timeout``: jobs still stuck in I/O
+then are reported failed as abandoned and their threads left behind.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat as _stat
 import threading
 import time
 from collections import deque
@@ -36,19 +42,40 @@ _HIT, _MISS, _RETRY = Lookup.HIT, Lookup.MISS, Lookup.RETRY
 
 
 class _JobState:
-    __slots__ = ("job_id", "remaining", "failed", "errors", "nbytes", "t0")
+    __slots__ = ("job_id", "keys", "done", "remaining", "failed", "errors", "nbytes", "t0", "abandoned")
 
-    def __init__(self, job_id: int, n: int, t0: float) -> None:
+    def __init__(self, job_id: int, keys: tuple[bytes, ...], t0: float) -> None:
         self.job_id = job_id
-        self.remaining = n
+        self.keys = keys
+        self.done: set[bytes] = set()  # keys reported, failed or not
+        self.remaining = len(keys)
         self.failed: list[bytes] = []
         self.errors: list[str] = []
         self.nbytes = 0
         self.t0 = t0
+        self.abandoned = False  # reported failed by a close that timed out: nothing more to do
 
 
 class Corrupt(Exception):
     """A chunk file that is not a valid copy of its key."""
+
+
+class Refused(Exception):
+    """Something at a chunk's path that is not a regular file: never read, never deleted."""
+
+
+_KINDS = (
+    (_stat.S_ISFIFO, "a FIFO"),
+    (_stat.S_ISDIR, "a directory"),
+    (_stat.S_ISCHR, "a character device"),
+    (_stat.S_ISBLK, "a block device"),
+    (_stat.S_ISSOCK, "a socket"),
+    (_stat.S_ISLNK, "a symbolic link"),
+)
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
 class FsTier:
@@ -56,16 +83,25 @@ class FsTier:
 
     Options:
         root_dir: the directory (created if missing); may be shared by many instances.
-        max_bytes: bound on this namespace's file bytes as this instance knows them; least
-            recently used chunks are deleted (reported through ``ctx.removed``).
+        max_bytes: bound on the namespace directory's chunk bytes, every instance's files
+            together: each instance deletes the least recently used (by file mtime and its own
+            use) and learns the others' files by rescanning every ``rescan_seconds``.
         n_read_threads / n_write_threads: sizes of the load and store pools.
         fsync: fsync each chunk file (and its directory) before publishing it.
         direct: O_DIRECT: ``None`` probes and falls back to buffered I/O, ``True`` requires
             it, ``False`` never uses it.
         negative_ttl: seconds a probed ``MISS`` is remembered before the file is checked
             again (files other instances write appear after at most this).
-        stale_temp_seconds: age after which a temporary file of a writer on another host
-            counts as abandoned (writers on this host are asked directly).
+        stale_temp_seconds: age after which a temporary file whose writer cannot be asked
+            counts as abandoned (a writer on another host, or locks unsupported); a writer
+            holding its file's lock is never judged abandoned.
+        rescan_seconds: with ``max_bytes``, how often the namespace directory is listed again
+            to learn what other instances stored and removed (``None``: never).
+        close_timeout: the most seconds ``close`` waits for jobs in flight; jobs still stuck
+            in I/O then are reported failed ("abandoned on close") and their threads are left
+            behind (``None``: wait without bound).
+        read_only: never write: no directories, no temporary files, no deletions, no mtime
+            updates; stores fail every key. Also implied for a root on a read-only mount.
     """
 
     levels = frozenset({"core", "durable", "shared", "bounded"})
@@ -82,6 +118,9 @@ class FsTier:
         direct: bool | None = None,
         negative_ttl: float = 1.0,
         stale_temp_seconds: float = 3600.0,
+        rescan_seconds: float | None = 30.0,
+        close_timeout: float | None = 10.0,
+        read_only: bool = False,
     ) -> None:
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
@@ -89,6 +128,11 @@ class FsTier:
             raise ValueError("n_read_threads and n_write_threads must be >= 1")
         if not root_dir:
             raise ValueError("root_dir must be a non-empty path")
+        if read_only and max_bytes is not None:
+            raise ValueError("read_only and max_bytes exclude each other: a read-only tier deletes nothing")
+        for name, v in (("rescan_seconds", rescan_seconds), ("close_timeout", close_timeout)):
+            if v is not None and v < 0:
+                raise ValueError(f"{name} must be >= 0 or null, got {v}")
         self.ctx = ctx
         self.arena = ctx.arena
         self.slot_bytes = ctx.arena.slot_bytes
@@ -96,10 +140,24 @@ class FsTier:
         self.max_bytes = max_bytes
         self.fsync = fsync
         self.stale_temp_seconds = stale_temp_seconds
+        self.rescan_seconds = rescan_seconds
+        self.close_timeout = close_timeout
         self.root_dir = os.path.abspath(root_dir)
-        self.nsdir = layout.ensure_namespace(self.root_dir, ctx.namespace)
-        self.direct = direct_mode = direct_choice(self.nsdir, direct, ctx.arena)
-        self._rflags = os.O_RDONLY | os.O_CLOEXEC | (_direct.O_DIRECT if direct_mode else 0)
+        self.read_only = read_only
+        # why stores fail without trying (None: writable)
+        self._no_write = "the tier is read_only" if read_only else None
+        if self._no_write is None and _mounted_read_only(self.root_dir):
+            self._no_write = f"{self.root_dir} is on a read-only file system"
+            log.info("fs tier: %s; loads only, stores fail", self._no_write)
+        self.nsdir = layout.ensure_namespace(self.root_dir, ctx.namespace, read_only=self._no_write is not None)
+        self._ns = layout.namespace_tag(ctx.namespace.digest)
+        self.direct = direct_mode = _direct.choose(
+            self.nsdir, direct, _direct.is_aligned(ctx.arena.buffer), read_only=self._no_write is not None
+        )
+        # O_NONBLOCK: opening a FIFO never waits for a writer; O_NOFOLLOW: a link is refused
+        self._rflags = (
+            os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW | (_direct.O_DIRECT if direct_mode else 0)
+        )
         self._wflags = (
             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (_direct.O_DIRECT if direct_mode else 0)
         )
@@ -107,18 +165,22 @@ class FsTier:
         tag = ctx.namespace.digest[:6]
         self._reads = Pool(f"kvtiers-fs-read-{tag}", n_read_threads)
         self._writes = Pool(f"kvtiers-fs-write-{tag}", n_write_threads)
-        self._prober = Prober(self.index, self.path, f"kvtiers-fs-probe-{tag}")
+        self._prober = Prober(self.index, self.path, f"kvtiers-fs-probe-{tag}", self.file_bytes)
         self._finished: deque[JobResult] = deque()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0
+        self._jobs: set[_JobState] = set()  # accepted, not yet reported
         self._closed = False
         self._stopping = False
-        self._dirs: set[str] = set()
+        self._wake = threading.Event()  # ends the rescan wait at close
         self.scanned = threading.Event()
         self.stale_removed: list[str] = []
+        self.scan_problems: list[str] = []  # entries the last scan skipped (unreadable, cannot remove)
+        self.last_scan: tuple[float, float] | None = None  # wall-clock start and end of the last scan
+        self.abandoned: list[threading.Thread] = []  # threads a timed-out close left behind
         self.index.begin_scan()
-        self._scanner = threading.Thread(target=self._scan, name=f"kvtiers-fs-scan-{tag}", daemon=True)
+        self._scanner = threading.Thread(target=self._scan_loop, name=f"kvtiers-fs-scan-{tag}", daemon=True)
         self._scanner.start()
 
     @classmethod
@@ -134,36 +196,73 @@ class FsTier:
 
         return baseline(tier, chunk_bytes)
 
+    @classmethod
+    def conformance_corrupt(cls, config: dict, namespace, key: bytes) -> None:
+        """Damage the stored chunk of ``key`` in place as a disk fault would: flip bits in
+        its payload (first, middle and last data byte), keeping its length and trailer."""
+        path = layout.chunk_path(os.path.join(os.path.abspath(config["root_dir"]), namespace.digest), key)
+        with open(path, "r+b") as f:
+            size = os.fstat(f.fileno()).st_size
+            data_len = size - layout.TRAILER_BYTES
+            if data_len <= 0:
+                raise ValueError(f"{path}: {size} bytes is no chunk file")
+            for off in sorted({0, data_len // 2, data_len - 1}):
+                f.seek(off)
+                b = f.read(1)
+                f.seek(off)
+                f.write(bytes([b[0] ^ 0x5A]))
+
     # -- paths ---------------------------------------------------------------------------
     def path(self, key: bytes) -> str:
         """The chunk file of ``key``."""
         return layout.chunk_path(self.nsdir, key)
 
     # -- background scan -------------------------------------------------------------------
-    def _scan(self) -> None:
+    def _scan_loop(self) -> None:
         try:
             self._reads.start()  # here, not in the first submit: submits never wait on thread starts
             self._writes.start()
             self._prober.start()
-            found, removed = scan(self.nsdir, stale_after=self.stale_temp_seconds, stopping=lambda: self._stopping)
-            self.stale_removed = removed
+            self._scan_once(clean=self._no_write is None)
+        finally:
+            self.scanned.set()
+        every = self.rescan_seconds
+        if self.max_bytes is None or every is None or self._no_write is not None:
+            return
+        while not self._wake.wait(every):  # learn what the other instances stored and removed
+            self.index.begin_scan()
+            self._scan_once(clean=False)
+
+    def _scan_once(self, *, clean: bool) -> None:
+        t0 = time.time()
+        try:
+            problems: list[str] = []
+            found, removed = scan(
+                self.nsdir, stale_after=self.stale_temp_seconds, stopping=lambda: self._stopping,
+                clean=clean, problems=problems,
+            )
+            self.scan_problems = problems
             if removed:
+                self.stale_removed = removed
                 log.info("fs tier: removed %d stale temporary file(s) under %s", len(removed), self.nsdir)
             if not self._stopping:
-                self.index.merge_scan(found)
+                fb = self.file_bytes  # chunks of another slot size are not ours to count or delete
+                gone = self.index.merge_scan([f for f in found if f[2] == fb])
+                if gone:
+                    self.ctx.removed(gone, "missing")
                 self._evict_to_bound()
+                self.last_scan = (t0, time.time())
         except Exception:
             log.exception("fs tier: scan of %s failed", self.nsdir)
         finally:
-            self.index.dropped_during_scan = None
-            self.scanned.set()
+            self.index.dropped_during_scan = self.index.changed_during_scan = None
 
     def _evict_to_bound(self) -> None:
         victims = self.index.reserve(0, self.max_bytes)
         self._remove(victims, "evicted")
 
     def _remove(self, keys: list[bytes], reason: str) -> None:
-        if not keys:
+        if not keys or self._no_write is not None:
             return
         for k in keys:
             try:
@@ -205,9 +304,10 @@ class FsTier:
 
     def _accept(self, job: Job) -> _JobState:
         accept_job(job, self.arena, closed=self._closed)
-        js = _JobState(job.job_id, len(job.keys), time.perf_counter())
+        js = _JobState(job.job_id, job.keys, time.perf_counter())
         with self._lock:
             self._pending += 1
+            self._jobs.add(js)
         if not job.keys:
             self._finish(js)
         return js
@@ -241,19 +341,59 @@ class FsTier:
 
     @hookimpl
     def close(self) -> None:
+        """Wait for the jobs in flight, at most ``close_timeout`` seconds; report the ones
+        still stuck in I/O as failed ("abandoned on close") and leave their threads behind.
+        Returns within about ``close_timeout`` seconds, whatever the file system does."""
+        limit = self.close_timeout
+        deadline = None if limit is None else time.monotonic() + limit
         with self._lock:
             self._closed = True
             while self._pending:
-                self._idle.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._idle.wait(left)
+            stuck = list(self._jobs)
+            for js in stuck:
+                js.abandoned = True  # a task that starts or ends from now on reports nothing
+        for js in sorted(stuck, key=lambda j: j.job_id):
+            self._abandon(js)
         self._stopping = True
-        self._prober.stop()
-        self._scanner.join()
-        self._reads.shutdown()
-        self._writes.shutdown()
+        self._wake.set()
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.1, deadline - time.monotonic())
+
+        behind = [] if self._prober.stop(left()) else [self._prober._thread]
+        self._scanner.join(left())
+        if self._scanner.is_alive():
+            behind.append(self._scanner)
+        behind += self._reads.shutdown(left()) + self._writes.shutdown(left())
+        if behind:
+            self.abandoned = behind
+            log.warning("fs tier: close left %d thread(s) stuck in I/O under %s after %s s: %s",
+                        len(behind), self.nsdir, limit, ", ".join(t.name for t in behind))
+
+    def _abandon(self, js: _JobState) -> None:
+        with self._lock:
+            unfinished = [k for k in js.keys if k not in js.done]
+            failed = js.failed + unfinished
+            self._jobs.discard(js)
+            self._pending -= 1
+        error = "; ".join(js.errors) or None
+        if unfinished:
+            error = (f"{len(failed)} key(s) failed: abandoned on close: {len(unfinished)} key(s) still in I/O "
+                     f"after close_timeout={self.close_timeout} s" + (f"; {error}" if error else ""))
+        elif failed:
+            error = f"{len(failed)} key(s) failed: {error}"
+        self._finished.append(JobResult(js.job_id, tuple(failed), js.nbytes, time.perf_counter() - js.t0, error))
 
     # -- completion ------------------------------------------------------------------------
     def _key_done(self, js: _JobState, key: bytes, nbytes: int, error: str | None) -> None:
         with self._lock:
+            if js.abandoned:  # close already reported this job failed
+                return
+            js.done.add(key)
             if error is None:
                 js.nbytes += nbytes
             else:
@@ -269,28 +409,43 @@ class FsTier:
         error = None
         if js.failed:
             error = f"{len(js.failed)} key(s) failed: " + "; ".join(js.errors)
-        self._finished.append(JobResult(js.job_id, tuple(js.failed), js.nbytes, time.perf_counter() - js.t0, error))
         with self._lock:
+            if js.abandoned:
+                return
+            self._jobs.discard(js)
+            self._finished.append(JobResult(js.job_id, tuple(js.failed), js.nbytes, time.perf_counter() - js.t0, error))
             self._pending -= 1
             if not self._pending:
                 self._idle.notify_all()
 
     # -- one key -----------------------------------------------------------------------------
     def _store_key(self, js: _JobState, key: bytes, slot: int, scratch: memoryview) -> None:
+        if self._no_write is not None:
+            self._key_done(js, key, 0, f"{key.hex()}: not stored: {self._no_write}")
+            return
         final = self.path(key)
         try:
-            st = os.stat(final)
+            st = os.lstat(final)
         except FileNotFoundError:
             pass
         except OSError as e:
             self._key_done(js, key, 0, f"{key.hex()}: stat: {e.strerror or e}")
             return
-        else:  # content-addressed: an existing chunk means success
-            if st.st_size == self.file_bytes:
-                self.index.add(key, st.st_size)
-                _utime(final)
-                self._key_done(js, key, 0, None)
+        else:
+            if _stat.S_ISREG(st.st_mode):
+                if st.st_size == self.file_bytes:  # content-addressed: an existing chunk means success
+                    self.index.add(key, st.st_size)
+                    _utime(final)
+                    self._key_done(js, key, 0, None)
+                    return
+                if _other_geometry(st.st_size):
+                    self._key_done(js, key, 0, f"{key.hex()}: holds a chunk of {st.st_size - layout.TRAILER_BYTES} "
+                                               f"bytes (another slot size), left alone")
+                    return
+            elif _stat.S_ISDIR(st.st_mode):
+                self._key_done(js, key, 0, f"{key.hex()}: a directory is in the way at {final}")
                 return
+            # a torn file, a FIFO, a device node or a link: the rename below replaces the name
         nbytes = self.file_bytes
         if self.max_bytes is not None and nbytes > self.max_bytes:
             self._key_done(js, key, 0, f"chunk file of {nbytes} bytes exceeds max_bytes={self.max_bytes}")
@@ -308,9 +463,8 @@ class FsTier:
         self._key_done(js, key, self.slot_bytes, None)
 
     def _write(self, key: bytes, final: str, data: memoryview, trailer: memoryview) -> None:
-        layout.pack_trailer(trailer, key, len(data), layout.data_digest(data))
-        tmp = layout.temp_path(final)
-        fd = self._open_temp(tmp)
+        layout.pack_trailer(trailer, key, len(data), layout.data_digest(data), self._ns)
+        tmp, fd = self._locked_temp(final)
         try:
             try:
                 n = os.pwritev(fd, [data, trailer], 0)
@@ -318,9 +472,9 @@ class FsTier:
                     raise OSError(errno.ENOSPC, f"short write ({n} of {len(data) + len(trailer)} bytes)")
                 if self.fsync:
                     os.fsync(fd)
+                os.rename(tmp, final)
             finally:
                 os.close(fd)
-            os.rename(tmp, final)
         except BaseException:
             try:
                 os.unlink(tmp)
@@ -329,6 +483,22 @@ class FsTier:
             raise
         if self.fsync:
             _fsync_dir(os.path.dirname(final))
+
+    def _locked_temp(self, final: str) -> tuple[str, int]:
+        """Create a temporary file next to ``final`` and lock it; the lock is held until the
+        file is published, so cleaners see a live writer from any PID namespace. A cleaner
+        may remove the file between its creation and the lock: then try a new one."""
+        for _ in range(3):
+            tmp = layout.temp_path(final)
+            fd = self._open_temp(tmp)
+            try:
+                if not layout.lock_temp(fd) or os.fstat(fd).st_nlink:
+                    return tmp, fd
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+        raise OSError(errno.EAGAIN, "temporary files removed as soon as created")
 
     def _open_temp(self, tmp: str) -> int:
         try:
@@ -349,10 +519,26 @@ class FsTier:
                 self._key_done(js, key, 0, f"{key.hex()}: not stored")
                 return
             except OSError as e:
-                self._key_done(js, key, 0, f"{key.hex()}: open: {_oserror(e)}")
+                kind = _not_regular(path)  # ELOOP (a link), EINVAL (O_DIRECT on a FIFO), ...
+                if kind is not None:
+                    self._refuse(js, key, path, kind)
+                else:
+                    self._key_done(js, key, 0, f"{key.hex()}: open: {_oserror(e)}")
                 return
             try:
+                st = os.fstat(fd)
+                if not _stat.S_ISREG(st.st_mode):
+                    raise Refused(_kind(st.st_mode))
+                if st.st_size != self.file_bytes:
+                    self._check_other(fd, st.st_size, key, scratch)
                 self._read(fd, key, self.arena[slot], scratch)
+            except Refused as e:
+                self._refuse(js, key, path, str(e))
+                return
+            except layout.NotOurs as e:
+                self.index.drop(key)
+                self._key_done(js, key, 0, f"{key.hex()}: not loaded, file left alone: {e}")
+                return
             except Corrupt as e:
                 self._discard_corrupt(path, fd, key)
                 self._key_done(js, key, 0, f"{key.hex()}: corrupt chunk removed: {e}")
@@ -366,42 +552,91 @@ class FsTier:
             self.index.unpin(key)
         if not self.index.touch(key):
             self.index.add(key, self.file_bytes)
-        _utime(path)
+        if self._no_write is None:
+            _utime(path)
         self._key_done(js, key, self.slot_bytes, None)
+
+    def _refuse(self, js: _JobState, key: bytes, path: str, kind: str) -> None:
+        if self.index.drop(key):
+            self.ctx.removed([key], "corrupt")
+        log.warning("fs tier: %s is %s, not a chunk file; left alone", path, kind)
+        self._key_done(js, key, 0, f"{key.hex()}: not a chunk file: {kind} at {path}, left alone")
+
+    def _check_other(self, fd: int, size: int, key: bytes, page: memoryview) -> None:
+        """A file of the wrong size: raise :class:`layout.NotOurs` if it is a valid chunk of
+        ``key`` with another slot size (its trailer says so), :class:`Corrupt` otherwise."""
+        if not _other_geometry(size):
+            raise Corrupt(f"file is {size} bytes long, expected {self.file_bytes}")
+        if os.preadv(fd, [page], size - layout.TRAILER_BYTES) != layout.TRAILER_BYTES:
+            raise Corrupt(f"file is {size} bytes long, expected {self.file_bytes}")
+        try:
+            layout.check_trailer(page, key, size - layout.TRAILER_BYTES, self._ns)
+        except layout.NotOurs:
+            raise
+        except ValueError as e:
+            raise Corrupt(f"file is {size} bytes long, expected {self.file_bytes} ({e})") from None
+        raise layout.NotOurs(f"chunk holds {size - layout.TRAILER_BYTES} bytes, slot is {self.slot_bytes} "
+                             "(another slot size)")
 
     def _read(self, fd: int, key: bytes, data: memoryview, trailer: memoryview) -> None:
         n = os.preadv(fd, [data, trailer], 0)
         if n != len(data) + len(trailer):
             raise Corrupt(f"file is {n} bytes long, expected {len(data) + len(trailer)}")
         try:
-            digest = layout.check_trailer(trailer, key, len(data))
+            digest = layout.check_trailer(trailer, key, len(data), self._ns)
+        except layout.NotOurs:
+            raise
         except ValueError as e:
-            size = os.fstat(fd).st_size
-            if size != self.file_bytes and size >= layout.TRAILER_BYTES and size % _direct.ALIGN == 0:
-                # a chunk of another slot size; not ours to delete
-                raise OSError(errno.EINVAL, f"chunk file holds {size - layout.TRAILER_BYTES} bytes") from None
             raise Corrupt(str(e)) from None
         if layout.data_digest(data) != digest:
             raise Corrupt("checksum mismatch")
 
     def _discard_corrupt(self, path: str, fd: int, key: bytes) -> None:
-        try:  # only the file we read: another instance may have published a good copy since
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                os.unlink(path)
-        except OSError:
-            pass
+        if self._no_write is None:
+            try:  # only the file we read: another instance may have published a good copy since
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    os.unlink(path)
+            except OSError:
+                pass
         self.index.drop(key)
         log.warning("fs tier: removed corrupt chunk %s", path)
         self.ctx.removed([key], "corrupt")
 
 
-def direct_choice(nsdir: str, want: bool | None, arena) -> bool:
-    """Whether to use O_DIRECT for this arena under ``nsdir`` (probed once per root)."""
-    return _direct.choose(nsdir, want, _direct.is_aligned(arena.buffer))
+def _other_geometry(size: int) -> bool:
+    """Whether a file of ``size`` bytes could be a chunk file (of some slot size)."""
+    return size >= 2 * layout.TRAILER_BYTES and size % _direct.ALIGN == 0
+
+
+def _not_regular(path: str) -> str | None:
+    """What is at ``path`` if it exists and is not a regular file (without following a link)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    return None if _stat.S_ISREG(mode) else _kind(mode)
+
+
+def _mounted_read_only(path: str) -> bool:
+    """Whether ``path`` (or its nearest existing parent) is on a read-only mount."""
+    while True:
+        try:
+            return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+        except FileNotFoundError:
+            parent = os.path.dirname(path)
+            if parent == path:
+                return False
+            path = parent
+        except OSError:
+            return False
 
 
 def _bind(fn, js: _JobState, key: bytes, slot: int):
-    return lambda scratch: fn(js, key, slot, scratch)
+    def task(scratch: memoryview) -> None:
+        if not js.abandoned:  # a job close gave up on never touches its slots again
+            fn(js, key, slot, scratch)
+
+    return task
 
 
 def _utime(path: str) -> None:
