@@ -60,11 +60,12 @@ def serve(bind: str, capacity: int, namespace: str | None, chunk_bytes: int | No
             click.echo(f"kvtiers p2p: serving on {server.endpoint}, capacity {capacity} bytes", err=True)
 
     try:
-        run(bind, capacity, limits=limits, namespace=namespace, chunk_bytes=chunk_bytes, curve_secret=curve_secret,
-            allow_dir=allow_dir, endpoint_file=endpoint_file, exit_when_missing=exit_when_missing,
-            parent_pid=parent_pid, announce=announce)
+        stats = run(bind, capacity, limits=limits, namespace=namespace, chunk_bytes=chunk_bytes,
+                    curve_secret=curve_secret, allow_dir=allow_dir, endpoint_file=endpoint_file,
+                    exit_when_missing=exit_when_missing, parent_pid=parent_pid, announce=announce)
     except (AuthConfigError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    click.echo(f"kvtiers p2p: stopped; stats {json.dumps(stats, sort_keys=True)}", err=True)
 
 
 @p2p.command()

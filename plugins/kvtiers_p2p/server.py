@@ -440,10 +440,10 @@ def parse_size(text: str | int) -> int:
 def run(bind: str, capacity: int, *, limits: ServerLimits = ServerLimits(), namespace: str | None = None,
         chunk_bytes: int | None = None, curve_secret: str | None = None, allow_dir: str | None = None,
         endpoint_file: str | None = None, exit_when_missing: str | None = None, parent_pid: int | None = None,
-        announce: Any = None) -> None:  # fmt: skip
+        announce: Any = None) -> dict:  # fmt: skip
     """Run a standalone peer cache until SIGTERM/SIGINT (or until ``exit_when_missing`` is
     gone or ``parent_pid`` died). ``endpoint_file`` receives the bound address (useful with
-    port 0), written atomically."""
+    port 0), written atomically. Returns the server's counters (``stats``)."""
     server = PeerServer(bind, MemoryStore(capacity), limits=limits, namespace=namespace, chunk_bytes=chunk_bytes,
                         curve_secret=curve_secret, allow_dir=allow_dir)
     try:
@@ -463,6 +463,8 @@ def run(bind: str, capacity: int, *, limits: ServerLimits = ServerLimits(), name
             return not (parent_pid and os.getppid() != parent_pid)
 
         server.serve_forever(watch=watch)
+        return {**server.stats, "chunks": len(server.store), "bytes": server.store.bytes,
+                "evictions": server.store.evictions}
     finally:
         server.close()
 

@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any
 
 _children: list[subprocess.Popen] = []
 
@@ -46,10 +47,12 @@ class ServerProcess:
 
 
 def start_server(*, bind: str = "tcp://127.0.0.1:0", capacity: int = 1 << 30, exit_when_missing: str | None = None,
-                 extra: list[str] | None = None, timeout: float = 30.0, env: dict | None = None) -> ServerProcess:
+                 extra: list[str] | None = None, timeout: float = 30.0, env: dict | None = None,
+                 stderr: Any = None) -> ServerProcess:
     """Start ``python -m kvtiers_p2p.server`` and wait until it is bound. Port 0 (the
     default) lets the kernel choose a free port; the child writes the address it got.
-    The child exits when this process dies, or when ``exit_when_missing`` disappears."""
+    The child exits when this process dies, or when ``exit_when_missing`` disappears.
+    ``stderr``: where its log and exit statistics go (a file object; default: ours)."""
     _reap()
     fd, endpoint_file = tempfile.mkstemp(prefix="kvtiers-p2p-", suffix=".endpoint")
     os.close(fd)
@@ -59,7 +62,7 @@ def start_server(*, bind: str = "tcp://127.0.0.1:0", capacity: int = 1 << 30, ex
     if exit_when_missing:
         args += ["--exit-when-missing", exit_when_missing]
     args += extra or []
-    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=None, env=env,
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, env=env,
                             close_fds=True)
     _children.append(proc)
     deadline = time.monotonic() + timeout
