@@ -59,7 +59,7 @@ from . import layout
 log = logging.getLogger("kvtiers.obj")
 
 POLL_S = 0.001  # how often the poller checks transfers in flight
-SCRATCH = 64  # trailer (32) + a random pattern (32) that a longer object overwrites
+SCRATCH = 64  # trailer (40) + a random pattern (24) that a longer object overwrites
 
 
 def nixl_available() -> bool:
