@@ -94,10 +94,10 @@ class SqliteTier(kvtiers.AsyncTier):
         return await asyncio.get_running_loop().run_in_executor(self.pool, run)
 
     async def _drop_corrupt(self, keys: list[bytes]) -> None:
-        """Delete damaged chunks and report them: they answer MISS from now on."""
+        """Report damaged chunks (they answer MISS from now on), then delete them."""
+        self.evicted(keys, "corrupt")  # first: reported even if this coroutine is cancelled below
         rows = [(k,) for k in keys]
         await self._transaction(lambda: self.db.executemany(f"DELETE FROM {self.table} WHERE key = ?", rows))
-        self.evicted(keys, "corrupt")
 
     async def exists(self, key: bytes) -> bool:
         return bool(await self._sql(f"SELECT 1 FROM {self.table} WHERE key = ?", key))
