@@ -64,6 +64,12 @@ class _Run:
         self.reported = False
 
 
+def _cancel_requested(task: asyncio.Task) -> bool:
+    """Whether someone asked to cancel ``task`` (Python 3.10 cannot tell: assume so)."""
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling is None or cancelling() > 0
+
+
 def _reason(value: object) -> str:
     """A failed key's reason: an exception as ``Type: message``, ``False`` as ``missing``."""
     if isinstance(value, BaseException):
@@ -389,17 +395,20 @@ class AsyncTier:
                         await self._batch(run, i, buf, size)
                 except BaseException as e:  # noqa: BLE001 - every outcome is a result
                     why = self._cancel_why.get(me, (None,))[0]
-                    if why is None and isinstance(e, asyncio.CancelledError) and me.cancelling():
+                    if why is None and isinstance(e, asyncio.CancelledError) and _cancel_requested(me):
                         self._fail_item(run, i, "cancelled")  # not ours: the loop is stopping
                         run.running -= 1
                         workers[me] = None
+                        if run.running == 0 and run.next >= run.items:
+                            self._finish(run)
                         raise
                     if not isinstance(e, (Exception, asyncio.CancelledError)):
                         raise  # KeyboardInterrupt, SystemExit
                     self._fail_item(run, i, why or _reason(e))
                 ours = self._cancel_why.pop(me, None)
-                for _ in range(ours[1] if ours else 0):
-                    me.uncancel()  # one per cancel of ours, so asyncio.timeout in tiers stays right
+                if ours and hasattr(me, "uncancel"):  # Python >= 3.11
+                    for _ in range(ours[1]):
+                        me.uncancel()  # one per cancel of ours, so asyncio.timeout in tiers stays right
                 workers[me] = None
                 run.running -= 1
                 if run.running == 0 and run.next >= run.items:
