@@ -48,11 +48,11 @@ class ServerProcess:
 
 def start_server(*, bind: str = "tcp://127.0.0.1:0", capacity: int = 1 << 30, exit_when_missing: str | None = None,
                  extra: list[str] | None = None, timeout: float = 30.0, env: dict | None = None,
-                 stderr: Any = None) -> ServerProcess:
+                 stderr: Any = subprocess.DEVNULL) -> ServerProcess:
     """Start ``python -m kvtiers_p2p.server`` and wait until it is bound. Port 0 (the
     default) lets the kernel choose a free port; the child writes the address it got.
     The child exits when this process dies, or when ``exit_when_missing`` disappears.
-    ``stderr``: where its log and exit statistics go (a file object; default: ours)."""
+    ``stderr``: where its log and exit statistics go (a file object; default: nowhere)."""
     _reap()
     fd, endpoint_file = tempfile.mkstemp(prefix="kvtiers-p2p-", suffix=".endpoint")
     os.close(fd)
