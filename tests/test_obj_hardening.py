@@ -158,3 +158,29 @@ def test_jobs_against_a_stopped_server_name_what_timed_out(stopped, opts, bound)
     finally:
         srv.resume()
         h.close()
+
+
+# -- issue 10 item 2 end to end: a manager over an obj tier whose server stops -------------------
+
+
+def test_manager_close_with_a_stopped_server_is_bounded_and_fails_the_load(stopped):
+    from test_manager import chunk_blocks, key, make_manager, settle, store_all
+
+    srv = stopped
+    opts = options_for(srv, op_timeout=30.0, read_timeout=30.0)  # nothing in the tier gives up first
+    mgr, kv, _ = make_manager(2, tiers=[("obj", opts)])
+    try:
+        for i in range(3):
+            store_all(mgr, [key(i)], first_block_chunk=i)
+            settle(mgr, timeout=30)  # the cascade keeps the slot pinned until the tier has it
+        assert mgr.lookup([key(0)]).sources == ("obj",)
+        srv.pause()
+        tid = mgr.load([key(0)], [chunk_blocks(20)])
+        t0 = time.monotonic()
+        mgr.close(timeout=2.0)
+        assert time.monotonic() - t0 < 2.0 + 10
+    finally:
+        srv.resume()
+        mgr.close(timeout=30)  # no-op once closed
+    (res,) = [r for r in mgr.get_finished() if r.transfer_id == tid]
+    assert res.failed_keys == (key(0),) and "abandoned at close" in res.error
