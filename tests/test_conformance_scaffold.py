@@ -54,12 +54,15 @@ def test_new_tier_make_test_passes_and_the_entry_point_registers_it(tmp_path: Pa
     assert r.stdout.split() == ["kvtiers-demo-tier", "DemoTier", "['bounded',", "'core']"], r.stdout + r.stderr
 
 
-def test_new_tier_refuses_bad_names_and_non_empty_targets(tmp_path: Path) -> None:
+def test_new_tier_refuses_bad_names_and_non_empty_targets(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from kvtiers.cli import main
+
     for bad in ("Demo", "9lives", "a-b", "x__y", "tier_"):
-        p = kvtiers("new", "tier", bad, "--dir", str(tmp_path))
-        assert p.returncode != 0 and "tier name" in p.stderr and "Traceback" not in p.stderr, (bad, p.stderr)
+        assert main(["new", "tier", bad, "--dir", str(tmp_path)]) != 0
+        err = capsys.readouterr().err
+        assert "tier name" in err and "Traceback" not in err, (bad, err)
     (tmp_path / "kvtiers-taken").mkdir()
     (tmp_path / "kvtiers-taken" / "keep.txt").write_text("mine")
-    p = kvtiers("new", "tier", "taken", "--dir", str(tmp_path))
-    assert p.returncode != 0 and "not an empty directory" in p.stderr
+    assert main(["new", "tier", "taken", "--dir", str(tmp_path)]) != 0
+    assert "not an empty directory" in capsys.readouterr().err
     assert os.listdir(tmp_path / "kvtiers-taken") == ["keep.txt"]
