@@ -18,15 +18,13 @@ def __getattr__(name: str):
         from .tier import P2PTier
 
         return P2PTier
-    raise AttributeError(name)
+    raise AttributeError(f"module 'kvtiers_p2p' has no attribute {name!r}")
 
 
 @hookimpl
 def register_tiers(register) -> None:
-    try:
-        from .tier import P2PTier
-    except ImportError as e:  # pyzmq or msgpack missing
-        raise ImportError(f"the p2p tier needs pyzmq and msgpack: pip install 'kvtiers[p2p]' ({e})") from e
+    from .tier import P2PTier  # imports without pyzmq and msgpack; opening a tier needs them
+
     register("p2p", P2PTier)
 
 

@@ -24,8 +24,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import xxhash
+
+try:  # the tier module imports without the extra (``kvtiers tiers`` lists it); opening one needs it
+    import msgpack
+except ImportError:  # pragma: no cover - exercised by the wheel test without extras
+    msgpack = None
 
 from kvtiers.types import MAX_KEY_LEN
 

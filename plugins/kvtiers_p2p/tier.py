@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from kvtiers import ConfigError, hookimpl
+from kvtiers import ConfigError, TierError, hookimpl
 from kvtiers.types import Job, JobResult, Lookup, TierContext, accept_job, check_keys, drain
 
 from . import protocol as P
@@ -79,8 +79,12 @@ class P2PTier:
                  lookup_timeout: float = 2.0, negative_ttl: float = 1.0, positive_ttl: float = 30.0,
                  max_bytes: int | None = None, curve_server_key: str | None = None,
                  curve_secret_file: str | None = None, backend: str = "zmq") -> None:  # fmt: skip
-        from .client import PeerClient
-
+        try:
+            from .client import PeerClient
+        except ImportError as e:
+            raise TierError(f"tier 'p2p' needs pyzmq and msgpack: pip install 'kvtiers[p2p]' ({e})") from None
+        if P.msgpack is None:
+            raise TierError("tier 'p2p' needs msgpack: pip install 'kvtiers[p2p]'")
         if backend != "zmq":
             raise ConfigError(f"tier 'p2p': backend {backend!r} is not available (this build has 'zmq')")
         if timeout <= 0 or lookup_timeout <= 0:
