@@ -1,0 +1,230 @@
+"""Several processes on one fs root: ``max_bytes`` bounds the namespace as a whole within
+its documented slack, and a live writer in another PID namespace keeps its temporary file."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from kvtiers_fs import gc, layout
+from test_fs_helpers import Env, chunk_files, wait_for
+
+HELPERS = os.path.dirname(__file__)
+
+# -- item 5: the bound covers every instance's files -------------------------------------------
+SHARED_WRITER = textwrap.dedent(
+    """
+    import inspect, os, sys, threading, time
+    sys.path.insert(0, {helpers!r})
+    from kvtiers_fs import FsTier
+    from test_fs_helpers import Env, wait_job
+    from kvtiers import Job
+    root, name, log, stop = {root!r}, {name!r}, {log!r}, {stop!r}
+    e = Env(root, slots=2, slot_bytes={slot})
+    opts = dict(max_bytes={max_bytes}, n_write_threads=2)
+    if "rescan_seconds" in inspect.signature(FsTier).parameters:  # (so the test runs on older code too)
+        opts["rescan_seconds"] = {rescan}
+    t = e.open(**opts)
+    assert t.scanned.wait(30)
+    out = open(log, "w", buffering=1)
+    done = threading.Event()
+
+    def monitor():  # when each rescan (and its eviction) completed, as seen from here
+        last = None
+        while not done.is_set():
+            ls = getattr(t, "last_scan", None)
+            if ls is not None and ls != last:
+                out.write(f"scan {{ls[0]!r}} {{time.time()!r}}\\n")
+                last = ls
+            time.sleep(0.002)
+
+    threading.Thread(target=monitor, daemon=True).start()
+    for i in range({n}):
+        k = b"%s-%d" % (name.encode(), i)
+        e.fill([k], [0])
+        s0 = time.time()
+        t.submit_store(Job(i, (k,), (0,)))
+        r = wait_job(t, i)
+        out.write(f"store {{s0!r}} {{time.time()!r}} {{int(r.ok)}}\\n")
+        time.sleep({pace})
+    out.write("done\\n")
+    while not os.path.exists(stop):  # keep rescanning until the test has seen the end state
+        time.sleep(0.01)
+    done.set()
+    t.close()
+    """
+)
+
+
+def _total(root: str) -> int:
+    n = 0
+    for p in chunk_files(root):
+        try:
+            n += os.path.getsize(p)
+        except FileNotFoundError:
+            pass
+    return n
+
+
+def _read_log(path: str):
+    scans, stores, done = [], [], False
+    try:
+        lines = open(path).read().splitlines()
+    except FileNotFoundError:
+        return scans, stores, done
+    for line in lines:
+        f = line.split()
+        if f[:1] == ["scan"] and len(f) == 3:
+            scans.append((float(f[1]), float(f[2])))
+        elif f[:1] == ["store"] and len(f) == 4:
+            stores.append((float(f[1]), float(f[2]), f[3] == "1"))
+        elif f == ["done"]:
+            done = True
+    return scans, stores, done
+
+
+def test_three_processes_storing_ten_times_the_bound_stay_within_the_slack(tmp_path):
+    root = str(tmp_path / "root")
+    slot, rescan, n_files = 4096, 0.1, 32
+    file_bytes = layout.file_bytes(slot)
+    bound = n_files * file_bytes
+    stop = str(tmp_path / "stop")
+    logs = [str(tmp_path / f"w{i}.log") for i in range(3)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", SHARED_WRITER.format(
+            helpers=HELPERS, root=root, name=f"w{i}", log=logs[i], stop=stop, slot=slot,
+            max_bytes=bound, rescan=rescan, n=10 * n_files, pace=0.005)], stderr=subprocess.PIPE)
+        for i in range(3)
+    ]
+    samples = []
+    try:
+        deadline = time.monotonic() + 120
+        while not all(_read_log(p)[2] for p in logs):
+            assert time.monotonic() < deadline, "the writers did not finish"
+            assert all(p.poll() is None for p in procs), [p.stderr.read().decode() for p in procs if p.poll()]
+            ts = time.time()
+            total = _total(root)
+            samples.append((ts, time.time(), total))
+            time.sleep(0.01)
+        # stores have stopped: within one rescan (plus a scan) the namespace is within the bound
+        t_end = time.monotonic() + rescan + 5
+        while _total(root) > bound and time.monotonic() < t_end:
+            time.sleep(0.02)
+        final = _total(root)
+        assert final <= bound, f"{final} bytes in the namespace {rescan + 5:.1f} s after the last store; bound {bound}"
+        assert final >= bound // 2, f"only {final} of {bound} bytes left: chunks were deleted in bursts"
+    finally:
+        open(stop, "w").close()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0, 0], [p.stderr.read().decode() for p in procs]
+    logs_read = [_read_log(p) for p in logs]
+    assert all(len(st) == 10 * n_files and all(ok for _, _, ok in st) for _, st, _ in logs_read)
+    # the documented slack, at every sample: for any instance i whose rescan that started at s_i
+    # had completed, at most max_bytes + the chunks the others published since s_i + the chunks
+    # i itself stored while the sample was taken
+    worst = 0
+    for ts, te, total in samples:
+        allowed = float("inf")
+        for i, (scans, stores, _) in enumerate(logs_read):
+            starts = [s for s, seen in scans if seen <= ts]
+            if not starts:
+                continue
+            s_i = max(starts)
+            others = sum(1 for j, (_, st, _) in enumerate(logs_read) if j != i for s0, s1, _ in st
+                         if s1 >= s_i and s0 <= te)
+            own = sum(1 for s0, s1, _ in stores if s1 >= ts and s0 <= te)
+            allowed = min(allowed, bound + (others + own + 3) * file_bytes)
+        assert total <= allowed, f"{total} bytes at {ts:.3f}, documented slack allows {allowed}"
+        worst = max(worst, total)
+    print(f"shared root: bound {bound} B, worst sample {worst} B, final {final} B, {len(samples)} samples")
+    assert len(samples) > 20 and worst > bound  # the writers did overlap, and the test saw it
+
+
+# -- item 6: a writer in another PID namespace is alive while it holds its lock ----------------
+NS_WRITER = textwrap.dedent(
+    """
+    import os, sys, time
+    root, go, dead = {root!r}, {go!r}, {dead}
+
+    def writer():
+        sys.path.insert(0, {helpers!r})
+        from test_fs_helpers import Env, wait_job
+        from kvtiers import Job
+        real = os.pwritev
+
+        def held_pwritev(fd, bufs, off):  # the store waits, temporary file created, for the test
+            while len(bufs) == 2 and not os.path.exists(go):  # [chunk, trailer]: not the O_DIRECT probe
+                time.sleep(0.01)
+            return real(fd, bufs, off)
+
+        os.pwritev = held_pwritev
+        e = Env(root, slots=1)
+        t = e.open()
+        e.fill([b"ns-writer"], [0])
+        t.submit_store(Job(1, (b"ns-writer",), (0,)))
+        r = wait_job(t, 1, timeout=120)
+        t.close()
+        print("RESULT", r.ok, r.error, flush=True)
+        os._exit(0 if r.ok else 1)
+
+    # run the writer as pid `dead` of this namespace: a pid no process has in the test's namespace
+    while True:
+        pid = os.fork()
+        if pid == 0:
+            if os.getpid() == dead:
+                writer()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        if pid == dead:
+            sys.exit(os.waitstatus_to_exitcode(status))
+        if pid > dead:
+            print("overshot pid", pid, file=sys.stderr)
+            sys.exit(3)
+    """
+)
+
+
+def test_a_writer_in_another_pid_namespace_keeps_its_temp_file(tmp_path):
+    probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, text=True)
+    if probe.returncode:
+        pytest.skip(f"unshare --pid is not permitted here: {probe.stderr.strip()}")
+    dead = next(p for p in range(50, 400) if not os.path.exists(f"/proc/{p}"))
+    root = str(tmp_path / "root")
+    go = str(tmp_path / "go")
+    script = NS_WRITER.format(root=root, go=go, dead=dead, helpers=HELPERS)
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", sys.executable, "-c", script],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    e = Env(root)
+    try:
+        def temps():
+            return [p for p in chunk_files(root, ".tmp") if os.path.basename(p).startswith(b"ns-writer".hex())]
+
+        wait_for(lambda: temps() or proc.poll() is not None, timeout=60, what="the writer's temporary file")
+        (tmp,) = temps()
+        assert f".{dead}@{layout._HOST}." in os.path.basename(tmp)  # its pid is dead in our namespace
+        t = e.open()  # the open-time scan of another instance on this host
+        assert t.scanned.wait(30)
+        assert os.path.exists(tmp) and t.stale_removed == []
+        report = gc.gc_root(root)  # and `kvtiers fs gc`
+        assert os.path.exists(tmp) and report.removed == []
+        open(go, "w").close()
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out + err
+        assert "RESULT True" in out
+        assert e.load(t, [b"ns-writer"]).ok
+        e.check([b"ns-writer"])
+    finally:
+        open(go, "w").close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        e.close()
