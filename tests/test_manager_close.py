@@ -15,6 +15,7 @@ import pytest
 from test_manager import FailLoads, chunk_blocks, key, make_manager, settle, store_all
 
 from kvtiers import Job, hookimpl
+from kvtiers.engine import manager
 from kvtiers.memory import MemoryTier
 
 
@@ -112,7 +113,8 @@ def _close_in_thread(mgr, timeout: float, bound: float) -> float:
 
 
 @pytest.mark.parametrize("tier", [NeverReportsLoads, BlockingRead], ids=["never-reports", "blocking-read"])
-def test_close_is_bounded_and_fails_abandoned_loads(tier, blocked, caplog) -> None:
+def test_close_is_bounded_and_fails_abandoned_loads(tier, blocked, caplog, monkeypatch) -> None:
+    monkeypatch.setattr(manager, "CLOSE_GRACE", 1.0)  # the tiers' extra time after timeout (5 s): shorter here
     mgr, kv = _evicted(tier)
     tid = mgr.load([key(0), key(2)], [chunk_blocks(20), chunk_blocks(21)])
     slot = mgr.cache.slot(key(0))

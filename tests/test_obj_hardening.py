@@ -134,14 +134,14 @@ def stopped(s3_fault_server):
 
 @pytest.mark.parametrize(
     "opts,bound",
-    [({"read_timeout": 1.0, "op_timeout": 20.0}, "read_timeout=1 s, 2 attempt(s)"),
+    [({"read_timeout": 1.0, "op_timeout": 20.0}, "read_timeout=1 s, 1 attempt(s)"),
      ({"read_timeout": 30.0, "op_timeout": 3.0}, "(op_timeout=3 s)")],
     ids=["read-timeout", "op-timeout"],
 )
 def test_jobs_against_a_stopped_server_name_what_timed_out(stopped, opts, bound):
     srv = stopped
     ctx = make_ctx()
-    o = options_for(srv, connect_timeout=1.0, max_attempts=2, **opts)
+    o = options_for(srv, connect_timeout=1.0, max_attempts=1, **opts)
     h = open_obj(ctx, o)
     try:
         fill(ctx, 0, 0)
@@ -163,9 +163,12 @@ def test_jobs_against_a_stopped_server_name_what_timed_out(stopped, opts, bound)
 # -- issue 10 item 2 end to end: a manager over an obj tier whose server stops -------------------
 
 
-def test_manager_close_with_a_stopped_server_is_bounded_and_fails_the_load(stopped):
+def test_manager_close_with_a_stopped_server_is_bounded_and_fails_the_load(stopped, monkeypatch):
     from test_manager import chunk_blocks, key, make_manager, settle, store_all
 
+    from kvtiers.engine import manager
+
+    monkeypatch.setattr(manager, "CLOSE_GRACE", 1.0)  # the tiers' extra time after timeout (5 s): shorter here
     srv = stopped
     opts = options_for(srv, op_timeout=30.0, read_timeout=30.0)  # nothing in the tier gives up first
     mgr, kv, _ = make_manager(2, tiers=[("obj", opts)])
