@@ -68,6 +68,7 @@ class Config:
     ignored: tuple[str, ...] = ()
     kv_events: dict[str, Any] | None = None  # checked by kvtiers.engine.kvevents (docs/observability.md)
     metrics: dict[str, Any] | None = None  # checked by kvtiers.metrics
+    serve: dict[str, Any] | None = None  # serve the host cache to peers; checked by kvtiers_p2p (docs/p2p.md)
 
     @property
     def tier_entries(self) -> list[dict[str, Any]]:
@@ -103,6 +104,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "tiers": (lambda v: isinstance(v, list), "a list of tier objects"),
     "kv_events": (lambda v: v is None or isinstance(v, dict), "an object (KV event publishing) or null"),
     "metrics": (lambda v: v is None or isinstance(v, dict), "an object (Prometheus metrics) or null"),
+    "serve": (lambda v: v is None or isinstance(v, dict), "an object (serving the host cache to peers) or null"),
 }
 
 

@@ -112,6 +112,7 @@ class TieringManager:
         self._tiers.on_job_lost(self._loads.lost)
         self.kv_events: Any = None  # the KVEventBridge once KV events are published (kvtiers.engine.kvevents)
         self.metrics: Any = None  # the ManagerMetrics once metrics are attached (kvtiers.metrics)
+        self.serve: Any = None  # a server of this host cache to peers: poll() each step, close() (docs/p2p.md)
         self._closed = False
 
     @property
@@ -311,6 +312,8 @@ class TieringManager:
         if self.pending():
             log.warning("kvtiers: closing with %d transfer(s) or tier job(s) unfinished", self.pending())
         self._closed = True
+        if self.serve is not None:  # before the arena goes: it releases the pins it holds
+            self.serve.close()
         self._tiers.close(max(0.0, deadline - time.monotonic()) + CLOSE_GRACE)
         self._tiers.poll()  # rule 9: results of jobs finished by close
         abandoned = self._tiers.abandon(f"abandoned at close: not reported within {time.monotonic() - t0:.3g} s")
@@ -341,6 +344,8 @@ class TieringManager:
         """Poll the DMA engine and every tier; advance whatever finished."""
         self._transfers.poll_dma()
         self._tiers.poll()
+        if self.serve is not None:
+            self.serve.poll()
         self._tiers.check_lost(self.tier_job_timeout)
         self._events.flush()
 

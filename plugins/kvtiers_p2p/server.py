@@ -162,7 +162,7 @@ class PeerServer:
             events = poller.poll(0 if self._sendable() else poll_ms)
             if events:
                 self._receive_some()
-            if self.outbox and not self._flush():
+            if not self._flush():
                 time.sleep(0.0005)
                 continue
             if self.streams:
@@ -225,7 +225,29 @@ class PeerServer:
         if any(i == ident for i, _ in self.outbox):
             self.outbox = deque(x for x in self.outbox if x[0] != ident)
         if any(st.session.ident == ident for st in self.streams):
+            for st in self.streams:
+                if st.session.ident == ident:
+                    self._ended(st)
             self.streams = deque(st for st in self.streams if st.session.ident != ident)
+
+    # -- what a subclass serving other memory overrides ------------------------------------
+    def _lookup(self, sess: Session, rid: int, keys: list[bytes]) -> None:
+        has = self.store.has
+        self._reply(sess.ident, P.pack(P.OK, rid, bytes(has(sess.ns, k) for k in keys)))
+
+    def _get(self, st: Stream) -> None:
+        self.streams.append(st)
+
+    def _ended(self, st: Stream) -> None:
+        """A stream was cancelled or its client dropped before it was sent out."""
+
+    def _chunk(self, st: Stream) -> bool | None:
+        """Send the chunk of ``st.keys[st.pos]`` (or MISSING); False: the pipe is full,
+        None: not ready yet (try again later)."""
+        got = self.store.get(st.session.ns, st.keys[st.pos])
+        if got is None:
+            return self._send(st.session.ident, P.pack(P.MISSING, st.rid, st.pos))
+        return self._send_chunk(st.session.ident, P.pack(P.CHUNK, st.rid, st.pos, got[1]), got)
 
     def _send(self, ident: bytes, *frames: Any) -> bool:
         try:
@@ -292,16 +314,14 @@ class PeerServer:
         sess.last_seen = time.monotonic()
         if op == P.LOOKUP:
             P.expect_len(hdr, 3, "LOOKUP")
-            keys = P.check_keys(hdr[2])
-            has = self.store.has
-            self._reply(ident, P.pack(P.OK, rid, bytes(has(sess.ns, k) for k in keys)))
+            self._lookup(sess, rid, P.check_keys(hdr[2]))
         elif op == P.GET:
             P.expect_len(hdr, 3, "GET")
             keys = P.check_keys(hdr[2])
             if sess.streams >= self.limits.max_inflight:
                 return self._error(ident, rid, P.E_BUSY, f"more than {self.limits.max_inflight} GETs in flight")
             sess.streams += 1
-            self.streams.append(Stream(sess, rid, keys))
+            self._get(Stream(sess, rid, keys))
         elif op == P.PUT:
             P.expect_len(hdr, 4, "PUT")
             self._put(sess, rid, P.check_key(hdr[2]), P.check_hash(hdr[3]))
@@ -312,6 +332,7 @@ class PeerServer:
                 if st.session is sess and st.rid == target:
                     self.streams.remove(st)
                     sess.streams -= 1
+                    self._ended(st)
         elif op == P.BYE:
             self._drop(ident)
 
@@ -395,11 +416,7 @@ class PeerServer:
                 st.session.streams -= 1
                 progressed = True
                 continue
-            got = self.store.get(st.session.ns, st.keys[st.pos])
-            if got is None:
-                ok = self._send(st.session.ident, P.pack(P.MISSING, st.rid, st.pos))
-            else:
-                ok = self._send_chunk(st.session.ident, P.pack(P.CHUNK, st.rid, st.pos, got[1]), got)
+            ok = self._chunk(st)
             if ok:
                 st.pos += 1
                 progressed = True
