@@ -11,7 +11,7 @@ import time
 
 import pytest
 from kvtiers_fs import gc, layout
-from test_fs_helpers import Env, chunk_files, wait_for
+from test_fs_helpers import SLOT, Env, chunk_files, wait_for
 
 HELPERS = os.path.dirname(__file__)
 
@@ -228,3 +228,41 @@ def test_a_writer_in_another_pid_namespace_keeps_its_temp_file(tmp_path):
             proc.kill()
             proc.communicate()
         e.close()
+
+
+def test_a_rescan_learns_the_others_files_and_removals(tmp_path):
+    file_bytes = layout.file_bytes(SLOT)
+    a, b = Env(str(tmp_path)), Env(str(tmp_path))
+    try:
+        tb = b.open()
+        ta = a.open(max_bytes=8 * file_bytes, rescan_seconds=0.05)
+        assert ta.scanned.wait(30)
+        theirs, mine = [b"b%d" % i for i in range(6)], [b"a%d" % i for i in range(4)]
+        for k in theirs:
+            assert b.store(tb, [k]).ok
+        for k in mine:
+            assert a.store(ta, [k]).ok
+        # a's next rescan sees 10 chunks under a bound of 8: the two oldest (b's first) go
+        wait_for(lambda: len(chunk_files(str(tmp_path))) == 8, timeout=10, what="the rescan to evict")
+        assert sorted(k for k, why in a.removed if why == "evicted") == theirs[:2]
+        assert all(os.path.exists(ta.path(k)) for k in theirs[2:] + mine)
+        os.unlink(ta.path(theirs[2]))  # removed under a, e.g. by gc
+        wait_for(lambda: (theirs[2], "missing") in a.removed, timeout=10, what="the rescan to notice")
+        assert theirs[2] not in ta.index.entries and ta.index.used == 7 * file_bytes
+    finally:
+        a.close()
+        b.close()
+
+
+def test_merge_scan_orders_by_mtime_or_own_use_and_keeps_what_changed_meanwhile():
+    from kvtiers_fs.index import Index
+
+    idx = Index(negative_ttl=1.0)
+    now = time.time()
+    idx.add(b"used-here", 10)  # this instance's use is newer than the file's mtime
+    idx.add(b"gone", 10)
+    idx.begin_scan()
+    idx.add(b"stored-meanwhile", 10)
+    gone = idx.merge_scan([(now - 300, b"used-here", 10), (now - 200, b"old", 10), (now - 100, b"newer", 10)])
+    assert list(idx.entries) == [b"old", b"newer", b"used-here", b"stored-meanwhile"]
+    assert gone == [b"gone"] and idx.used == 40

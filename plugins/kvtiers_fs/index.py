@@ -110,35 +110,39 @@ class Index:
         """Make the view what a scan found: files (mtime, key, bytes), oldest first by the
         later of their mtime and this instance's last use, then what was added or used while
         the scan ran. Returns the keys known before that the scan did not find (removed
-        under this instance, e.g. by another instance's eviction or by gc)."""
+        under this instance, e.g. by another instance's eviction or by gc). The sort runs
+        outside the lock: stores and probes are not held up by a large rescan."""
+        last_use = dict(self.last_use)
+        ordered = sorted((max(t, last_use.get(k, 0.0)), k, n) for t, k, n in found)
+        merged: OrderedDict[bytes, int] = OrderedDict()
+        used = 0
+        for _, k, n in ordered:
+            if k not in merged:
+                merged[k] = n
+                used += n
+        del ordered, last_use
         with self.lock:
             dropped = self.dropped_during_scan or set()
             changed = self.changed_during_scan or set()
             self.dropped_during_scan = self.changed_during_scan = None
-            last_use = self.last_use
-            ordered = sorted(
-                (max(t, last_use.get(k, 0.0)), k, n)
-                for t, k, n in found
-                # a key being stored is already counted in `reserved`; its store adds it
-                if k not in dropped and k not in changed and k not in self.writing
-            )
-            merged: OrderedDict[bytes, int] = OrderedDict()
-            used = 0
-            for _, k, n in ordered:
-                if k not in merged:
-                    merged[k] = n
-                    used += n
-            for k, n in self.entries.items():
-                if k in changed:  # not in `ordered`: most recent, after every scanned file
+            # removed, used or stored while the scan ran: what this instance knows wins; a key
+            # being stored is already counted in `reserved`, its store adds it
+            for k in (*dropped, *changed, *self.writing):
+                n = merged.pop(k, None)
+                if n is not None:
+                    used -= n
+            for k in sorted(changed, key=lambda k: self.last_use.get(k, 0.0)):  # most recent, after every scanned file
+                n = self.entries.get(k)
+                if n is not None:
                     merged[k] = n
                     used += n
             gone = [k for k in self.entries if k not in merged]
             for k in gone:
-                last_use.pop(k, None)
+                self.last_use.pop(k, None)
             self.entries = merged
             self.used = used
-            for k in merged:
-                self.absent.pop(k, None)
+            for k in [k for k in self.absent if k in merged]:
+                del self.absent[k]
                 self.unread.discard(k)
             return gone
 
