@@ -392,14 +392,21 @@ def summary(tally: Tally, mgr: Any, info: dict[str, Any], seconds: float) -> dic
 @click.option("--linger", default=0.0, show_default=True, type=click.FloatRange(0),
               help="Seconds the replay socket and /metrics stay up after the run (a last replay or scrape).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON object.")
+@click.option("--scenario", type=click.Choice(["chat", "pd"]), default="chat", show_default=True,
+              help="chat: conversations through the tiers; pd: a prefill and a decode process over p2p "
+                   "(--conversations prompts).")
 def demo(turns: int, conversations: int, directory: str | None, keep: bool, config_text: str | None, seed: int,
          device: str | None, model: str, events_endpoint: str | None, events_replay: str | None,
-         metrics_port: int | None, linger: float, as_json: bool) -> None:
+         metrics_port: int | None, linger: float, as_json: bool, scenario: str = "chat") -> None:
     """Serve simulated multi-turn conversations through the host arena and a persistent
     tier, verify every loaded byte, and print hits, bandwidth and prefill tokens saved.
 
     Exits 1 if any loaded chunk differs from what was stored.
     """
+    if scenario == "pd":  # prefill/decode disaggregation over the p2p tier (docs/p2p.md)
+        from .pd_demo import pd_command
+
+        return pd_command(prompts=conversations, seed=seed, device=device, as_json=as_json)
     from ..config import parse_json_option
     from ..metrics import serve_metrics
     from .observe import observe_config, require_metrics_server
