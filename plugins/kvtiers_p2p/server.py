@@ -360,8 +360,12 @@ class PeerServer:
         if ident not in self.sessions and len(self.sessions) >= self.limits.max_clients:
             return self._error(ident, rid, P.E_FULL, f"server has its maximum of {self.limits.max_clients} clients")
         self.ns_chunk.setdefault(ns, chunk)
-        self._drop(ident)
-        self.sessions[ident] = Session(ident, ns, chunk, max_bytes, time.monotonic())
+        sess = self.sessions.get(ident)
+        if sess is not None and sess.ns == ns:  # a repeated HELLO: keep its streams and queued replies
+            sess.max_bytes, sess.last_seen = max_bytes, time.monotonic()
+        else:
+            self._drop(ident)
+            self.sessions[ident] = Session(ident, ns, chunk, max_bytes, time.monotonic())
         info = {"version": P.VERSION, "instance": self.instance, "max_inflight": self.limits.max_inflight,
                 "max_batch": P.MAX_BATCH}
         self._reply(ident, P.pack(P.OK, rid, info))
