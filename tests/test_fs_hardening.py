@@ -327,3 +327,26 @@ def test_conformance_corrupt_makes_the_load_fail_never_wrong_bytes(env):
     env.check(keys, failed=r.failed_keys)
     with pytest.raises(FileNotFoundError):
         FsTier.conformance_corrupt({"root_dir": env.root}, NS, b"never stored")
+
+
+def test_a_fifo_as_config_json_is_an_error_at_open_not_a_hang(env):
+    nsdir = os.path.join(env.root, env.ctx.namespace.digest)
+    os.makedirs(nsdir)
+    os.mkfifo(os.path.join(nsdir, "config.json"))
+    outcome = []
+
+    def try_open():
+        try:
+            env.open()
+            outcome.append("opened")
+        except ValueError as e:
+            outcome.append(str(e))
+
+    th = threading.Thread(target=try_open, daemon=True)
+    th.start()
+    th.join(10)
+    if th.is_alive():  # let the old code's blocked open go before failing
+        os.close(os.open(os.path.join(nsdir, "config.json"), os.O_WRONLY | os.O_NONBLOCK))
+        th.join(10)
+        raise AssertionError("opening the tier blocked on a FIFO at config.json")
+    assert len(outcome) == 1 and "not a regular file" in outcome[0]

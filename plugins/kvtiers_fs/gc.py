@@ -74,8 +74,7 @@ def list_namespaces(root: str) -> list[str]:
 
 def _read_fields(nsdir: str) -> tuple[dict | None, str | None]:
     try:
-        with open(os.path.join(nsdir, layout.CONFIG_NAME), "rb") as f:
-            doc = json.loads(f.read())
+        doc = json.loads(layout.read_regular(os.path.join(nsdir, layout.CONFIG_NAME)))
     except FileNotFoundError:
         return None, "config.json missing"
     except (OSError, ValueError) as e:

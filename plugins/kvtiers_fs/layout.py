@@ -31,6 +31,7 @@ import fcntl
 import os
 import secrets
 import socket
+import stat
 import struct
 
 import xxhash
@@ -231,6 +232,24 @@ def file_bytes(data_len: int) -> int:
     return data_len + TRAILER_BYTES
 
 
+def read_regular(path: str, limit: int = 1 << 20) -> bytes:
+    """The bytes of a small regular file; never blocks on a FIFO or device put there
+    (``O_NONBLOCK``, then ``fstat``): anything else is ``ValueError``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{path}: not a regular file (mode {stat.filemode(mode)})")
+        chunks = []
+        while data := os.read(fd, 65536):
+            chunks.append(data)
+            if sum(map(len, chunks)) > limit:
+                raise ValueError(f"{path}: larger than {limit} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def ensure_namespace(root_dir: str, namespace, *, read_only: bool = False) -> str:
     """Create ``root_dir/<digest>/`` and its ``config.json`` (atomically, once), or check
     the stored one describes ``namespace``; return the namespace directory. With
@@ -243,8 +262,7 @@ def ensure_namespace(root_dir: str, namespace, *, read_only: bool = False) -> st
         os.makedirs(nsdir, exist_ok=True)
     cfg = os.path.join(nsdir, CONFIG_NAME)
     try:
-        with open(cfg, "rb") as f:
-            raw = f.read()
+        raw = read_regular(cfg)
     except FileNotFoundError:
         if read_only:
             return nsdir
@@ -266,7 +284,6 @@ def ensure_namespace(root_dir: str, namespace, *, read_only: bool = False) -> st
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
-        with open(cfg, "rb") as f:
-            raw = f.read()
+        raw = read_regular(cfg)
     namespace.check_document(raw, where=cfg)
     return nsdir
