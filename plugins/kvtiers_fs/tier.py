@@ -130,9 +130,10 @@ class FsTier:
             raise ValueError("root_dir must be a non-empty path")
         if read_only and max_bytes is not None:
             raise ValueError("read_only and max_bytes exclude each other: a read-only tier deletes nothing")
-        for name, v in (("rescan_seconds", rescan_seconds), ("close_timeout", close_timeout)):
-            if v is not None and v < 0:
-                raise ValueError(f"{name} must be >= 0 or null, got {v}")
+        if rescan_seconds is not None and rescan_seconds <= 0:
+            raise ValueError(f"rescan_seconds must be > 0 or null, got {rescan_seconds}")
+        if close_timeout is not None and close_timeout < 0:
+            raise ValueError(f"close_timeout must be >= 0 or null, got {close_timeout}")
         self.ctx = ctx
         self.arena = ctx.arena
         self.slot_bytes = ctx.arena.slot_bytes
@@ -224,6 +225,8 @@ class FsTier:
             self._writes.start()
             self._prober.start()
             self._scan_once(clean=self._no_write is None)
+        except ValueError:  # closed before this thread got going: the pools are shut down
+            return
         finally:
             self.scanned.set()
         every = self.rescan_seconds
