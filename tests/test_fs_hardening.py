@@ -350,3 +350,21 @@ def test_a_fifo_as_config_json_is_an_error_at_open_not_a_hang(env):
         th.join(10)
         raise AssertionError("opening the tier blocked on a FIFO at config.json")
     assert len(outcome) == 1 and "not a regular file" in outcome[0]
+
+
+def test_a_writer_waits_out_a_cleaner_that_checks_its_lock(tmp_path):
+    """A cleaner's lock probe holds a new temporary file's lock for a moment: the writer's
+    lock attempt waits for it instead of failing the store."""
+    import fcntl
+
+    path = str(tmp_path / f"{b'k'.hex()}.1@{layout._HOST}.00000000.tmp")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    cleaner = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    fcntl.flock(cleaner, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the cleaner got there first
+    threading.Timer(0.05, os.close, (cleaner,)).start()
+    try:
+        assert layout.lock_temp(fd) is True
+        assert layout.temp_locked(path) is True  # now the writer holds it: alive
+    finally:
+        os.close(fd)
+    assert layout.temp_locked(path) is False

@@ -33,6 +33,7 @@ import secrets
 import socket
 import stat
 import struct
+import time
 
 import xxhash
 
@@ -110,16 +111,25 @@ def temp_owner(name: str) -> tuple[int, str] | None:
         return None
 
 
-def lock_temp(fd: int) -> bool:
+def lock_temp(fd: int, tries: int = 200) -> bool:
     """Take the writer's exclusive lock on a new temporary file (held until ``fd`` is
-    closed). False where the file system does not support locks."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno in _LOCK_UNSUPPORTED:
-            return False
-        raise
-    return True
+    closed). False where the file system does not support locks. A cleaner may hold the
+    lock for a moment while it checks the file (:func:`temp_locked`): try again for a
+    while (about 0.2 s) before giving up with ``EAGAIN``."""
+    for i in range(tries):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if i == tries - 1:
+                raise
+            time.sleep(0.001)
+        except OSError as e:
+            if e.errno in _LOCK_UNSUPPORTED:
+                return False
+            raise
+        else:
+            return True
+    return False
 
 
 def temp_locked(path: str) -> bool | None:
