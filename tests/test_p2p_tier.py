@@ -228,3 +228,25 @@ def test_bench_p2p_json(capsys):
     for r in report["results"]:
         assert r["gbps"] > 0 and r["baseline_gbps"] > 0 and r["ratio"] == pytest.approx(r["gbps"] / r["baseline_gbps"],
                                                                                           rel=0.01)
+
+
+def test_store_never_reuses_a_buffer_a_send_still_holds():
+    store = MemoryStore(2 * 4096)
+    buf, evicted = store.reserve("ns", 4096, None)
+    buf[:] = b"a" * 4096
+    store.commit("ns", b"a", buf, P.checksum(buf))
+    item = store.get("ns", b"a")
+    item[3] = True
+    in_flight = item[0]  # what pyzmq holds while a zero-copy send of it is queued
+    del buf, item
+    for k in (b"b", b"c"):  # evicts "a"
+        b2, ev = store.reserve("ns", 4096, None)
+        store.commit("ns", k, b2, 0)
+    assert not store.has("ns", b"a")
+    fresh = [store.reserve("ns", 4096, None)[0] for _ in range(3)]
+    assert all(f is not in_flight for f in fresh) and bytes(in_flight) == b"a" * 4096
+    for f in fresh:
+        store.release("ns", f)
+    del in_flight, f, fresh  # the send is done: the buffer may come back now
+    again = [store.reserve("ns", 4096, None)[0] for _ in range(2)]
+    assert len({id(x) for x in again}) == 2

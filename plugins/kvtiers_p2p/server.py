@@ -27,6 +27,8 @@ from .store import MemoryStore
 
 log = logging.getLogger("kvtiers.p2p")
 
+BURST = 8  #: chunks one GET stream may send before the next stream's turn
+
 
 @dataclass(frozen=True)
 class ServerLimits:
@@ -262,9 +264,11 @@ class PeerServer:
             raise
 
     def _send_chunk(self, ident: bytes, head: bytes, item: list[Any]) -> bool:
-        """Send a stored chunk zero-copy; its buffer is not reused until ZMQ is done with it."""
+        """Send a stored chunk zero-copy; its buffer is not reused until ZMQ is done with
+        it (see :mod:`kvtiers_p2p.store`)."""
         try:
-            tracker = self.sock.send_multipart([ident, head, item[0]], zmq.NOBLOCK, copy=False, track=True)
+            item[3] = True
+            self.sock.send_multipart([ident, head, item[0]], zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
         except zmq.ZMQError as e:
@@ -272,8 +276,6 @@ class PeerServer:
                 self._gone.add(ident)
                 return True
             raise
-        if tracker is not None and not tracker.done:
-            item[3].append(tracker)
         self.stats["chunks_sent"] += 1
         return True
 
@@ -420,10 +422,14 @@ class PeerServer:
                 st.session.streams -= 1
                 progressed = True
                 continue
-            ok = self._chunk(st)
-            if ok:
+            for _ in range(BURST):  # a few chunks per stream per round: less loop per chunk
+                ok = self._chunk(st)
+                if not ok:
+                    break
                 st.pos += 1
                 progressed = True
+                if st.pos >= len(st.keys):
+                    break
             if self.streams and self.streams[0] is st:
                 self.streams.rotate(-1)
         return progressed

@@ -3,17 +3,22 @@ chunks kept per namespace, each namespace optionally capped by its clients' ``ma
 
 Chunks live in buffers of a per-size pool, carved from pre-faulted anonymous mappings and
 reused after eviction, so a PUT is received straight into memory that is already mapped (a
-fresh allocation per chunk costs page faults that halve the push rate). A buffer still being
-sent (zero-copy) when its chunk is evicted is reused only once ZMQ is done with it.
+fresh allocation per chunk costs page faults that halve the push rate). GETs send a buffer
+zero-copy: pyzmq holds a reference to the buffer's memoryview until libzmq has sent it, so a
+buffer whose chunk was evicted meanwhile is reused only once that reference is gone (its
+reference count is back to ours). That costs nothing per send, where a MessageTracker per
+message costs about 30 us.
 """
 
 from __future__ import annotations
 
 import mmap
+import sys
 from collections import OrderedDict, deque
 from typing import Any
 
 SLAB_BYTES = 64 << 20  #: buffers are mapped this many bytes at a time
+IDLE_REFS = 2  #: sys.getrefcount of a pooled buffer nobody else holds (a local name + the argument)
 
 
 class _Pool:
@@ -22,17 +27,16 @@ class _Pool:
     def __init__(self, size: int) -> None:
         self.size = size
         self.free: list[memoryview] = []
-        self.busy: deque[tuple[memoryview, list[Any]]] = deque()  # evicted while being sent
+        self.busy: deque[memoryview] = deque()  # evicted, maybe still being sent
         self.maps: list[mmap.mmap] = []
 
     def take(self, budget: int) -> memoryview:
         if not self.free and self.busy:
             keep: deque = deque()
-            for buf, trackers in self.busy:
-                if all(t.done for t in trackers):
-                    self.free.append(buf)
-                else:
-                    keep.append((buf, trackers))
+            while self.busy:
+                buf = self.busy.popleft()
+                # references: `buf` here and getrefcount's argument; more means ZMQ still sends it
+                (self.free if sys.getrefcount(buf) <= IDLE_REFS else keep).append(buf)
             self.busy = keep
         if not self.free:
             n = max(1, min(SLAB_BYTES, budget) // self.size)
@@ -43,16 +47,14 @@ class _Pool:
             self.free.extend(mv[i * self.size : (i + 1) * self.size] for i in range(n))
         return self.free.pop()
 
-    def give(self, buf: memoryview, trackers: list[Any]) -> None:
-        if all(t.done for t in trackers):
-            self.free.append(buf)
-        else:
-            self.busy.append((buf, trackers))
+    def give(self, buf: memoryview, sent: bool) -> None:
+        """Take back ``buf``; ``sent``: it may still be referenced by a zero-copy send."""
+        (self.busy if sent else self.free).append(buf)
 
 
 class MemoryStore:
-    """Chunks by ``(namespace digest, key)``: a pooled buffer, its xxh3 and the trackers of
-    zero-copy sends still using it.
+    """Chunks by ``(namespace digest, key)``: a pooled buffer, its xxh3, its size and
+    whether it was ever sent (zero-copy).
 
     A PUT takes a buffer with :meth:`reserve` (evicting to fit ``capacity`` and the
     namespace's ``quota``), receives into it, then :meth:`commit`s it or gives it back with
@@ -64,7 +66,7 @@ class MemoryStore:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
         self.bytes = 0  # committed and reserved
-        self._lru: OrderedDict[tuple[str, bytes], list[Any]] = OrderedDict()  # [buf, digest, size, trackers]
+        self._lru: OrderedDict[tuple[str, bytes], list[Any]] = OrderedDict()  # [buf, digest, size, sent]
         self._ns_bytes: dict[str, int] = {}
         self._pools: dict[int, _Pool] = {}
         self.evictions = 0
@@ -76,16 +78,13 @@ class MemoryStore:
         return (ns, key) in self._lru
 
     def get(self, ns: str, key: bytes) -> list[Any] | None:
-        """``[buffer, xxh3, size, trackers]`` of a chunk, marked recently used; ``None``
-        when absent. Append the tracker of a zero-copy send to ``trackers``."""
+        """``[buffer, xxh3, size, sent]`` of a chunk, marked recently used; ``None`` when
+        absent. Set ``sent`` when the buffer is handed to a zero-copy send."""
         k = (ns, key)
         item = self._lru.get(k)
         if item is None:
             return None
         self._lru.move_to_end(k)
-        trackers = item[3]
-        if len(trackers) > 8:
-            item[3] = [t for t in trackers if not t.done]
         return item
 
     def reserve(self, ns: str, size: int, quota: int | None) -> tuple[memoryview, list[bytes]] | None:
@@ -115,7 +114,7 @@ class MemoryStore:
         size = len(buf)
         self.bytes -= size
         self._ns_bytes[ns] -= size
-        self._pools[size].give(buf, [])
+        self._pools[size].give(buf, False)
 
     def commit(self, ns: str, key: bytes, buf: memoryview, digest: int) -> None:
         """Keep the reserved ``buf`` under ``(ns, key)``; a key already stored keeps its
@@ -125,7 +124,7 @@ class MemoryStore:
             self._lru.move_to_end(k)
             self.release(ns, buf)
             return
-        self._lru[k] = [buf, digest, len(buf), []]
+        self._lru[k] = [buf, digest, len(buf), False]
 
     def _evict(self, ns: str | None) -> tuple[str, bytes]:
         if ns is None:
@@ -133,9 +132,10 @@ class MemoryStore:
         else:
             k = next(x for x in self._lru if x[0] == ns)
             item = self._lru.pop(k)
-        buf, _, size, trackers = item
+        buf, _, size, sent = item
+        del item[:]  # no reference to buf left but the pool's
         self.bytes -= size
         self._ns_bytes[k[0]] -= size
-        self._pools[size].give(buf, trackers)
+        self._pools[size].give(buf, sent)
         self.evictions += 1
         return k
