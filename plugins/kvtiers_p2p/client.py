@@ -67,6 +67,7 @@ class Request:
     probe: Any = None
     sent: bool = False
     answered: set[int] = field(default_factory=set)
+    stage: list[int] | None = None  # getn: staging index per item, -1 once given back
 
 
 @dataclass
@@ -106,7 +107,7 @@ class PeerClient:
 
     def __init__(self, arena: Arena, *, namespace: str, chunk_bytes: int, max_bytes: int | None,
                  lookup_timeout: float, curve: tuple[bytes, bytes, bytes] | None,
-                 callbacks: dict[str, Callable[..., None]]) -> None:  # fmt: skip
+                 callbacks: dict[str, Callable[..., None]], nixl: bool = False) -> None:  # fmt: skip
         self.arena = arena
         self.namespace = namespace
         self.chunk_bytes = chunk_bytes
@@ -114,6 +115,11 @@ class PeerClient:
         self.lookup_timeout = lookup_timeout
         self.curve = curve
         self.cb = callbacks
+        self.nx = None
+        if nixl:  # made here so a failure is an error at open; used on the I/O thread only
+            from .nixl_path import NixlClient
+
+            self.nx = NixlClient(chunk_bytes)
         self.peers: dict[str, Peer] = {}
         self._rids = itertools.count(1)
         self._commands: deque[Callable[[], None]] = deque()
@@ -190,6 +196,8 @@ class PeerClient:
                 except Exception:
                     log.exception("p2p client: late command failed")
             self.ctx.term()
+            if self.nx is not None:
+                self.nx.close()
 
     def _poll_timeout(self) -> int:
         if self._commands:
@@ -275,8 +283,10 @@ class PeerClient:
 
     def _hello(self, peer: Peer) -> None:
         rid = next(self._rids)
-        req = Request("hello", rid, time.monotonic() + 5.0,
-                      [P.pack(P.HELLO, rid, P.VERSION, self.namespace, self.chunk_bytes, self.max_bytes)])
+        hello = [P.HELLO, rid, P.VERSION, self.namespace, self.chunk_bytes, self.max_bytes]
+        if self.nx is not None:
+            hello.append({"nixl": self.nx.hello()})
+        req = Request("hello", rid, time.monotonic() + 5.0, [P.pack(*hello)])
         try:
             peer.sock.send_multipart(req.frames, zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -296,13 +306,15 @@ class PeerClient:
                 self._finish(it, False, "not found on any peer")
                 continue
             groups.setdefault(it.candidates[0], []).append(it)
+        batch = GET_BATCH if self.nx is None else max(1, min(GET_BATCH, self.nx.n // 4))
+        kind = "get" if self.nx is None else "getn"
         for url, group in groups.items():
             peer = self.peers[url]
-            for i in range(0, len(group), GET_BATCH):
-                part = group[i : i + GET_BATCH]
+            for i in range(0, len(group), batch):
+                part = group[i : i + batch]
                 rid = next(self._rids)
-                frames = [P.pack(P.GET, rid, [it.key for it in part])]
-                peer.queue.append(Request("get", rid, part[0].job.deadline, frames, items=part))
+                frames = [P.pack(P.GET, rid, [it.key for it in part])] if kind == "get" else []
+                peer.queue.append(Request(kind, rid, part[0].job.deadline, frames, items=part))
 
     def store(self, items: list[Item], url: str | None) -> None:
         if url is None or url not in self.peers:
@@ -341,12 +353,18 @@ class PeerClient:
             return
         while peer.queue and len(peer.inflight) < WINDOW:
             req = peer.queue[0]
-            if req.kind == "get":
+            if req.kind in ("get", "getn"):
                 if all(it.done for it in req.items):
                     peer.queue.popleft()
                     continue
                 if peer.gets >= peer.max_inflight:
                     return
+                if req.kind == "getn" and req.stage is None:
+                    stage = self.nx.take(len(req.items))
+                    if stage is None:
+                        return  # staging is busy: wait for chunks to land
+                    req.stage = stage
+                    req.frames = [P.pack(P.GETN, req.rid, [it.key for it in req.items], stage)]
             try:
                 peer.sock.send_multipart(req.frames, zmq.NOBLOCK, copy=True)
             except zmq.Again:
@@ -355,7 +373,7 @@ class PeerClient:
             req.sent = True
             req.frames = req.frames[:1]  # the chunk was copied into ZMQ: the slot is ours no more
             peer.inflight[req.rid] = req
-            if req.kind == "get":
+            if req.kind in ("get", "getn"):
                 peer.gets += 1
 
     # -- receiving -----------------------------------------------------------------------
@@ -388,10 +406,13 @@ class PeerClient:
         if op == P.CHUNK:
             P.expect_len(hdr, 4, "CHUNK")
             idx, digest = hdr[2], P.check_hash(hdr[3])
-            if req.kind != "get" or type(idx) is not int or not 0 <= idx < len(req.items) or idx in req.answered:
+            if req.kind not in ("get", "getn") or type(idx) is not int or not 0 <= idx < len(req.items) \
+                    or idx in req.answered:
                 raise P.ProtocolError("CHUNK for no asked key")
             req.answered.add(idx)
             it = req.items[idx]
+            if req.kind == "getn":
+                return self._landed(peer, req, idx, digest)
             if it.done or not peer.sock.getsockopt(zmq.RCVMORE):
                 return
             out = self.arena[it.slot]
@@ -405,14 +426,16 @@ class PeerClient:
         elif op == P.MISSING:
             P.expect_len(hdr, 3, "MISSING")
             idx = hdr[2]
-            if req.kind != "get" or type(idx) is not int or not 0 <= idx < len(req.items):
+            if req.kind not in ("get", "getn") or type(idx) is not int or not 0 <= idx < len(req.items):
                 raise P.ProtocolError("MISSING for no asked key")
             req.answered.add(idx)
+            self._unstage(req, [idx])
             it = req.items[idx]
             self.cb["on_missing"](it.key, peer.url)
             self._retry(it, "not found on any peer")
         elif op == P.DONE:
             self._end(peer, req)
+            self._unstage(req, range(len(req.items)))  # the server wrote nothing more
             for i, it in enumerate(req.items):
                 if i not in req.answered:
                     self._retry(it, f"peer {peer.url} ended the GET without key")
@@ -428,10 +451,41 @@ class PeerClient:
         else:
             raise P.ProtocolError(f"unknown reply op {op}")
 
+    def _landed(self, peer: Peer, req: Request, idx: int, digest: int) -> None:
+        """A GETN chunk was written into staging: check it there, copy it into its slot."""
+        it = req.items[idx]
+        data = self.nx.view(req.stage[idx])[: self.chunk_bytes]
+        if not it.done:
+            if P.checksum(data) != digest:
+                self._unstage(req, [idx])
+                return self._retry(it, f"xxh3 mismatch on a chunk from {peer.url} (nixl)")
+            out = self.arena[it.slot]
+            out[:] = data
+            self._finish(it, True, None, len(out))
+        self._unstage(req, [idx])
+
+    def _unstage(self, req: Request, idxs: Any) -> None:
+        """Give staging buffers of ``req`` back (the server will not write them again)."""
+        if req.stage is None:
+            return
+        back = [req.stage[i] for i in idxs if req.stage[i] >= 0]
+        for i in idxs:
+            req.stage[i] = -1
+        self.nx.give(back)
+
+    def _quarantine(self, req: Request) -> None:
+        """A GETN given up on: NIXL may still write its staging buffers; never reuse them."""
+        if req.stage is not None:
+            n = sum(1 for s in req.stage if s >= 0)
+            req.stage = [-1] * len(req.stage)
+            self.nx.quarantined += n
+
     def _ok(self, peer: Peer, req: Request, body: Any) -> None:
         if req.kind == "hello":
             if not isinstance(body, dict):
                 raise P.ProtocolError("HELLO answer is not a map")
+            if self.nx is not None and body.get("nixl") is not True:
+                raise P.ProtocolError("the server did not accept NIXL")
             inst = body.get("instance")
             if peer.instance is not None and inst != peer.instance:
                 self.cb["on_restart"](peer.url)
@@ -466,14 +520,16 @@ class PeerClient:
             peer.ready = False
             if peer.hello_rid is None:
                 self._hello(peer)
-            if req.kind == "get":
-                req.sent, req.answered = False, set()
+            if req.kind in ("get", "getn"):
+                self._unstage(req, range(len(req.items)))  # refused: nothing was written
+                req.sent, req.answered, req.stage = False, set(), None
                 peer.queue.appendleft(req)
                 return
         why = f"peer {peer.url}: {msg}"
         if req.kind == "lookup":
             self._probe_done(req.probe)
-        elif req.kind == "get":
+        elif req.kind in ("get", "getn"):
+            self._unstage(req, range(len(req.items)))
             for it in req.items:
                 self._retry(it, why)
         else:
@@ -481,7 +537,7 @@ class PeerClient:
                 self._finish(it, False, why)
 
     def _end(self, peer: Peer, req: Request) -> None:
-        if peer.inflight.pop(req.rid, None) is not None and req.kind == "get":
+        if peer.inflight.pop(req.rid, None) is not None and req.kind in ("get", "getn"):
             peer.gets -= 1
         if req.rid == peer.hello_rid:
             peer.hello_rid = None
@@ -490,7 +546,11 @@ class PeerClient:
     def _fail_request(self, peer: Peer, req: Request, why: str) -> None:
         if req.kind == "lookup":
             self._probe_done(req.probe)
-        elif req.kind == "get":
+        elif req.kind in ("get", "getn"):
+            if req.sent:
+                self._quarantine(req)
+            else:
+                self._unstage(req, range(len(req.items)))
             for it in req.items:
                 self._retry(it, why)
         elif req.kind == "put":
@@ -513,7 +573,7 @@ class PeerClient:
             late = [r for r in peer.inflight.values() if r.deadline <= now]
             for req in late:
                 self._end(peer, req)
-                if req.kind == "get" and peer.sock is not None:
+                if req.kind in ("get", "getn") and peer.sock is not None:
                     try:
                         peer.sock.send(P.pack(P.CANCEL, next(self._rids), req.rid), zmq.NOBLOCK)
                     except zmq.ZMQError:

@@ -4,11 +4,14 @@ before use.
 Every message is a header frame, a msgpack array ``[op, request_id, ...]``, followed by
 one data frame for the ops that carry a chunk. Client to server::
 
-    [HELLO,  rid, version, namespace_digest, chunk_bytes, max_bytes|None]
+    [HELLO,  rid, version, namespace_digest, chunk_bytes, max_bytes|None(, {"nixl": {...}})]
     [LOOKUP, rid, [key, ...]]                       -> [OK, rid, bytes with one 0/1 per key]
     [GET,    rid, [key, ...]]                       -> per key [CHUNK, rid, i, xxh3] + data
                                                        or [MISSING, rid, i]; then [DONE, rid]
     [PUT,    rid, key, xxh3] + data                 -> [OK, rid, [evicted key, ...]]
+    [GETN,   rid, [key, ...], [staging index, ...]] -> as GET, but each chunk is written with
+                                                       NIXL into the client's staging buffer
+                                                       first; CHUNK then has no data frame
     [CANCEL, rid, target_rid]                       (no answer: the target stops streaming)
     [BYE,    rid]                                   (no answer: the session ends)
 
@@ -35,9 +38,10 @@ from kvtiers.types import MAX_KEY_LEN
 
 VERSION = 1
 
-HELLO, LOOKUP, GET, PUT, CANCEL, BYE = 1, 2, 3, 4, 5, 6
+HELLO, LOOKUP, GET, PUT, CANCEL, BYE, GETN = 1, 2, 3, 4, 5, 6, 7
 OK, CHUNK, MISSING, DONE, ERR = 16, 17, 18, 19, 20
-REQUEST_OPS = {HELLO: "HELLO", LOOKUP: "LOOKUP", GET: "GET", PUT: "PUT", CANCEL: "CANCEL", BYE: "BYE"}
+REQUEST_OPS = {HELLO: "HELLO", LOOKUP: "LOOKUP", GET: "GET", PUT: "PUT", CANCEL: "CANCEL", BYE: "BYE",
+               GETN: "GETN"}
 
 MAX_HEADER = 256 * 1024  #: a request header longer than this is malformed
 MAX_REPLY_HEADER = 64 << 20  #: replies may list many evicted keys
@@ -54,6 +58,7 @@ E_FULL = "full"
 E_TOO_BIG = "too-big"
 E_CORRUPT = "corrupt"
 E_CAPACITY = "capacity"
+E_NONIXL = "no-nixl"
 
 
 class ProtocolError(ValueError):

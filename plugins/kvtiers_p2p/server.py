@@ -28,6 +28,7 @@ from .store import MemoryStore
 log = logging.getLogger("kvtiers.p2p")
 
 BURST = 8  #: chunks one GET stream may send before the next stream's turn
+NIXL_AHEAD = 16  #: NIXL writes a GETN stream keeps posted ahead of what it announced
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Session:
     max_bytes: int | None
     last_seen: float
     streams: int = 0
+    nixl: tuple[str, int, int, int] | None = None  # remote agent, staging base, count, stride
 
 
 @dataclass
@@ -61,6 +63,8 @@ class Stream:
     keys: list[bytes]
     pos: int = 0
     sent: list[Any] = field(default_factory=list)
+    stage: list[int] | None = None  # GETN: the client's staging index per key
+    posted: dict[int, Any] = field(default_factory=dict)  # GETN: position -> write in flight
 
 
 class AuthConfigError(ValueError):
@@ -87,8 +91,8 @@ class PeerServer:
     """
 
     def __init__(self, bind: str, store: Any, *, limits: ServerLimits = ServerLimits(),
-                 namespace: str | None = None, chunk_bytes: int | None = None,
-                 curve_secret: str | None = None, allow_dir: str | None = None) -> None:  # fmt: skip
+                 namespace: str | None = None, chunk_bytes: int | None = None, curve_secret: str | None = None,
+                 allow_dir: str | None = None, nixl: bool = False) -> None:  # fmt: skip
         ep = P.parse_endpoint(bind)
         if (curve_secret is None) != (allow_dir is None):
             raise AuthConfigError("CurveZMQ needs both --curve-secret and --allow")
@@ -107,6 +111,13 @@ class PeerServer:
         self.outbox: deque[tuple[bytes, tuple[Any, ...]]] = deque()  # replies that met a full pipe
         self.stats = {"malformed": 0, "refused": 0, "chunks_sent": 0, "chunks_stored": 0}
         self._stop = False
+        self.nixl = None
+        self.orphans: list[Any] = []  # GETN writes of streams that ended: kept until NIXL is done
+        if nixl:
+            from .nixl_path import NixlServer
+
+            self.nixl = NixlServer()
+            store.on_slab = self.nixl.register
         self.ctx = zmq.Context()
         self._auth = None
         try:
@@ -242,10 +253,16 @@ class PeerServer:
 
     def _ended(self, st: Stream) -> None:
         """A stream was cancelled or its client dropped before it was sent out."""
+        for posted in st.posted.values():
+            if posted is not None and posted[0] == "write":
+                self.orphans.append(posted)  # NIXL cannot abort it: keep its buffer until done
+        st.posted.clear()
 
     def _chunk(self, st: Stream) -> bool | None:
         """Send the chunk of ``st.keys[st.pos]`` (or MISSING); False: the pipe is full,
         None: not ready yet (try again later)."""
+        if st.stage is not None:
+            return self._chunk_nixl(st)
         got = self.store.get(st.session.ns, st.keys[st.pos])
         if got is None:
             return self._send(st.session.ident, P.pack(P.MISSING, st.rid, st.pos))
@@ -262,6 +279,35 @@ class PeerServer:
                 self._gone.add(ident)  # dropped by the caller, once it is done iterating
                 return True
             raise
+
+    def _chunk_nixl(self, st: Stream) -> bool | None:
+        """GETN: post NIXL writes a few keys ahead, then announce each one once it is done."""
+        peer, base, _, stride = st.session.nixl
+        for p in range(st.pos, min(len(st.keys), st.pos + NIXL_AHEAD)):
+            if p in st.posted:
+                continue
+            item = self.store.get(st.session.ns, st.keys[p])
+            handle = None
+            if item is not None:
+                handle = self.nixl.write(item[0], peer, base + st.stage[p] * stride)
+            # the buffer is referenced here until NIXL is done, so the pool does not reuse it
+            st.posted[p] = ("write", handle, item[0], item[1]) if handle is not None else ("missing",)
+        cur = st.posted[st.pos]
+        if cur[0] == "write":
+            state = self.nixl.state(cur[1])
+            if state == "PROC":
+                return None
+            cur = st.posted[st.pos] = ("done", cur[3]) if state == "DONE" else ("missing",)
+        if cur[0] == "done":
+            head = P.pack(P.CHUNK, st.rid, st.pos, cur[1])
+        else:
+            head = P.pack(P.MISSING, st.rid, st.pos)
+        ok = self._send(st.session.ident, head)
+        if ok:
+            del st.posted[st.pos]
+            if cur[0] == "done":
+                self.stats["chunks_sent"] += 1
+        return ok
 
     def _send_chunk(self, ident: bytes, head: bytes, item: list[Any]) -> bool:
         """Send a stored chunk zero-copy; its buffer is not reused until ZMQ is done with
@@ -317,13 +363,22 @@ class PeerServer:
         if op == P.LOOKUP:
             P.expect_len(hdr, 3, "LOOKUP")
             self._lookup(sess, rid, P.check_keys(hdr[2]))
-        elif op == P.GET:
-            P.expect_len(hdr, 3, "GET")
+        elif op == P.GET or op == P.GETN:
+            P.expect_len(hdr, 3 if op == P.GET else 4, P.REQUEST_OPS[op])
             keys = P.check_keys(hdr[2])
+            stage = None
+            if op == P.GETN:
+                if sess.nixl is None:
+                    return self._error(ident, rid, P.E_NONIXL, "GETN without NIXL in the handshake")
+                stage = hdr[3]
+                n = sess.nixl[2]
+                if type(stage) is not list or len(stage) != len(keys) or not all(
+                        type(i) is int and 0 <= i < n for i in stage):
+                    raise P.ProtocolError(f"GETN staging indexes must be {len(keys)} ints in [0, {n})")
             if sess.streams >= self.limits.max_inflight:
                 return self._error(ident, rid, P.E_BUSY, f"more than {self.limits.max_inflight} GETs in flight")
             sess.streams += 1
-            self._get(Stream(sess, rid, keys))
+            self._get(Stream(sess, rid, keys, stage=stage))
         elif op == P.PUT:
             P.expect_len(hdr, 4, "PUT")
             self._put(sess, rid, P.check_key(hdr[2]), P.check_hash(hdr[3]))
@@ -339,8 +394,12 @@ class PeerServer:
             self._drop(ident)
 
     def _hello(self, ident: bytes, rid: int, hdr: list) -> None:
-        P.expect_len(hdr, 6, "HELLO")
-        _, _, version, ns, chunk, max_bytes = hdr
+        if len(hdr) not in (6, 7):
+            raise P.ProtocolError(f"HELLO header has {len(hdr)} items, expected 6 or 7")
+        _, _, version, ns, chunk, max_bytes = hdr[:6]
+        extra = hdr[6] if len(hdr) == 7 else {}
+        if not isinstance(extra, dict):
+            raise P.ProtocolError("HELLO: the 7th item must be a map")
         if type(version) is not int or type(ns) is not str or not 0 < len(ns) <= 64:
             raise P.ProtocolError("HELLO: bad version or namespace")
         if type(chunk) is not int or chunk <= 0 or (max_bytes is not None and (type(max_bytes) is not int
@@ -361,15 +420,30 @@ class PeerServer:
                                f"chunk of {chunk} bytes exceeds the server's {self.limits.max_chunk_bytes}")
         if ident not in self.sessions and len(self.sessions) >= self.limits.max_clients:
             return self._error(ident, rid, P.E_FULL, f"server has its maximum of {self.limits.max_clients} clients")
+        nixl = None
+        if "nixl" in extra:
+            x = extra["nixl"]
+            if not isinstance(x, dict) or type(x.get("md")) is not bytes or not all(
+                    type(x.get(k)) is int and x.get(k) > 0 for k in ("base", "n", "stride")):
+                raise P.ProtocolError("HELLO: malformed nixl descriptor")
+            if x["stride"] < chunk:
+                raise P.ProtocolError("HELLO: nixl staging stride smaller than a chunk")
+            if self.nixl is None:
+                return self._error(ident, rid, P.E_NONIXL,
+                                   "this server does not serve NIXL: start it with `kvtiers p2p serve --nixl`")
+            try:
+                nixl = (self.nixl.add_peer(x["md"]), x["base"], x["n"], x["stride"])
+            except Exception as e:
+                return self._error(ident, rid, P.E_NONIXL, f"NIXL refused the client's agent: {e}")
         self.ns_chunk.setdefault(ns, chunk)
         sess = self.sessions.get(ident)
         if sess is not None and sess.ns == ns:  # a repeated HELLO: keep its streams and queued replies
-            sess.max_bytes, sess.last_seen = max_bytes, time.monotonic()
+            sess.max_bytes, sess.last_seen, sess.nixl = max_bytes, time.monotonic(), nixl
         else:
             self._drop(ident)
-            self.sessions[ident] = Session(ident, ns, chunk, max_bytes, time.monotonic())
+            self.sessions[ident] = Session(ident, ns, chunk, max_bytes, time.monotonic(), nixl=nixl)
         info = {"version": P.VERSION, "instance": self.instance, "max_inflight": self.limits.max_inflight,
-                "max_batch": P.MAX_BATCH}
+                "max_batch": P.MAX_BATCH, "nixl": nixl is not None}
         self._reply(ident, P.pack(P.OK, rid, info))
 
     def quota(self, ns: str) -> int | None:
@@ -435,6 +509,8 @@ class PeerServer:
         return progressed
 
     def _expire(self, now: float) -> None:
+        if self.orphans:
+            self.orphans = [o for o in self.orphans if self.nixl.state(o[1]) == "PROC"]
         idle = [i for i, s in self.sessions.items() if now - s.last_seen > self.limits.idle_timeout and not s.streams]
         for ident in idle:
             self._drop(ident)
@@ -467,12 +543,12 @@ def parse_size(text: str | int) -> int:
 def run(bind: str, capacity: int, *, limits: ServerLimits = ServerLimits(), namespace: str | None = None,
         chunk_bytes: int | None = None, curve_secret: str | None = None, allow_dir: str | None = None,
         endpoint_file: str | None = None, exit_when_missing: str | None = None, parent_pid: int | None = None,
-        announce: Any = None) -> dict:  # fmt: skip
+        announce: Any = None, nixl: bool = False) -> dict:  # fmt: skip
     """Run a standalone peer cache until SIGTERM/SIGINT (or until ``exit_when_missing`` is
     gone or ``parent_pid`` died). ``endpoint_file`` receives the bound address (useful with
     port 0), written atomically. Returns the server's counters (``stats``)."""
     server = PeerServer(bind, MemoryStore(capacity), limits=limits, namespace=namespace, chunk_bytes=chunk_bytes,
-                        curve_secret=curve_secret, allow_dir=allow_dir)
+                        curve_secret=curve_secret, allow_dir=allow_dir, nixl=nixl)
     try:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.stop())

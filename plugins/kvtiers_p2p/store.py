@@ -24,8 +24,9 @@ IDLE_REFS = 2  #: sys.getrefcount of a pooled buffer nobody else holds (a local 
 class _Pool:
     """Free buffers of one size."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, on_slab: Any = None) -> None:
         self.size = size
+        self.on_slab = on_slab
         self.free: list[memoryview] = []
         self.busy: deque[memoryview] = deque()  # evicted, maybe still being sent
         self.maps: list[mmap.mmap] = []
@@ -44,6 +45,8 @@ class _Pool:
             m = mmap.mmap(-1, n * self.size, flags=flags)
             self.maps.append(m)
             mv = memoryview(m)
+            if self.on_slab is not None:
+                self.on_slab(mv)
             self.free.extend(mv[i * self.size : (i + 1) * self.size] for i in range(n))
         return self.free.pop()
 
@@ -70,6 +73,7 @@ class MemoryStore:
         self._ns_bytes: dict[str, int] = {}
         self._pools: dict[int, _Pool] = {}
         self.evictions = 0
+        self.on_slab: Any = None  #: called with each newly mapped slab (NIXL registers it)
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -104,7 +108,7 @@ class MemoryStore:
             evicted.append(self._evict(ns)[1])
         pool = self._pools.get(size)
         if pool is None:
-            pool = self._pools[size] = _Pool(size)
+            pool = self._pools[size] = _Pool(size, self.on_slab)
         self.bytes += size
         self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + size
         return pool.take(max(size, self.capacity - self.bytes + size)), evicted

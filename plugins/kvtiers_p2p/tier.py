@@ -85,8 +85,14 @@ class P2PTier:
             raise TierError(f"tier 'p2p' needs pyzmq and msgpack: pip install 'kvtiers[p2p]' ({e})") from None
         if P.msgpack is None:
             raise TierError("tier 'p2p' needs msgpack: pip install 'kvtiers[p2p]'")
-        if backend != "zmq":
-            raise ConfigError(f"tier 'p2p': backend {backend!r} is not available (this build has 'zmq')")
+        if backend not in ("zmq", "nixl"):
+            raise ConfigError(f"tier 'p2p': backend must be 'zmq' or 'nixl', got {backend!r}")
+        if backend == "nixl":
+            from .nixl_path import available
+
+            why = available()
+            if why is not None:
+                raise TierError(f"tier 'p2p': backend 'nixl': {why}")
         if timeout <= 0 or lookup_timeout <= 0:
             raise ConfigError("tier 'p2p': timeout and lookup_timeout must be positive")
         if max_bytes is not None and max_bytes < 0:
@@ -116,6 +122,7 @@ class P2PTier:
             callbacks={"on_result": self._on_result, "on_found": self._on_found, "on_stored": self._on_stored,
                        "on_evicted": self._on_evicted, "on_missing": self._on_missing,
                        "on_restart": self._on_restart},
+            nixl=backend == "nixl",
         )  # fmt: skip
         if peers_file is not None:
             self._client.cb["on_tick"] = self._watch_peers_file
