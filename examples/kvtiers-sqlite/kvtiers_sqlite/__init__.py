@@ -97,7 +97,8 @@ class SqliteTier(kvtiers.AsyncTier):
         """Report damaged chunks (they answer MISS from now on), then delete them."""
         self.evicted(keys, "corrupt")  # first: reported even if this coroutine is cancelled below
         rows = [(k,) for k in keys]
-        await self._transaction(lambda: self.db.executemany(f"DELETE FROM {self.table} WHERE key = ?", rows))
+        query = f"DELETE FROM {self.table} WHERE key = ?"
+        await self._transaction(lambda: self.db.executemany(query, rows).close())
 
     async def exists(self, key: bytes) -> bool:
         return bool(await self._sql(f"SELECT 1 FROM {self.table} WHERE key = ?", key))
@@ -125,7 +126,9 @@ class SqliteTier(kvtiers.AsyncTier):
             blob = bytes(data)
             rows.append((key, zlib.crc32(blob), blob))
         query = f"INSERT OR IGNORE INTO {self.table} VALUES (?, ?, ?)"
-        await self._transaction(lambda: self.db.executemany(query, rows))
+        # close the cursor on the tier's thread: one returned to the loop would be finalised
+        # there, racing the next statement ("InterfaceError: bad parameter or other API misuse")
+        await self._transaction(lambda: self.db.executemany(query, rows).close())
 
     async def get_many_into(self, items: Sequence[tuple[bytes, memoryview]]) -> dict[bytes, object]:
         """Load a whole job in one read transaction; checks run on the tier's thread, the
