@@ -10,6 +10,8 @@ TORCH ?= torch==2.13.0
 # be reached, pip gives up on it in about a second per package and takes torch from elsewhere.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_FROM := $(if $(TORCH_INDEX),--retries 2 --extra-index-url $(TORCH_INDEX))
+# engine wheels the integration tests import (xgrammar: imported by vLLM at start-up; its deps pull triton)
+ENGINES ?= vllm==0.33.0 sglang==0.5.23 xgrammar==0.2.8
 BASE := $(VENV)/.base
 STAMP := $(VENV)/.installed
 
@@ -23,9 +25,13 @@ $(BASE): pyproject.toml Makefile
 	$(BIN)/pip install -q "$(TORCH)" -e .
 	touch $(BASE)
 
-# what the tests need besides: S3 client and server, NIXL, the example tier, test and build tools
+# what the tests need besides: S3 client and server, NIXL, the example tier, test and build tools,
+# and the engines the integrations are tested against: their wheels with --no-deps (they pin other
+# torch builds and GPU kernels), next to the pinned torch; the few packages their kv_offload /
+# hicache modules import come from the `engines` extra (docs/vllm.md, docs/sglang.md)
 $(STAMP): $(BASE)
-	$(BIN)/pip install -q "$(TORCH)" -e ".[obj,observe,plot,test,nixl,p2p]" -e ./examples/kvtiers-sqlite
+	$(BIN)/pip install -q "$(TORCH)" -e ".[obj,observe,plot,test,nixl,p2p,engines]" -e ./examples/kvtiers-sqlite
+	$(BIN)/pip install -q --no-deps "$(TORCH)" $(ENGINES)
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,0 +1,315 @@
+"""KvtiersTier: a kvtiers tier as a vLLM secondary tier (``SecondaryTierManager``).
+
+vLLM's tiering manager keeps chunks in its CPU primary tier (a shared-memory region of
+``num_chunks`` rows) and cascades every stored chunk to each secondary tier; a secondary hit
+is promoted back into a primary row. The adapter hands the kvtiers tier that region as its
+arena (row ``c`` is slot ``c``, zero-copy) and maps one call to one call:
+
+==========================  ============================================================
+vLLM                        kvtiers
+==========================  ============================================================
+``lookup(key, ctx)``        ``lookup([key])``: HIT, MISS, RETRY as they are (vLLM turns a
+                            HIT into its own HIT_PENDING while it promotes)
+``submit_store(job)``       ``submit_store(Job(job_id, keys, chunk_ids))``
+``submit_load(job)``        ``submit_load(Job(job_id, keys, chunk_ids))``
+``get_finished_jobs()``     ``get_finished_jobs()``; a load with some failed keys reports
+                            the others as ``successful_keys``
+``drain_jobs()``            polls ``get_finished_jobs`` until every accepted job is back
+``touch(keys, ctx)``        ``touch(keys)``
+``shutdown()``              ``close()``
+``take_events()``           keys stored, and keys the tier removed (``ctx.removed``)
+``get_stats()``             removed / failed chunks and backlog (see ``metrics.py``)
+==========================  ============================================================
+
+A key whose load failed answers MISS until it is stored again, so a tier that keeps
+answering HIT for a chunk it cannot read does not make vLLM promote it forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from vllm.v1.kv_offload.base import (
+    ConfigInfoMapping,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from ...errors import ConfigError
+from ...registry import TierHandle, open_tier
+from ...types import PAGE, Arena, Job, Lookup, Namespace, TierContext
+from ...types import JobResult as TierResult
+from ..keys import tier_key
+from .metrics import TierStats, metric_definitions
+from .namespace import namespace_fields
+
+log = logging.getLogger("kvtiers.integrations.vllm")
+
+_ANSWER = {Lookup.HIT: LookupResult.HIT, Lookup.MISS: LookupResult.MISS, Lookup.RETRY: LookupResult.RETRY}
+_DRAIN_WARN_S = 10.0
+
+
+@dataclass
+class _Pending:
+    job: TransferJob
+    keys: tuple[bytes, ...]  # the tier's keys, in the job's order
+
+
+def primary_arena(primary_kv_view: memoryview) -> tuple[Arena, memoryview]:
+    """The primary tier's ``num_chunks x row_stride`` memoryview as a kvtiers arena.
+
+    ``view[c]`` of a 2-D memoryview raises NotImplementedError, so the arena is built over
+    the flat byte view, with the row stride as its slot size. Returns the arena and the flat
+    view (released on shutdown).
+    """
+    mv = primary_kv_view
+    if mv.ndim != 2 or mv.strides is None or not mv.c_contiguous:
+        raise ConfigError(f"primary_kv_view must be a C-contiguous 2-D memoryview, got shape {mv.shape}")
+    stride = mv.strides[0]
+    if stride % PAGE:
+        raise ConfigError(f"primary KV rows are {stride} bytes, not a multiple of {PAGE}: a kvtiers arena needs "
+                          f"page-aligned slots")
+    flat = mv.cast("B")
+    return Arena(flat, stride, owner=mv), flat
+
+
+class KvtiersTier(SecondaryTierManager):
+    """Any kvtiers tier as a vLLM secondary tier.
+
+    Configured in ``kv_connector_extra_config["secondary_tiers"]`` as
+    ``{"type": "kvtiers_<name>", <the tier's options>}`` for a registered kvtiers tier
+    (``kvtiers_fs``, ``kvtiers_memory``, ``kvtiers_obj``, a third-party one), or
+    ``{"type": "kvtiers", "tier": "<name or pkg.module:Class>", ...}``; add
+    ``"module_path": "kvtiers.integrations.vllm"`` where kvtiers' vLLM plugin is not loaded.
+    Options of the adapter itself: ``tier``, ``namespace`` (extra namespace fields),
+    ``enable_kv_events`` and ``locality`` (as vLLM's fs tier). Every other key is an option
+    of the kvtiers tier, checked against its signature before it opens.
+    """
+
+    medium: ClassVar[Medium | None] = Medium.STORAGE
+    #: the kvtiers tier of a generated ``kvtiers_<name>`` class; None: the ``tier`` option names it
+    kvtiers_tier: ClassVar[str | None] = None
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        *,
+        tier: str | None = None,
+        namespace: dict | None = None,
+        enable_kv_events: bool = False,
+        locality: str | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        name = self._tier_name(tier_type, tier)
+        self.locality = Locality(locality) if locality is not None else None
+        if namespace is not None and not isinstance(namespace, dict):
+            raise ConfigError(f"secondary tier {tier_type!r}: 'namespace' must be an object of extra fields")
+        self.arena, self._flat = primary_arena(primary_kv_view)
+        self.namespace = Namespace(namespace_fields(offloading_spec, self.arena.slot_bytes, namespace))
+        events_on = bool(getattr(getattr(offloading_spec, "kv_events_config", None), "enable_kv_cache_events", False))
+        if enable_kv_events and not events_on:
+            log.warning("secondary tier %r: enable_kv_events is set but vLLM's KV cache events are off", tier_type)
+        self._events: deque[OffloadingEvent] | None = deque() if enable_kv_events and events_on else None
+        self._stats = TierStats(tier_type)
+        self._jobs: dict[int, _Pending] = {}
+        self._stash: list[TierResult] = []  # results drain_jobs collected for the next get_finished_jobs
+        self._failed_loads: set[bytes] = set()  # answer MISS until stored again
+        self._long: dict[bytes, OffloadKey] = {}  # tier key -> vLLM key, only for keys longer than 64 bytes
+        self._lock = threading.Lock()  # _long, read by removals from the tier's threads
+        self._closed = False
+        ctx = TierContext(self.arena, self.namespace, removed=self._on_removed)
+        self.handle: TierHandle = open_tier(name, options, ctx)
+        self.kvtiers_name = name
+        log.info("vLLM secondary tier %r: kvtiers tier %r, namespace %s, %d chunks of %d bytes",
+                 tier_type, name, self.namespace.digest, len(self.arena), self.arena.slot_bytes)
+
+    def _tier_name(self, tier_type: str, tier: str | None) -> str:
+        fixed = type(self).kvtiers_tier
+        if fixed is not None and tier is not None and tier != fixed:
+            raise ConfigError(f"secondary tier {tier_type!r} is the kvtiers tier {fixed!r}; "
+                              f"drop 'tier': {tier!r} or use type 'kvtiers'")
+        name = tier if tier is not None else fixed
+        if not name:
+            raise ConfigError(f"secondary tier {tier_type!r}: name the kvtiers tier with 'tier' "
+                              f"(a registered name such as 'fs', or 'pkg.module:Class'), or use type 'kvtiers_<name>'")
+        return name
+
+    # --- keys --------------------------------------------------------------------------------
+    def _key(self, key: OffloadKey) -> bytes:
+        k = tier_key(key)
+        if len(key) != len(k) and self._events is not None:
+            with self._lock:
+                self._long[k] = key
+        return k
+
+    def _engine_key(self, k: bytes) -> OffloadKey:
+        with self._lock:
+            return self._long.get(k, OffloadKey(k))
+
+    # --- lookup ------------------------------------------------------------------------------
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        k = self._key(key)
+        if k in self._failed_loads:
+            return LookupResult.MISS
+        try:
+            (answer,) = self.handle.lookup([k])
+        except Exception as e:  # rule 4 says a tier never raises here; if one does, it is a miss
+            log.warning("kvtiers tier %r: lookup raised %s: %s", self.kvtiers_name, type(e).__name__, e)
+            return LookupResult.MISS
+        return _ANSWER[answer]
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        try:
+            self.handle.touch([self._key(k) for k in keys])
+        except Exception as e:
+            log.debug("kvtiers tier %r: touch raised %s", self.kvtiers_name, e)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    # --- jobs --------------------------------------------------------------------------------
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, self.handle.submit_store)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, self.handle.submit_load)
+
+    def _submit(self, tj: TransferJob, submit: Any) -> None:
+        keys = tuple(self._key(k) for k in tj.keys)
+        self._jobs[tj.job_id] = _Pending(tj, keys)
+        try:
+            if self._closed:
+                raise RuntimeError("tier is shut down")
+            submit(Job(tj.job_id, keys, tuple(int(c) for c in tj.chunk_ids)))
+        except Exception as e:  # the tier did not accept the job: report it failed, as vLLM expects a result
+            log.warning("kvtiers tier %r: job %d not accepted: %s: %s", self.kvtiers_name, tj.job_id,
+                        type(e).__name__, e)
+            self._stash.append(TierResult(tj.job_id, keys, error=f"{type(e).__name__}: {e}"))
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results, self._stash = self._stash, []
+        if not self._closed:
+            results.extend(self._poll())
+        return [r for r in (self._finish(res) for res in results) if r is not None]
+
+    def _poll(self) -> list[TierResult]:
+        try:
+            return self.handle.get_finished_jobs()
+        except Exception as e:
+            log.warning("kvtiers tier %r: get_finished_jobs raised %s: %s", self.kvtiers_name, type(e).__name__, e)
+            return []
+
+    def _finish(self, res: TierResult) -> JobResult | None:
+        pending = self._jobs.pop(res.job_id, None)
+        if pending is None:
+            log.warning("kvtiers tier %r reported job %d, which it was never given", self.kvtiers_name, res.job_id)
+            return None
+        tj, keys = pending.job, pending.keys
+        failed = set(res.failed_keys) & set(keys)
+        if res.failed_keys and not failed:  # failed keys the job never had: the whole job is suspect
+            failed = set(keys)
+        self._stats.failed(len(failed), "load" if tj.is_promotion else "store")
+        if res.error and failed:
+            log.info("kvtiers tier %r: job %d: %d of %d keys failed: %s", self.kvtiers_name, tj.job_id,
+                     len(failed), len(keys), res.error)
+        successful = None
+        if tj.is_promotion:
+            self._failed_loads.update(failed)
+            if failed and len(failed) < len(keys):
+                successful = tuple(ek for ek, k in zip(tj.keys, keys, strict=True) if k not in failed)
+        else:
+            stored = [ek for ek, k in zip(tj.keys, keys, strict=True) if k not in failed]
+            self._failed_loads.difference_update(k for k in keys if k not in failed)
+            if self._events is not None and stored:
+                self._events.append(OffloadingEvent(keys=stored, medium=self.medium, removed=False,
+                                                    locality=self.locality))
+        return JobResult(
+            job_id=tj.job_id,
+            success=not failed,
+            successful_keys=successful,
+            transfer_time=res.seconds or None,
+            transfer_bytes=res.nbytes,
+        )
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs)
+
+    def drain_jobs(self) -> None:
+        """Block until the tier has reported every accepted job (rule 5: within 30 s)."""
+        waiting = {j for j in self._jobs if j not in {r.job_id for r in self._stash}}
+        start = warned = time.monotonic()
+        while waiting and not self._closed:
+            for res in self._poll():
+                self._stash.append(res)
+                waiting.discard(res.job_id)
+            if waiting:
+                time.sleep(0.002)
+                if time.monotonic() - warned > _DRAIN_WARN_S:
+                    warned = time.monotonic()
+                    log.warning("kvtiers tier %r: still waiting for %d job(s) after %.0f s", self.kvtiers_name,
+                                len(waiting), warned - start)
+
+    # --- removals, events, stats -------------------------------------------------------------
+    def _on_removed(self, keys: Sequence[bytes], reason: str) -> None:
+        """``ctx.removed``: keys the tier dropped on its own; called from any thread."""
+        self._stats.removed(len(keys), reason)
+        if self._events is not None:
+            self._events.append(OffloadingEvent(keys=[self._engine_key(k) for k in keys], medium=self.medium,
+                                                removed=True, locality=self.locality))
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events is None:
+            return ()
+        out = []
+        while self._events:
+            out.append(self._events.popleft())
+        return out
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return metric_definitions()
+
+    def get_stats(self) -> Any:
+        try:
+            backlog = 0 if self._closed else self.handle.backlog()
+        except Exception:
+            backlog = len(self._jobs)
+        return self._stats.take(backlog)
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return ("kvtiers_tier", "kvtiers_namespace")
+
+    def config_info(self) -> ConfigInfoMapping:
+        return {"kvtiers_tier": self.kvtiers_name, "kvtiers_namespace": self.namespace.digest}
+
+    # --- life cycle --------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Close the tier (it finishes or fails every accepted job first) and let go of the
+        primary region, so vLLM can unmap it."""
+        if self._closed:
+            return
+        try:
+            self.handle.close()
+            self._stash.extend(self._poll())
+        finally:
+            self._closed = True
+            self.arena.buffer.release()
+            self._flat.release()
