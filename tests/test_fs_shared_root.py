@@ -11,7 +11,9 @@ import time
 
 import pytest
 from kvtiers_fs import gc, layout
-from test_fs_helpers import SLOT, Env, chunk_files, wait_for
+from test_fs_helpers import SLOT, Env, chunk_files, resolve, wait_for
+
+from kvtiers import Lookup
 
 HELPERS = os.path.dirname(__file__)
 
@@ -266,3 +268,37 @@ def test_merge_scan_orders_by_mtime_or_own_use_and_keeps_what_changed_meanwhile(
     gone = idx.merge_scan([(now - 300, b"used-here", 10), (now - 200, b"old", 10), (now - 100, b"newer", 10)])
     assert list(idx.entries) == [b"old", b"newer", b"used-here", b"stored-meanwhile"]
     assert gone == [b"gone"] and idx.used == 40
+
+
+def test_probes_and_loads_of_the_others_chunks_never_make_an_instance_evict_them(tmp_path):
+    """B knows nothing of A's old chunks; it finds A's fresh ones by lookups and loads. Its
+    own stores must not evict those fresh chunks (they are not the oldest in the namespace:
+    A's old ones are); its next rescan evicts the oldest, A's old chunks, first."""
+    file_bytes = layout.file_bytes(SLOT)
+    a, b = Env(str(tmp_path)), Env(str(tmp_path))
+    try:
+        ta = a.open()
+        tb = b.open(max_bytes=13 * file_bytes, rescan_seconds=3600.0)
+        assert tb.scanned.wait(30)  # B's view: empty
+        old, fresh = [b"old-%d" % i for i in range(10)], [b"fresh-%d" % i for i in range(10)]
+        assert a.store(ta, old).ok and a.store(ta, fresh).ok
+        long_ago = time.time() - 1000
+        for k in old:
+            os.utime(ta.path(k), (long_ago, long_ago))
+        assert resolve(tb, fresh) == [Lookup.HIT] * 10  # probes find them
+        assert b.load(tb, fresh).ok  # and B reads them
+        mine = [b"b-%d" % i for i in range(4)]
+        for k in mine:
+            assert b.store(tb, [k]).ok
+        assert all(os.path.exists(tb.path(k)) for k in fresh + mine), "B evicted chunks it had just read"
+        assert [k for k, why in b.removed if why == "evicted"] == []
+        # B's rescan learns the whole namespace (24 chunks, bound 13): the 11 oldest go, A's old first
+        tb.index.begin_scan()
+        tb._scan_once(clean=False)
+        left = sorted(os.path.basename(p) for p in chunk_files(str(tmp_path)))
+        evicted = [k for k, why in b.removed if why == "evicted"]
+        assert len(evicted) == 11 and set(evicted[:10]) == set(old)  # oldest first
+        assert len(left) == 13 and set(left) >= {k.hex() + ".bin" for k in mine}
+    finally:
+        a.close()
+        b.close()

@@ -11,6 +11,9 @@ A rescan (:meth:`Index.merge_scan` after :meth:`Index.begin_scan`) replaces the 
 what is on disk: every instance's files, ordered by the later of their mtime and this
 instance's last use, so ``max_bytes`` bounds the namespace directory as a whole. Only
 regular files of the instance's chunk size count (:func:`scan` skips anything else).
+Between rescans, files another instance wrote that this one finds by a probe or a load are
+*foreign*: they answer HIT but are neither counted nor evicted until a rescan puts them in
+the order, because their age among the files this instance does not know is unknown.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Index:
     def __init__(self, negative_ttl: float) -> None:
         self.lock = threading.Lock()
         self.entries: OrderedDict[bytes, int] = OrderedDict()
+        self.foreign: dict[bytes, int] = {}  # others' files found since the last scan: HIT, never victims
         self.used = 0
         self.reserved = 0
         self.absent: dict[bytes, float] = {}  # key -> monotonic time the MISS expires
@@ -44,15 +48,34 @@ class Index:
         self.writing: dict[bytes, int] = {}  # keys this instance is storing: counted in `reserved`
         self.dropped_during_scan: set[bytes] | None = None  # removals the running scan may not see
         self.changed_during_scan: set[bytes] | None = None  # keys added or used while a scan runs
+        self.found_during_scan: set[bytes] | None = None  # foreign keys found while a scan runs
         self.last_use: dict[bytes, float] = {}  # key -> wall time this instance last stored/read/touched it
 
     # -- updates (any thread) --------------------------------------------------------
     def add(self, key: bytes, nbytes: int) -> None:
-        """``key`` is on disk with ``nbytes``: most recently used."""
+        """``key`` is on disk with ``nbytes``, stored (or refreshed) by this instance: most
+        recently used."""
         with self.lock:
             self._add(key, nbytes)
 
+    def add_found(self, key: bytes, nbytes: int) -> None:
+        """``key`` is on disk with ``nbytes``, found by a probe or a load: known keys are
+        marked used, others are foreign until the next scan."""
+        with self.lock:
+            if key in self.entries:
+                self.entries.move_to_end(key)
+                self.last_use[key] = time.time()
+                if self.changed_during_scan is not None:
+                    self.changed_during_scan.add(key)
+            else:
+                self.foreign[key] = nbytes
+                if self.found_during_scan is not None:
+                    self.found_during_scan.add(key)
+            self.absent.pop(key, None)
+            self.unread.discard(key)
+
     def _add(self, key: bytes, nbytes: int) -> None:
+        self.foreign.pop(key, None)
         old = self.entries.pop(key, None)
         if old is not None:
             self.used -= old
@@ -81,6 +104,8 @@ class Index:
             n = self.entries.pop(key, None)
             if n is not None:
                 self.used -= n
+            elif self.foreign.pop(key, None) is not None:
+                n = 0
             self.last_use.pop(key, None)
             if self.dropped_during_scan is not None:
                 self.dropped_during_scan.add(key)
@@ -92,7 +117,7 @@ class Index:
         until = time.monotonic() + self.negative_ttl
         with self.lock:
             for k in keys:
-                if k not in self.entries:
+                if k not in self.entries and k not in self.foreign:
                     self.absent[k] = until
                     self.unread.add(k)
             if len(self.absent) > 65536:
@@ -105,6 +130,7 @@ class Index:
         with self.lock:
             self.dropped_during_scan = set()
             self.changed_during_scan = set()
+            self.found_during_scan = set()
 
     def merge_scan(self, found: list[tuple[float, bytes, int]]) -> list[bytes]:
         """Make the view what a scan found: files (mtime, key, bytes), oldest first by the
@@ -124,19 +150,33 @@ class Index:
         with self.lock:
             dropped = self.dropped_during_scan or set()
             changed = self.changed_during_scan or set()
-            self.dropped_during_scan = self.changed_during_scan = None
+            found_meanwhile = self.found_during_scan or set()
+            self.dropped_during_scan = self.changed_during_scan = self.found_during_scan = None
             # removed, used or stored while the scan ran: what this instance knows wins; a key
             # being stored is already counted in `reserved`, its store adds it
             for k in (*dropped, *changed, *self.writing):
                 n = merged.pop(k, None)
                 if n is not None:
                     used -= n
+            for k in found_meanwhile:  # probed or read while the scan ran: recent, whatever mtime it saw
+                if k in merged:
+                    merged.move_to_end(k)
             for k in sorted(changed, key=lambda k: self.last_use.get(k, 0.0)):  # most recent, after every scanned file
                 n = self.entries.get(k)
                 if n is not None:
                     merged[k] = n
                     used += n
             gone = [k for k in self.entries if k not in merged]
+            # foreign keys are now in the order, or gone; those found while it ran stay foreign
+            foreign = {}
+            for k, n in self.foreign.items():
+                if k in merged:
+                    continue
+                if k in found_meanwhile:
+                    foreign[k] = n
+                else:
+                    gone.append(k)
+            self.foreign = foreign
             for k in gone:
                 self.last_use.pop(k, None)
             self.entries = merged
@@ -258,7 +298,7 @@ class Prober:
                     missing.append(k)
                 else:
                     if _stat.S_ISREG(st.st_mode) and st.st_size == self.file_bytes:
-                        self.index.add(k, st.st_size)
+                        self.index.add_found(k, st.st_size)
                     else:  # a FIFO, directory, link or another slot size: not a chunk of ours
                         missing.append(k)
             self.index.mark_absent(missing)

@@ -284,8 +284,8 @@ class FsTier:
     @hookimpl
     def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
         keys = check_keys(keys)
-        entries = self.index.entries
-        out = [_HIT if k in entries else None for k in keys]
+        entries, foreign = self.index.entries, self.index.foreign
+        out = [_HIT if k in entries or k in foreign else None for k in keys]
         if None in out:
             absent, unread = self.index.absent, self.index.unread
             now = time.monotonic()
@@ -296,7 +296,7 @@ class FsTier:
                     if exp is not None and (exp > now or k in unread):
                         unread.discard(k)
                         out[i] = _MISS
-                    elif k in self.index.entries:  # a probe or store landed meanwhile
+                    elif k in self.index.entries or k in self.index.foreign:  # a probe or store landed meanwhile
                         out[i] = _HIT
                     else:
                         out[i] = _RETRY
@@ -553,8 +553,7 @@ class FsTier:
                 os.close(fd)
         finally:
             self.index.unpin(key)
-        if not self.index.touch(key):
-            self.index.add(key, self.file_bytes)
+        self.index.add_found(key, self.file_bytes)
         if self._no_write is None:
             _utime(path)
         self._key_done(js, key, self.slot_bytes, None)
