@@ -14,10 +14,7 @@ from typing import Any
 from vllm.v1.kv_offload.base import Medium
 
 from .plugin import GENERIC, PREFIX, register
-from .tier import KvtiersTier, primary_arena
-
-#: vLLM medium of a kvtiers tier, for vLLM's load filters and cache-hit sources; others are STORAGE
-MEDIUM = {"memory": Medium.CPU, "p2p": Medium.CPU}
+from .tier import MEDIUM, KvtiersTier, primary_arena
 
 _classes: dict[str, type[KvtiersTier]] = {}
 _lock = threading.Lock()

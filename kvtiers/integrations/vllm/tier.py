@@ -47,6 +47,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...errors import ConfigError
 from ...registry import TierHandle, open_tier
@@ -60,6 +61,8 @@ log = logging.getLogger("kvtiers.integrations.vllm")
 
 _ANSWER = {Lookup.HIT: LookupResult.HIT, Lookup.MISS: LookupResult.MISS, Lookup.RETRY: LookupResult.RETRY}
 _DRAIN_WARN_S = 10.0
+#: vLLM medium of a kvtiers tier, for vLLM's load filters and cache-hit sources; others are STORAGE
+MEDIUM = {"memory": Medium.CPU, "p2p": Medium.CPU}
 
 
 @dataclass
@@ -118,6 +121,9 @@ class KvtiersTier(SecondaryTierManager):
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         name = self._tier_name(tier_type, tier)
+        if type(self).kvtiers_tier is None and name in MEDIUM:  # the generic class: medium from the tier
+            self.medium = MEDIUM[name]
+            self.cache_hit_source = {Medium.CPU: CacheHitSource.HOST, Medium.STORAGE: CacheHitSource.DISK}[self.medium]
         self.locality = Locality(locality) if locality is not None else None
         if namespace is not None and not isinstance(namespace, dict):
             raise ConfigError(f"secondary tier {tier_type!r}: 'namespace' must be an object of extra fields")

@@ -1,0 +1,296 @@
+"""kvtiers tiers inside vLLM 0.33.0's own tiering classes, on CPU.
+
+Everything vLLM here is the real thing, installed by ``make test`` (``--no-deps``, next to the
+pinned torch): ``TieringOffloadingSpec`` builds the real ``TieringOffloadingManager`` with its
+CPU primary tier in a shared-memory region, and ``SecondaryTierFactory`` loads the kvtiers
+adapter by ``module_path`` or by the name kvtiers' ``vllm.general_plugins`` entry point
+registers (run through vLLM's own ``load_general_plugins``). The tests drive the manager as
+vLLM's scheduler-side connector does: ``prepare_store``, the worker's copy into the primary
+rows (written here with numpy), ``complete_store`` (the cascade), ``lookup`` (HIT_PENDING while
+a promotion runs, then HIT), ``prepare_load`` and the bytes of the promoted rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is installed by `make test`")
+
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.config import (  # noqa: E402
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager  # noqa: E402
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+
+import kvtiers  # noqa: E402
+from kvtiers.errors import ConfigError  # noqa: E402
+from kvtiers.integrations.vllm import KvtiersTier, metrics  # noqa: E402
+
+ROW = 8192  # bytes of one chunk row: one block of 8 KiB per chunk, one worker
+MODULE = "kvtiers.integrations.vllm"
+STEP = ScheduleEndContext((), ())
+
+
+def offloading_config(extra: dict, *, chunks: int = 16, agnostic: bool = True, events: bool = True) -> OffloadingConfig:
+    par = OffloadingParallelConfig(rank=0, world_size=1, tp_size=1 if agnostic else 2, pp_size=1, pcp_size=1,
+                                   dcp_size=1, data_parallel_index=0, data_parallel_size=1,
+                                   data_parallel_rank_local=None, is_parallelism_agnostic=agnostic)
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0.attn",), group_id=0),),
+        worker_kv_bytes_per_block=ROW,
+        enable_kv_cache_events=events,
+        extra_config={"cpu_bytes_to_use": chunks * ROW, **extra},
+        engine_id=f"kvtiers-test-{uuid.uuid4().hex[:12]}",
+        model=OffloadingModelConfig(name="org/tiny-model", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=par,
+    )
+
+
+class Engine:
+    """vLLM's scheduler side, as far as the offloading manager sees it: real spec and manager."""
+
+    def __init__(self, tier: dict, **kw) -> None:
+        self.spec = TieringOffloadingSpec(offloading_config({"secondary_tiers": [tier]}, **kw))
+        self.m = self.spec.get_manager()
+        self.rows = np.frombuffer(self.m.primary_tier.get_kv_memoryview(), dtype=np.uint8).reshape(-1, ROW)
+        self.tier = self.m.secondary_tiers[0]
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """End scheduler steps until no cascade or promotion is in flight."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.m.on_schedule_end(STEP)
+            if not self.m.has_pending_work():
+                return
+            assert time.monotonic() < deadline, "jobs still in flight"
+            time.sleep(0.005)
+
+    def store(self, req: str, chunks: dict[bytes, bytes]) -> None:
+        """prepare_store, the worker's copy into the primary rows, complete_store (the cascade)."""
+        ctx = ReqContext(req_id=req)
+        self.m.on_new_request(ctx)
+        keys = list(chunks)
+        out = self.m.prepare_store(keys, ctx)
+        assert out is not None
+        for key, row in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
+            self.rows[row] = np.frombuffer(chunks[key], dtype=np.uint8)
+        self.m.complete_store(keys, ctx)
+        self.m.on_request_finished(ctx)
+        self.settle()
+
+    def load(self, req: str, keys: list[bytes], timeout: float = 30.0) -> tuple[dict[bytes, bytes], list]:
+        """Look the keys up as the scheduler does (a step per round) until each is HIT or MISS;
+        return the bytes of the rows vLLM would copy to the GPU, and the answers seen."""
+        ctx = ReqContext(req_id=req)
+        self.m.on_new_request(ctx)
+        seen = []
+        deadline = time.monotonic() + timeout
+        final: dict[bytes, LookupResult] = {}
+        while len(final) < len(keys):
+            for k in keys:
+                if k not in final:
+                    r = self.m.lookup(k, ctx)
+                    seen.append(r)
+                    if r in (LookupResult.HIT, LookupResult.MISS):
+                        final[k] = r
+            self.m.on_schedule_end(STEP)
+            assert time.monotonic() < deadline, f"lookups did not resolve: {seen[-len(keys):]}"
+            time.sleep(0.002)
+        hits = [k for k in keys if final[k] is LookupResult.HIT]
+        got = {}
+        if hits:
+            spec = self.m.prepare_load(hits, ctx)
+            got = {k: self.rows[row].tobytes() for k, row in zip(hits, spec.block_ids, strict=True)}
+            self.m.complete_load(hits, ctx)
+        self.m.on_request_finished(ctx)
+        self.settle()
+        return got, seen
+
+    def close(self) -> None:
+        self.rows = None  # our numpy view of the region: vLLM unmaps it only when no view is left
+        self.m.shutdown()
+
+
+def chunks_for(n: int, seed: int) -> dict[bytes, bytes]:
+    rng = np.random.default_rng(seed)
+    return {make_offload_key(rng.bytes(32), 0): rng.bytes(ROW) for _ in range(n)}
+
+
+@pytest.fixture(scope="module")
+def plugins_loaded():
+    """vLLM's own start-up path for general plugins, which runs kvtiers' entry point."""
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    return SecondaryTierFactory
+
+
+def test_the_entry_point_names_every_kvtiers_tier_to_vllm(plugins_loaded) -> None:
+    names = [f"kvtiers_{info.name}" for info in kvtiers.get_registry().tiers()]
+    assert {"kvtiers_fs", "kvtiers_memory", "kvtiers_obj"} <= set(names)
+    for name in ["kvtiers", *names]:
+        cls = plugins_loaded.get_tier_class({"type": name})
+        assert issubclass(cls, SecondaryTierManager) and issubclass(cls, KvtiersTier), name
+    assert plugins_loaded.get_tier_class({"type": "kvtiers_fs"}).kvtiers_tier == "fs"
+    # vLLM's own tiers keep their names
+    assert not issubclass(plugins_loaded.get_tier_class({"type": "fs"}), KvtiersTier)
+    from kvtiers.integrations.vllm.plugin import register
+
+    register()  # vLLM loads plugins in every process, maybe twice: harmless
+
+
+@pytest.mark.parametrize("how", ["module_path", "entry_point"])
+def test_fs_tier_stores_the_cascade_and_a_new_engine_promotes_every_byte(how, tmp_path, request) -> None:
+    tier = {"type": "kvtiers_fs", "root_dir": str(tmp_path / "kv")}
+    if how == "module_path":
+        tier["module_path"] = MODULE
+    else:
+        request.getfixturevalue("plugins_loaded")
+    chunks = chunks_for(6, seed=1)
+
+    a = Engine(tier)
+    assert type(a.tier).__name__ == "kvtiers_fs" and a.tier.kvtiers_name == "fs"
+    try:
+        a.store("r1", chunks)
+        # the cascade reached the tier: it answers HIT for every chunk
+        assert [a.tier.handle.lookup([k]) for k in chunks] == [[kvtiers.Lookup.HIT]] * len(chunks)
+        stats = a.m.get_stats().reduce()
+        assert stats["vllm:kv_offload_tiering_write_bytes:('1:kvtiers_fs',)"] == len(chunks) * ROW
+    finally:
+        a.close()
+
+    b = Engine(tier)  # a new engine on the same directory: its primary tier starts empty
+    try:
+        got, seen = b.load("r2", list(chunks))
+        assert LookupResult.HIT_PENDING in seen  # vLLM promoted from the tier before answering HIT
+        assert got == chunks  # every byte of every promoted row
+        stats = b.m.get_stats().reduce()
+        assert stats["vllm:kv_offload_tiering_read_bytes:('1:kvtiers_fs',)"] == len(chunks) * ROW
+    finally:
+        b.close()
+
+    doc = json.loads(next((tmp_path / "kv").glob("*/config.json")).read_text())
+    assert doc["fields"]["engine"] == "vllm" and doc["fields"]["model"] == "org/tiny-model"
+    assert doc["fields"]["chunk_bytes"] == ROW and "parallel" not in doc["fields"]  # parallelism-agnostic
+
+
+def test_memory_tier_promotes_what_the_primary_evicted_and_reports_its_own_evictions(tmp_path) -> None:
+    # a 4-row primary and a memory tier bounded to 6 chunks: 10 stores evict from both
+    tier = {"type": "kvtiers", "module_path": MODULE, "tier": "memory", "max_bytes": 6 * ROW,
+            "enable_kv_events": True}
+    e = Engine(tier, chunks=4)
+    try:
+        assert e.tier.medium.name == "CPU" and e.tier.kvtiers_name == "memory"
+        chunks = chunks_for(10, seed=2)
+        keys = list(chunks)
+        for i in range(0, 10, 2):
+            e.store(f"s{i}", {k: chunks[k] for k in keys[i:i + 2]})
+        events = list(e.tier.take_events())
+        assert {k for ev in events if not ev.removed for k in ev.keys} == set(keys)  # each store, as an event
+        assert [k for ev in events if ev.removed for k in ev.keys] == keys[:4]  # the tier's LRU evictions
+        stats = e.m.get_stats()
+        assert stats.reduce()[f"{metrics.REMOVED}:('kvtiers', 'evicted')"] == 4
+
+        got, _ = e.load("r", keys[4:6])  # in the tier, no longer in the 4-row primary
+        assert got == {k: chunks[k] for k in keys[4:6]}
+        got, _ = e.load("r2", keys[:2])  # evicted everywhere
+        assert got == {}
+    finally:
+        e.close()
+
+
+def test_misses_corrupt_chunks_and_failed_loads(tmp_path) -> None:
+    tier = {"type": "kvtiers_fs", "module_path": MODULE, "root_dir": str(tmp_path / "kv")}
+    chunks = chunks_for(4, seed=3)
+    a = Engine(tier)
+    try:
+        a.store("r1", chunks)
+        ns = a.tier.namespace
+    finally:
+        a.close()
+    keys = list(chunks)
+    fs_cls = kvtiers.get_registry().tier_info("fs").cls
+    fs_cls.conformance_corrupt({"root_dir": str(tmp_path / "kv")}, ns, keys[1])
+
+    b = Engine(tier)
+    try:
+        unknown = make_offload_key(b"\x07" * 32, 0)
+        got, _ = b.load("miss", [unknown])
+        assert got == {}
+        got, seen = b.load("r2", keys)
+        # the corrupt chunk failed its load: vLLM recomputes it, the others arrive intact
+        assert got == {k: chunks[k] for k in keys if k != keys[1]}
+        assert b.tier.lookup(keys[1], ReqContext("x")) is LookupResult.MISS  # not promoted again
+        stats = b.m.get_stats().reduce()
+        assert stats[f"{metrics.FAILED}:('kvtiers_fs', 'load')"] == 1
+        assert stats["vllm:kv_offload_tiering_promotion_job_failures:('1:kvtiers_fs',)"] >= 1
+        # storing it again heals it
+        b.store("r3", {keys[1]: chunks[keys[1]]})
+        assert b.tier.handle.lookup([keys[1]]) == [kvtiers.Lookup.HIT]
+        assert b.tier.lookup(keys[1], ReqContext("x")) is LookupResult.HIT
+    finally:
+        b.close()
+
+
+def test_reset_cache_drains_in_flight_jobs_and_shutdown_leaves_nothing(tmp_path) -> None:
+    threads = {t.ident for t in threading.enumerate()}
+    tier = {"type": "kvtiers_fs", "module_path": MODULE, "root_dir": str(tmp_path / "kv"), "namespace": {"seed": 7}}
+    e = Engine(tier, agnostic=False)
+    shm = Path(f"/dev/shm/vllm_offload_{e.spec.config.engine_id}.mmap")
+    assert shm.exists()
+    chunks = chunks_for(8, seed=4)
+    ctx = ReqContext(req_id="r")
+    e.m.on_new_request(ctx)
+    out = e.m.prepare_store(list(chunks), ctx)
+    for key, row in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
+        e.rows[row] = np.frombuffer(chunks[key], dtype=np.uint8)
+    e.m.complete_store(list(chunks), ctx)  # 8 stores in flight
+    e.m.reset_cache()  # drain_jobs, then every job's result is consumed
+    assert not e.tier.has_pending_work()
+    assert all(e.tier.handle.lookup([k]) == [kvtiers.Lookup.HIT] for k in chunks)
+    fields = e.tier.namespace.fields
+    assert fields["parallel"] == {"tp": 2, "pp": 1, "pcp": 1, "dcp": 1} and fields["seed"] == 7
+    assert e.m.config_info()[1]["kvtiers_namespace"] == e.tier.namespace.digest
+    e.close()
+    assert not shm.exists()  # vLLM could unmap and unlink its region: the adapter let go of it
+    deadline = time.monotonic() + 10
+    while {t.ident for t in threading.enumerate()} - threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [t.name for t in threading.enumerate() if t.ident not in threads]
+    assert left == [] or all(t.startswith("kvtiers-io") for t in left), left  # the SDK's shared I/O loop may stay
+
+
+def test_config_errors_name_the_problem(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="max_byte"):
+        Engine({"type": "kvtiers_fs", "module_path": MODULE, "root_dir": str(tmp_path), "max_byte": 1})
+    with pytest.raises(ConfigError, match="name the kvtiers tier"):
+        Engine({"type": "kvtiers", "module_path": MODULE})
+    with pytest.raises(ConfigError, match="is the kvtiers tier 'fs'"):
+        Engine({"type": "kvtiers_fs", "module_path": MODULE, "tier": "memory", "root_dir": str(tmp_path)})
+    with pytest.raises(AttributeError, match="kvtiers_nope"):
+        Engine({"type": "kvtiers_nope", "module_path": MODULE})
+
+
+def test_metric_definitions_reach_vllms_spec() -> None:
+    extra = {"cpu_bytes_to_use": 1 << 20,
+             "secondary_tiers": [{"type": "kvtiers_memory", "module_path": MODULE}]}
+    defs = TieringOffloadingSpec.build_metric_definitions(extra)
+    assert {metrics.REMOVED, metrics.FAILED, metrics.BACKLOG} <= set(defs)
+    assert defs[metrics.REMOVED].labelnames == ("kvtiers_tier", "reason")
+    assert {"kvtiers_tier", "kvtiers_namespace"} <= set(TieringOffloadingSpec.config_info_keys(extra))
+    assert os.environ.get("VLLM_PLUGINS") is None or "kvtiers" in os.environ["VLLM_PLUGINS"]
