@@ -1,9 +1,13 @@
-"""The torch boundary is a folder boundary: only ``kvtiers/engine/`` imports torch.
+"""The torch boundary is a folder boundary: only ``kvtiers/engine/`` and the engine bridges
+under ``kvtiers/integrations/<engine>/`` import torch.
 
 Tier authors read and install everything else (the contract, the SDK, the first-party tiers,
 the conformance suite, the example tier) without torch. The check reads every shipped module's
 syntax tree, so an ``import torch`` inside a function, which no import-time test would see,
-still fails it.
+still fails it. The bridges run inside vLLM or SGLang, which bring torch, and address SGLang's
+host pool through torch tensors; so they may import torch (and their engine), but
+``kvtiers.integrations`` itself and its shared helpers may not, and nothing outside
+``kvtiers/integrations/`` imports them: engines call into kvtiers, never the other way.
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ from test_no_torch import BLOCKER
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ["kvtiers", "plugins", "conformance", "examples"]
 ENGINE = ROOT / "kvtiers" / "engine"
+INTEGRATIONS = ROOT / "kvtiers" / "integrations"
+
+
+def may_import_torch(path: Path) -> bool:
+    """``kvtiers/engine/`` and the per-engine bridges ``kvtiers/integrations/<engine>/``."""
+    return ENGINE in path.parents or (INTEGRATIONS in path.parents and path.parent != INTEGRATIONS)
 
 
 def torch_imports(path: Path) -> list[int]:
@@ -49,10 +59,42 @@ def test_nothing_outside_kvtiers_engine_imports_torch() -> None:
     offenders = [
         f"{p.relative_to(ROOT)}:{line}"
         for p in shipped_modules()
-        if ENGINE not in p.parents
+        if not may_import_torch(p)
         for line in torch_imports(p)
     ]
-    assert offenders == [], f"torch imported outside kvtiers/engine/: {offenders}"
+    assert offenders == [], f"torch imported outside kvtiers/engine/ and kvtiers/integrations/<engine>/: {offenders}"
+
+
+def test_the_rule_for_integrations() -> None:
+    assert may_import_torch(INTEGRATIONS / "vllm" / "tier.py")
+    assert may_import_torch(INTEGRATIONS / "sglang" / "backend.py")
+    assert not may_import_torch(INTEGRATIONS / "__init__.py")
+    assert not may_import_torch(INTEGRATIONS / "keys.py")
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``path``, relative ones resolved."""
+    pkg = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = list(pkg[: len(pkg) - node.level + 1]) if node.level else []
+            mod = ".".join([*base, node.module] if node.module else base)
+            out += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
+    return out
+
+
+def test_only_the_integrations_import_the_integrations() -> None:
+    offenders = [
+        f"{p.relative_to(ROOT)}:{line}"
+        for p in shipped_modules()
+        if INTEGRATIONS not in p.parents
+        for line, mod in imports_of(p)
+        if mod.startswith("kvtiers.integrations")
+    ]
+    assert offenders == [], f"kvtiers.integrations imported from outside it: {offenders}"
 
 
 def module_name(path: Path) -> str:
@@ -66,9 +108,10 @@ def test_every_module_outside_the_engine_imports_without_torch() -> None:
     names = [
         module_name(p)
         for p in shipped_modules()
-        if ENGINE not in p.parents and p.name != "__main__.py" and "examples" not in p.parts
+        if not may_import_torch(p) and p.name != "__main__.py" and "examples" not in p.parts
     ]
     assert "kvtiers.cli" in names and "kvtiers_fs.tier" in names and "kvtiers_conformance" in names, names
+    assert "kvtiers.integrations.keys" in names and "kvtiers.integrations.vllm.tier" not in names, names
     code = BLOCKER + f"import importlib\nnames = {names!r}\nfor n in names:\n    importlib.import_module(n)\n"
     code += "print('imported', len(names))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
