@@ -1,0 +1,224 @@
+"""kvtiers tiers behind SGLang 0.5.23's HiCache storage interface (v1), on CPU.
+
+What is SGLang's own code here (installed by ``make test`` with ``--no-deps``): the
+``HiCacheStorage`` base class, ``HiCacheStorageConfig`` and ``StorageBackendFactory``, which
+builds the backend exactly as ``--hicache-storage-backend dynamic`` does
+(``class_name(storage_config, kwargs)`` from ``module_path``, then wraps it in its failure
+injector). SGLang's package ``__init__`` imports triton and its front end, which a CPU test
+machine lacks, so the modules are imported with that ``__init__`` skipped; they themselves
+need only torch.
+
+What is not: SGLang's host pools (``MHATokenToKVPoolHost`` needs triton, torchvision,
+sgl-kernel and a device pool) and the cache controller's threads. ``HostPool`` below stands in
+for the host pool: a real CPU tensor and ``get_page_buffer_meta`` with the pointer arithmetic
+SGLang 0.5.23's MHA host pool uses for its ``page_first`` and ``layer_first`` layouts; the
+tests call ``batch_exists`` / ``batch_set_v1`` / ``batch_get_v1`` as the controller's prefetch
+and backup threads do, several at once, and check every byte that comes back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import threading
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def import_sglang_storage():
+    """SGLang's storage modules, with the top-level package ``__init__`` skipped (see above)."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None:
+        pytest.skip("SGLang 0.5.23 is installed by `make test`")
+    if "sglang" not in sys.modules:
+        pkg = types.ModuleType("sglang")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        pkg.__spec__ = spec
+        sys.modules["sglang"] = pkg
+    hs = importlib.import_module("sglang.srt.mem_cache.hicache_storage")
+    factory = importlib.import_module("sglang.srt.mem_cache.storage.backend_factory")
+    return hs, factory.StorageBackendFactory
+
+
+hicache, StorageBackendFactory = import_sglang_storage()
+
+from kvtiers.errors import ConfigError  # noqa: E402
+from kvtiers.integrations.sglang import KvtiersStorage  # noqa: E402
+
+MODULE = "kvtiers.integrations.sglang"
+
+
+class HostPool:
+    """A stand-in for SGLang's MHA host pool: K and V planes in one CPU tensor, addressed by
+    ``get_page_buffer_meta`` as SGLang's ``MHATokenToKVPoolHost`` does."""
+
+    def __init__(self, layout: str, pages: int = 8, page_size: int = 4, layers: int = 2, heads: int = 2,
+                 head_dim: int = 128, dtype=torch.float16) -> None:
+        self.layout, self.page_size, self.size, self.dtype = layout, page_size, pages * page_size, dtype
+        self.layer_num, self.head_num, self.head_dim = layers, heads, head_dim
+        shape = (2, self.size, layers, heads, head_dim) if layout == "page_first" else (2, layers, self.size, heads,
+                                                                                         head_dim)
+        self.kv_buffer = torch.zeros(shape, dtype=dtype)
+        self.row = heads * head_dim * dtype.itemsize  # bytes of one token of one layer
+
+    def get_page_buffer_meta(self, indices):
+        assert len(indices) % self.page_size == 0
+        base, idx = self.kv_buffer.data_ptr(), indices.tolist()
+        v_off = self.layer_num * self.size * self.row
+        ptrs = []
+        for i in range(0, len(idx), self.page_size):
+            if self.layout == "page_first":
+                k = base + idx[i] * self.layer_num * self.row
+                ptrs += [k, k + v_off]
+                size = self.layer_num * self.page_size * self.row
+            else:
+                for layer in range(self.layer_num):
+                    k = base + idx[i] * self.row + layer * self.size * self.row
+                    ptrs += [k, k + v_off]
+                size = self.page_size * self.row
+        return ptrs, [size] * len(ptrs)
+
+    def page(self, p: int) -> bytes:
+        """Every byte of page ``p``: K and V of every layer of its tokens."""
+        sl = slice(p * self.page_size, (p + 1) * self.page_size)
+        t = self.kv_buffer[:, sl] if self.layout == "page_first" else self.kv_buffer[:, :, sl]
+        return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+    def fill(self, p: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        sl = slice(p * self.page_size, (p + 1) * self.page_size)
+        t = self.kv_buffer[:, sl] if self.layout == "page_first" else self.kv_buffer[:, :, sl]
+        t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).to(self.dtype))
+
+    def indices(self, pages: list[int]):
+        return torch.cat([torch.arange(p * self.page_size, (p + 1) * self.page_size) for p in pages])
+
+
+def storage_config(extra: dict, *, tp_rank: int = 0, mla: bool = False):
+    return hicache.HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
+        enable_storage_metrics=False, is_page_first_layout=True, model_name="org/tiny-model",
+        extra_config={"backend_name": "kvtiers", "module_path": MODULE, "class_name": "KvtiersStorage",
+                      "interface_v1": 1, **extra},
+    )
+
+
+def backend(pool: HostPool, extra: dict, **kw):
+    """Built as SGLang's cache controller builds it: the factory's dynamic path, then the pool."""
+    b = StorageBackendFactory.create_backend("dynamic", storage_config(extra, **kw), pool)
+    b.register_mem_pool_host(pool)
+    return b
+
+
+def inner(b) -> KvtiersStorage:
+    return getattr(b, "_backend", b)  # the factory may wrap it in SGLang's failure injector
+
+
+HASHES = [f"{i:064x}" for i in range(1, 7)]
+
+
+@pytest.mark.parametrize("layout,mode", [("page_first", "zero-copy"), ("layer_first", "staged")])
+def test_pages_round_trip_through_the_fs_tier(layout, mode, tmp_path) -> None:
+    pool = HostPool(layout)
+    b = backend(pool, {"tier": "fs", "root_dir": str(tmp_path), "zero_copy": None})
+    kb = inner(b)
+    assert isinstance(kb, KvtiersStorage) and isinstance(kb, hicache.HiCacheStorage)
+    assert kb.layout.zero_copy is (mode == "zero-copy")
+    try:
+        assert b.batch_exists(HASHES) == 0
+        for p in range(6):
+            pool.fill(p, seed=p)
+        want = {h: pool.page(p) for p, h in enumerate(HASHES)}
+        # the backup thread writes pages 0-5 (host pages 0..5)
+        assert b.batch_set_v1(HASHES, pool.indices(list(range(6)))) == [True] * 6
+        assert b.batch_exists(HASHES) == 6
+        assert b.batch_exists(HASHES[:3] + [f"{99:064x}"] + HASHES[3:]) == 3  # leading hits only
+        # the prefetch thread reads them into other host pages, in another order
+        pool.kv_buffer.zero_()
+        dst = [7, 6, 2, 3, 1, 0]
+        assert b.batch_get_v1(HASHES, pool.indices(dst)) == [True] * 6
+        assert {h: pool.page(p) for h, p in zip(HASHES, dst, strict=True)} == want
+    finally:
+        b.close()
+    # a new backend on the same directory (an SGLang restart) reads them back
+    b2 = backend(pool, {"tier": "fs", "root_dir": str(tmp_path), "zero_copy": None})
+    try:
+        pool.kv_buffer.zero_()
+        assert b2.batch_exists(HASHES) == 6
+        assert b2.batch_get_v1(HASHES[:2], pool.indices([4, 5])) == [True, True]
+        assert pool.page(4) == want[HASHES[0]] and pool.page(5) == want[HASHES[1]]
+    finally:
+        b2.close()
+
+
+def test_missing_pages_fail_and_ranks_have_their_own_namespace(tmp_path) -> None:
+    pool = HostPool("page_first")
+    b0 = backend(pool, {"tier": "fs", "root_dir": str(tmp_path)}, tp_rank=0)
+    b1 = backend(pool, {"tier": "fs", "root_dir": str(tmp_path)}, tp_rank=1)
+    try:
+        pool.fill(0, seed=9)
+        assert b0.batch_set_v1(HASHES[:1], pool.indices([0])) == [True]
+        assert b1.batch_exists(HASHES[:1]) == 0  # TP rank 1 holds other heads: not rank 0's bytes
+        assert inner(b0).namespace.fields["tp"] == [0, 2] and inner(b1).namespace.fields["tp"] == [1, 2]
+        assert b0.batch_get_v1(HASHES[:2], pool.indices([3, 4])) == [True, False]
+    finally:
+        b0.close()
+        b1.close()
+
+
+def test_memory_tier_under_concurrent_prefetch_and_backup_threads() -> None:
+    pool = HostPool("page_first", pages=32)
+    b = backend(pool, {"tier": "memory"})
+    hashes = [f"{i:064x}" for i in range(100, 116)]
+    for p in range(16):
+        pool.fill(p, seed=100 + p)
+    want = {h: pool.page(p) for p, h in enumerate(hashes)}
+    errors = []
+
+    def backup(lo: int) -> None:
+        try:
+            assert b.batch_set_v1(hashes[lo:lo + 4], pool.indices(list(range(lo, lo + 4)))) == [True] * 4
+        except Exception as e:
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=backup, args=(lo,)) for lo in range(0, 16, 4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert errors == [] and b.batch_exists(hashes) == 16
+        got = {}
+
+        def prefetch(lo: int) -> None:
+            try:
+                dst = list(range(16 + lo, 20 + lo))
+                assert b.batch_get_v1(hashes[lo:lo + 4], pool.indices(dst)) == [True] * 4
+                got.update({h: pool.page(p) for h, p in zip(hashes[lo:lo + 4], dst, strict=True)})
+            except Exception as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=prefetch, args=(lo,)) for lo in range(0, 16, 4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert errors == [] and got == want
+    finally:
+        b.close()
+
+
+def test_config_errors() -> None:
+    pool = HostPool("page_first")
+    with pytest.raises(ConfigError, match="name the tier"):
+        backend(pool, {})
+    with pytest.raises(ConfigError, match="root_dir"):
+        backend(pool, {"tier": "fs"})
+    with pytest.raises(ConfigError, match="unknown tier"):
+        backend(pool, {"tier": "nope"})
+    with pytest.raises(ValueError, match="cannot be arena slots"):
+        backend(HostPool("page_first", head_dim=8), {"tier": "memory", "zero_copy": True})  # 256-byte pieces
