@@ -7,7 +7,10 @@ bytes as plain DEALER sends answered by one ack each, at the same window of mess
 flight; then it loads them back (``submit_load``: GET, chunks received into the arena slots
 and xxh3-checked) and pulls as many chunks of the same size from the raw peer with plain
 ``recv_into`` into the same slots. Tier and baseline alternate which goes first from round
-to round; medians over rounds are compared.
+to round; medians over rounds are compared. With ``--backend nixl`` (or ``both``) the server
+also serves NIXL, the tier loads over NIXL (stores stay on ZMQ), and the load baseline is raw
+NIXL UCX WRITEs of the same chunks from the raw peer's registered memory into memory this
+process registered.
 """
 
 from __future__ import annotations
@@ -86,20 +89,36 @@ class _Raw:
             self.s.recv()
             acked += 1
 
+    def nixl_pull(self, nx: Any, n: int) -> None:
+        """``n`` raw NIXL writes of one chunk each into ``nx``'s registered staging."""
+        self.s.send_multipart([b"nixlpull", str(nx.stride).encode(), str(n).encode(), nx.agent.get_agent_metadata(),
+                               str(nx.base).encode(), str(nx.n).encode(), str(nx.stride).encode()])
+        if self.s.recv() != b"ok":
+            raise RuntimeError("raw NIXL pull failed")
+
     def close(self) -> None:
         self.s.close(0)
         self.ctx.term()
 
 
-def run_bench(chunk_sizes: list[int], *, total: int = 128 << 20, rounds: int = 3) -> dict:
-    """Run the interleaved bench; return ``{"results": [...], ...}`` (see the module doc)."""
+def run_bench(chunk_sizes: list[int], *, total: int = 128 << 20, rounds: int = 3,
+              backends: tuple[str, ...] = ("zmq",)) -> dict:
+    """Run the interleaved bench; return ``{"results": [...], ...}`` (see the module doc).
+    ``backends``: ``zmq`` and/or ``nixl`` (loads against raw NIXL UCX writes)."""
     for size in chunk_sizes:
         if size <= 0 or size % 4096:
             raise ValueError(f"--chunk-bytes must be a positive multiple of 4096, got {size}")
         if total < size:
             raise ValueError(f"--total {total} is smaller than a chunk of {size} bytes")
+    nixl = "nixl" in backends
+    if nixl:
+        from .nixl_path import available
+
+        why = available()
+        if why is not None:
+            raise ValueError(f"--backend nixl: {why}")
     capacity = 2 * total + max(chunk_sizes)
-    server = start_server(capacity=capacity)
+    server = start_server(capacity=capacity, extra=["--nixl"] if nixl else None)
     raw_proc, raw_endpoint = _start_raw()
     raw = _Raw(raw_endpoint)
     results = []
@@ -110,11 +129,13 @@ def run_bench(chunk_sizes: list[int], *, total: int = 128 << 20, rounds: int = 3
             rng = np.random.default_rng(size)
             np.frombuffer(arena.buffer, dtype=np.uint8)[:] = rng.integers(0, 256, len(arena.buffer), dtype=np.uint8)
             ctx = TierContext(arena, Namespace({"kvtiers_bench": "p2p", "chunk_bytes": size}))
-            handle = open_tier("p2p", {"host": "127.0.0.1", "port": server.port, "timeout": 120.0}, ctx)
-            try:
-                results += _measure(handle, raw, arena, n, rounds)
-            finally:
-                handle.close()
+            for backend in backends:
+                handle = open_tier("p2p", {"host": "127.0.0.1", "port": server.port, "timeout": 120.0,
+                                           "backend": backend}, ctx)
+                try:
+                    results += _measure(handle, raw, arena, n, rounds, backend)
+                finally:
+                    handle.close()
     finally:
         raw.close()
         raw_proc.terminate()
@@ -128,8 +149,13 @@ def run_bench(chunk_sizes: list[int], *, total: int = 128 << 20, rounds: int = 3
     }  # fmt: skip
 
 
-def _measure(handle: Any, raw: _Raw, arena: Arena, n: int, rounds: int) -> list[dict]:
+def _measure(handle: Any, raw: _Raw, arena: Arena, n: int, rounds: int, backend: str) -> list[dict]:
     size = arena.slot_bytes
+    nx = None
+    if backend == "nixl":  # the raw baseline's destination: registered memory of an agent of our own
+        from .nixl_path import NixlClient
+
+        nx = NixlClient(size)
     jobs = iter(range(1, 1 << 30))
     times: dict[str, dict[str, list[float]]] = {op: {"p2p": [], "raw": []} for op in ("store", "load")}
     for r in range(rounds):
@@ -147,7 +173,10 @@ def _measure(handle: Any, raw: _Raw, arena: Arena, n: int, rounds: int) -> list[
 
             def theirs(op: str = op) -> float:
                 t0 = time.perf_counter()
-                (raw.push if op == "store" else raw.pull)(arena, n)
+                if op == "load" and nx is not None:
+                    raw.nixl_pull(nx, n)
+                else:
+                    (raw.push if op == "store" else raw.pull)(arena, n)
                 return time.perf_counter() - t0
 
             order = [("p2p", ours), ("raw", theirs)]
@@ -155,13 +184,16 @@ def _measure(handle: Any, raw: _Raw, arena: Arena, n: int, rounds: int) -> list[
                 order.reverse()
             for who, fn in order:
                 times[op][who].append(fn())
+    if nx is not None:
+        nx.close()
     out = []
     for op in ("store", "load"):
         mine = [n * size / t / 1e9 for t in times[op]["p2p"]]
         base = [n * size / t / 1e9 for t in times[op]["raw"]]
         g, b = statistics.median(mine), statistics.median(base)
         out.append({
-            "op": op, "backend": "zmq", "chunk_bytes": size, "chunks": n, "gbps": round(g, 4),
+            "op": op, "backend": backend, "chunk_bytes": size, "chunks": n, "gbps": round(g, 4),
+            "baseline_kind": "raw nixl ucx write" if (nx is not None and op == "load") else "raw zmq",
             "baseline_gbps": round(b, 4), "ratio": round(g / b, 3) if b else None,
             "rounds_gbps": [round(x, 4) for x in mine], "rounds_baseline_gbps": [round(x, 4) for x in base],
         })  # fmt: skip
@@ -170,10 +202,10 @@ def _measure(handle: Any, raw: _Raw, arena: Arena, n: int, rounds: int) -> list[
 
 def format_table(report: dict) -> str:
     """The human-readable table ``kvtiers bench p2p`` prints."""
-    lines = [f"{'op':<6} {'backend':<8} {'chunk_bytes':>11} {'p2p GB/s':>9} {'raw zmq GB/s':>13} {'ratio':>7}"]
+    lines = [f"{'op':<6} {'backend':<8} {'chunk_bytes':>11} {'p2p GB/s':>9} {'raw GB/s':>9} {'ratio':>7}  baseline"]
     for r in report["results"]:
         lines.append(f"{r['op']:<6} {r['backend']:<8} {r['chunk_bytes']:>11} {r['gbps']:>9.3f} "
-                     f"{r['baseline_gbps']:>13.3f} {r['ratio']:>6.2f}x")
+                     f"{r['baseline_gbps']:>9.3f} {r['ratio']:>6.2f}x  {r['baseline_kind']}")
     lines.append(f"median of {report['rounds']} interleaved rounds, {report['total_bytes']} bytes per round and "
                  f"size, {report['endpoint']}")
     return "\n".join(lines)

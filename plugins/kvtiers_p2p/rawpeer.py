@@ -1,6 +1,8 @@
 """The baseline of ``kvtiers bench p2p``: plain ZMQ over the same DEALER/ROUTER pattern,
 without the protocol. ``[b"pull", n, size]`` is answered with ``n`` messages of ``size``
-bytes sent zero-copy from memory; ``[b"push", size, data]`` is received with ``recv_into``
+bytes sent zero-copy from memory; ``[b"nixlpull", size, n, agent metadata, base, slots,
+stride]`` with ``n`` NIXL UCX WRITEs of ``size`` bytes into the client's registered memory;
+``[b"push", size, data]`` is received with ``recv_into``
 a pre-faulted buffer (as a peer cache must keep what it is sent) and answered ``[b"ok"]``.
 Both sides thus receive into memory of their own, as the tier does. Run as
 ``python -m kvtiers_p2p.rawpeer BIND ENDPOINT_FILE PARENT_PID``."""
@@ -29,6 +31,8 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     payloads: dict[int, zmq.Frame] = {}
     pools: dict[int, list[memoryview]] = {}
+    nx = None
+    nsrc: dict[int, memoryview] = {}
     turn = 0
     while not stop and os.getppid() == parent:
         if not s.poll(200):
@@ -41,6 +45,23 @@ def main(argv: list[str]) -> None:
                 frame = payloads[size] = zmq.Frame(os.urandom(size))
             for _ in range(n):  # the same stored bytes each time, sent zero-copy as the server does
                 s.send_multipart([ident, b"c", frame], copy=False)
+        elif op == b"nixlpull":  # raw NIXL UCX: n WRITEs of a registered buffer into the client's memory
+            n, md, base, slots, stride = int(s.recv()), s.recv(), int(s.recv()), int(s.recv()), int(s.recv())
+            if nx is None:
+                from .nixl_path import NixlServer
+
+                nx = NixlServer()
+            src = nsrc.get(size)
+            if src is None:
+                flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+                src = nsrc[size] = memoryview(mmap.mmap(-1, size, flags=flags))
+                nx.register(src)
+            peer = nx.add_peer(md)
+            handles = [nx.write(src, peer, base + (i % slots) * stride) for i in range(n)]
+            states = [nx.state(h) if h is not None else "ERR" for h in handles]
+            while "PROC" in states:
+                states = [nx.state(h) if st == "PROC" else st for h, st in zip(handles, states, strict=True)]
+            s.send_multipart([ident, b"ok" if all(st == "DONE" for st in states) else b"err"])
         elif op == b"push":
             pool = pools.get(size)
             if pool is None:

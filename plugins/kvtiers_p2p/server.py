@@ -179,8 +179,8 @@ class PeerServer:
                 time.sleep(0.0005)
                 continue
             if self.streams:
-                if not self._pump():
-                    time.sleep(0.0005)  # every stream's pipe is full
+                if not self._pump() and not self._nixl_pending():
+                    time.sleep(0.0005)  # every stream's pipe is full (NIXL writes: poll on, they progress)
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + 0.5
@@ -190,6 +190,9 @@ class PeerServer:
 
     def _sendable(self) -> bool:
         return bool(self.streams or self.outbox)
+
+    def _nixl_pending(self) -> bool:
+        return self.nixl is not None and any(st.posted for st in self.streams)
 
     def _reply(self, ident: bytes, *frames: Any) -> None:
         """Send a reply now, or queue it behind earlier ones when the client's pipe is full."""
