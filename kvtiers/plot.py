@@ -19,6 +19,10 @@ def _pyplot() -> Any:
     return plt
 
 
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
 def plot_bench(report: dict[str, Any], path: str) -> None:
     """GB/s against chunk size (left) and against requests in flight (right), store and
     load, the tier solid and its raw baseline dashed."""
@@ -44,10 +48,14 @@ def plot_bench(report: dict[str, Any], path: str) -> None:
                            label=f"{op}, raw")
             right.set_xticks(xi, labels)
     left.set_xscale("log", base=2)
-    left.set_xlabel("chunk size (MiB)")
+    sizes = sorted({r["chunk_bytes"] for r in report["results"]})
+    left.set_xticks([c / (1 << 20) for c in sizes], [_size(c) for c in sizes])
+    left.minorticks_off()
+    left.set_xlabel("chunk size")
     left.set_ylabel("GB/s")
     left.set_title(f"{report['tier']}: by chunk size")
-    right.set_xlabel("jobs in flight x keys per job")
+    conc = report["concurrency"]
+    right.set_xlabel("jobs in flight x keys per job" + (f" ({_size(conc[0]['chunk_bytes'])} chunks)" if conc else ""))
     right.set_ylabel("GB/s")
     right.set_title("by concurrency")
     for ax in (left, right):
@@ -65,17 +73,20 @@ def plot_simulation(report: dict[str, Any], path: str) -> None:
     host capacities (in conversations) marked."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for pol in report["policies"]:
+    styles = ["o-", "s--", "^-.", "v:", "D-"]  # distinct, so lines that coincide stay visible
+    for i, pol in enumerate(report["policies"]):
         rows = [r for r in report["results"] if r["policy"] == pol]
-        ax.plot([r["concurrency"] for r in rows], [r["tokens_per_s"] for r in rows], "o-", label=pol)
+        ax.plot([r["concurrency"] for r in rows], [r["tokens_per_s"] for r in rows], styles[i % len(styles)],
+                label=pol, markersize=9 - 1.5 * i, lw=1.5)
     model = report["model"]
-    for x, what in ((model.get("gpu_conversations"), "GPU KV full"), (model.get("host_conversations"), "host full")):
+    for x, what in ((model.get("gpu_conversations"), "GPU full"), (model.get("host_conversations"), "host full")):
         if x:
             ax.axvline(x, color="grey", ls=":", lw=1)
-            ax.text(x, ax.get_ylim()[1] * 0.97, f" {what}", va="top", fontsize=8, color="grey")
+            ax.text(x, 0, f" {what}", va="bottom", fontsize=8, color="grey")
     ax.set_xlabel("concurrent conversations")
     ax.set_ylabel("output tokens/s (modelled)")
-    ax.set_title(f"{model['name']}: throughput by offload policy")
+    links = ", ".join(f"{k} {v['load_gbps']:.1f} GB/s" for k, v in report.get("links", {}).items())
+    ax.set_title(f"{model['name']}\n{links}" if links else model["name"], fontsize=9)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -198,9 +198,9 @@ def _latency(op: str, chunk: int, us: list[float], keys_per_job: int) -> dict[st
             "max": round(us[-1], 1)}
 
 
-def default_options(tier_type: str, scratch: str) -> dict[str, Any]:
+def default_options(tier_type: str | type, scratch: str) -> dict[str, Any]:
     """Options for a tier given none: its ``conformance_config(scratch)`` when it has one."""
-    cls = get_registry().tier_info(tier_type).cls
+    cls = tier_type if isinstance(tier_type, type) else get_registry().tier_info(tier_type).cls
     make = getattr(cls, "conformance_config", None)
     if make is None:
         return {}
@@ -210,7 +210,7 @@ def default_options(tier_type: str, scratch: str) -> dict[str, Any]:
 
 
 def run_tier_bench(
-    tier_type: str,
+    tier_type: str | type,
     options: dict[str, Any] | None,
     *,
     chunk_sizes: Sequence[int] = (1 << 20, 4 << 20),
@@ -224,7 +224,8 @@ def run_tier_bench(
     variants: dict[str, dict[str, Any]] | None = None,
     progress: Any = None,
 ) -> dict[str, Any]:
-    """Benchmark ``tier_type`` with ``options`` (None or empty: the tier's
+    """Benchmark ``tier_type`` (a registered name, an import path or a tier class) with
+    ``options`` (None or empty: the tier's
     ``conformance_config`` in a temporary directory, if it has one). ``chunks`` per round
     (default ``total_bytes // chunk``). ``variants``: name -> option overrides, each opened
     as its own tier and measured in the same rounds against the same baseline (rows carry
@@ -239,12 +240,13 @@ def run_tier_bench(
         raise ValueError("--rounds must be >= 1")
     if chunks is not None and chunks < 1:
         raise ValueError("--chunks must be >= 1")
+    name = tier_type if isinstance(tier_type, str) else tier_type.__name__
     scratch = None
     if not options:
         scratch = tempfile.TemporaryDirectory(prefix="kvtiers-bench-")
         options = default_options(tier_type, scratch.name)
     variants = variants or {"": {}}
-    report: dict[str, Any] = {"tier": tier_type, "baseline": None, "rounds": rounds, "keys_per_job": keys_per_job,
+    report: dict[str, Any] = {"tier": name, "baseline": None, "rounds": rounds, "keys_per_job": keys_per_job,
                               "results": [], "concurrency": [], "lookup": [], "submit_latency_us": []}
     ids = iter(range(1, 1 << 62))
     try:
@@ -254,7 +256,7 @@ def run_tier_bench(
             np.frombuffer(arena.buffer, dtype=np.uint8)[:] = np.random.default_rng(chunk).integers(
                 0, 256, n * chunk, dtype=np.uint8)
             views = [arena[i] for i in range(n)]
-            ns = Namespace({"kvtiers_bench": tier_type, "chunk_bytes": chunk, "run": secrets.token_hex(4)})
+            ns = Namespace({"kvtiers_bench": name, "chunk_bytes": chunk, "run": secrets.token_hex(4)})
             ctx = TierContext(arena, ns)
             handles: dict[str, TierHandle] = {}
             base = runner = None
@@ -418,13 +420,14 @@ def format_table(report: dict[str, Any]) -> str:
     base = report.get("baseline")
     lines = [f"kvtiers bench tier {report['tier']}: median of {report['rounds']} interleaved rounds, "
              f"baseline: {base or 'none (the tier offers none)'}"]
-    hdr = f"{'op':<6} {'chunk':>8} {'variant':<12} {'tier GB/s':>10} {'raw GB/s':>9} {'ratio':>7}"
-    lines.append(hdr)
+    variants = any(r.get("variant") for r in report["results"])
+    lines.append(f"{'op':<6} {'chunk':>8} " + (f"{'variant':<12} " if variants else "")
+                 + f"{'tier GB/s':>10} {'raw GB/s':>9} {'ratio':>7}")
     for r in report["results"]:
         raw = f"{r['baseline_gbps']:>9.3f}" if r["baseline_gbps"] is not None else f"{'-':>9}"
         ratio = f"{r['ratio']:>6.2f}x" if r["ratio"] is not None else f"{'-':>7}"
-        lines.append(f"{r['op']:<6} {_size(r['chunk_bytes']):>8} {r.get('variant', '') or '-':<12} "
-                     f"{r['gbps']:>10.3f} {raw} {ratio}")
+        var = f"{r.get('variant', ''):<12} " if variants else ""
+        lines.append(f"{r['op']:<6} {_size(r['chunk_bytes']):>8} {var}{r['gbps']:>10.3f} {raw} {ratio}")
     if report["concurrency"]:
         lines.append("")
         lines.append(f"{'op':<6} {'chunk':>8} {'jobs x keys':>12} {'tier GB/s':>10} {'raw GB/s':>9} {'ratio':>7}")
