@@ -141,7 +141,12 @@ class KvtiersTier(SecondaryTierManager):
         self._lock = threading.Lock()  # _long, read by removals from the tier's threads
         self._closed = False
         ctx = TierContext(self.arena, self.namespace, removed=self._on_removed)
-        self.handle: TierHandle = open_tier(name, options, ctx)
+        try:
+            self.handle: TierHandle = open_tier(name, options, ctx)
+        except BaseException:  # let go of vLLM's region, so its clean-up can unmap it
+            self.arena.buffer.release()
+            self._flat.release()
+            raise
         self.kvtiers_name = name
         log.info("vLLM secondary tier %r: kvtiers tier %r, namespace %s, %d chunks of %d bytes",
                  tier_type, name, self.namespace.digest, len(self.arena), self.arena.slot_bytes)
