@@ -132,11 +132,14 @@ class P2PTier:
     @classmethod
     def conformance_config(cls, scratch) -> dict:
         """Start a peer server in a child process for one check; it exits when ``scratch``
-        is removed (the end of the check) or when this process dies."""
+        is removed (the end of the check) or when this process dies. The environment
+        variable ``KVTIERS_P2P_BACKEND=nixl`` checks the NIXL data path instead."""
         from .spawn import start_server
 
-        srv = start_server(capacity=1 << 30, exit_when_missing=str(scratch))
-        return {"host": "127.0.0.1", "port": srv.port, "timeout": 10.0}
+        backend = os.environ.get("KVTIERS_P2P_BACKEND", "zmq")
+        srv = start_server(capacity=1 << 30, exit_when_missing=str(scratch),
+                           extra=["--nixl"] if backend == "nixl" else None)
+        return {"host": "127.0.0.1", "port": srv.port, "timeout": 10.0, "backend": backend}
 
     # -- peers ---------------------------------------------------------------------------
     @property
