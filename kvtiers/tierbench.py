@@ -77,6 +77,12 @@ class _Runner:
         return max(1, (b.load_concurrency or b.concurrency) if op == "load" else b.concurrency)
 
     def run(self, op: str, keys: Sequence[bytes], views: Sequence[memoryview], parallel: int) -> None:
+        try:
+            self._run(op, keys, views, parallel)
+        except Exception as e:  # the baseline's own fault, said in one line like the tier's
+            raise RuntimeError(f"bench: baseline {self.base.name!r} {op} failed: {type(e).__name__}: {e}") from e
+
+    def _run(self, op: str, keys: Sequence[bytes], views: Sequence[memoryview], parallel: int) -> None:
         fn = self.base.get if op == "load" else self.base.put
         if inspect.iscoroutinefunction(fn):
             from .ioloop import get_loop

@@ -207,3 +207,23 @@ def test_progress_bar_on_a_terminal_lines_elsewhere_nothing_when_quiet():
         bar.advance()
         bar.note("x")
     assert quiet.getvalue() == ""
+
+
+def test_a_failing_tier_or_baseline_stops_the_run_with_its_reason():
+    from kvtiers.memory import MemoryTier
+    from kvtiers.tierbench import Baseline, run_tier_bench
+
+    # room for one chunk of two: the first is evicted by the second, its load fails
+    with pytest.raises(RuntimeError, match=r"tier 'memory' load failed for 1 key\(s\)"):
+        run_tier_bench("memory", {"max_bytes": 4096}, chunk_sizes=[4096], chunks=2, rounds=1, concurrency=())
+
+    class BrokenBaseline(MemoryTier):
+        @classmethod
+        def bench_baseline(cls, tier, chunk_bytes):
+            def get(key, out):
+                raise OSError("disk on fire")
+
+            return Baseline("broken", lambda key, data: None, get)
+
+    with pytest.raises(RuntimeError, match="baseline 'broken' load failed: OSError: disk on fire"):
+        run_tier_bench(BrokenBaseline, {}, chunk_sizes=[4096], chunks=2, rounds=1, concurrency=())
