@@ -1,6 +1,6 @@
 """``kvtiers simulate``: the three regimes (ordering of policies, not exact numbers) at a small
 scale, through the real data path (TieringManager, host arena, fs tier, obj tier on the
-fixture's SeaweedFS), and the model's pieces."""
+fixture's SeaweedFS, p2p tier on a peer it starts), and the model's pieces."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_three_regimes_through_the_real_data_path(s3_server, tmp_path):
     obj = json.dumps(options_for(s3_server))
     cmd = [sys.executable, "-m", "kvtiers.cli", "simulate", *SMALL, "--gbps", "obj=3/3", "--tier-config",
            f"obj={obj}", "--policy", "recompute", "--policy", "host", "--policy", "host+fs", "--policy", "host+obj",
-           "--json", "--plot", str(png)]  # fmt: skip
+           "--policy", "host+p2p", "--gbps", "p2p=3/3", "--json", "--plot", str(png)]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""  # --json: no progress
@@ -37,13 +37,14 @@ def test_three_regimes_through_the_real_data_path(s3_server, tmp_path):
     assert rep["links"]["fs"]["source"].startswith("measured here") and rep["links"]["fs"]["load_gbps"] > 0
     assert rep["links"]["obj"]["source"] == "given"
     tput = {(x["policy"], x["concurrency"]): x for x in rep["results"]}
-    assert len(tput) == 4 * 6
+    assert rep["skipped"] == {}  # p2p: a peer started through its conformance_config
+    assert len(tput) == 5 * 6
     assert all(x["mismatches"] == 0 for x in rep["results"])  # every loaded chunk held its bytes
 
     def t(p: str, n: int) -> float:
         return tput[(p, n)]["tokens_per_s"]
 
-    offload = ("host", "host+fs", "host+obj")
+    offload = ("host", "host+fs", "host+obj", "host+p2p")
     for n in (2, 4):  # the GPU holds the working set: every policy alike
         for p in offload:
             assert t(p, n) == pytest.approx(t("recompute", n), rel=0.05), (p, n)
@@ -55,11 +56,12 @@ def test_three_regimes_through_the_real_data_path(s3_server, tmp_path):
         assert tput[("host", n)]["loaded_tokens"].get("host", 0) > 0
     for n in (12, 16):  # host full too: only storage holds, above 2x recompute here (3 GB/s vs 2.62 break-even)
         assert t("host", n) < 1.3 * t("recompute", n)
-        for p in ("host+fs", "host+obj"):
+        for p in ("host+fs", "host+obj", "host+p2p"):
             assert t(p, n) > 1.8 * t("recompute", n), (p, n)
             assert t(p, n) > 1.5 * t("host", n), (p, n)
         assert tput[("host+fs", n)]["chunks_loaded"]["fs"] > 0
         assert tput[("host+obj", n)]["chunks_loaded"]["obj"] > 0
+        assert tput[("host+p2p", n)]["chunks_loaded"]["p2p"] > 0
     assert t("recompute", 16) < 0.6 * t("recompute", 2)
 
 
