@@ -37,6 +37,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E40
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 import kvtiers  # noqa: E402
+import kvtiers.memory  # noqa: E402
 from kvtiers.errors import ConfigError  # noqa: E402
 from kvtiers.integrations.vllm import KvtiersTier, metrics  # noqa: E402
 from kvtiers.ioloop import THREAD_NAME  # noqa: E402
@@ -211,6 +212,39 @@ def test_memory_tier_promotes_what_the_primary_evicted_and_reports_its_own_evict
         assert got == {k: chunks[k] for k in keys[4:6]}
         got, _ = e.load("r2", keys[:2])  # evicted everywhere
         assert got == {}
+    finally:
+        e.close()
+
+
+class RetryingMemoryTier(kvtiers.memory.MemoryTier):
+    """The memory tier, answering RETRY to the first two lookups of each key (as a tier does
+    while it checks a slow backend in the background)."""
+
+    asked: dict[bytes, int] = {}
+
+    @kvtiers.hookimpl
+    def lookup(self, keys):
+        answers = super().lookup(keys)
+        out = []
+        for k, a in zip(keys, answers, strict=True):
+            n = self.asked[k] = self.asked.get(k, 0) + 1
+            out.append(kvtiers.Lookup.RETRY if n <= 2 else a)
+        return out
+
+
+def test_a_tier_answering_retry_makes_vllm_retry_then_promote() -> None:
+    tier = {"type": "kvtiers", "module_path": MODULE, "tier": f"{__name__}:RetryingMemoryTier"}
+    e = Engine(tier, chunks=4)
+    try:
+        chunks = chunks_for(6, seed=5)
+        keys = list(chunks)
+        for i in range(0, 6, 2):  # the 4-row primary keeps only the last 4
+            e.store(f"s{i}", {k: chunks[k] for k in keys[i:i + 2]})
+        RetryingMemoryTier.asked.clear()
+        got, seen = e.load("r", keys[:2])
+        assert got == {k: chunks[k] for k in keys[:2]}
+        assert seen[:2] == [LookupResult.RETRY, LookupResult.RETRY]  # the tier's RETRY, passed through
+        assert LookupResult.HIT_PENDING in seen and seen[-1] is LookupResult.HIT
     finally:
         e.close()
 
