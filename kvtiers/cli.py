@@ -74,7 +74,7 @@ def cli(verbose: int) -> None:
     lazy={
         "arena": ("kvtiers.engine.bench:arena", "Device<->arena chunk copies against np.copyto."),
         "asynctier": ("kvtiers.asyncbench:asynctier", "Cost per key of the AsyncTier base class (no I/O)."),
-        "tier": ("kvtiers.tierbench_cli:tier", "Any tier's GB/s, lookups and submit latency, against its raw baseline."),
+        "tier": ("kvtiers.tierbench_cli:tier", "Any tier's GB/s, lookups and submit latency, against its baseline."),
     },
 )
 def bench() -> None:
