@@ -1,9 +1,13 @@
 """The baseline of ``kvtiers bench p2p``: plain ZMQ over the same DEALER/ROUTER pattern,
-without the protocol. ``[b"pull", n, size]`` is answered with ``n`` messages of ``size``
-bytes sent zero-copy from memory; ``[b"nixlpull", size, n, agent metadata, base, slots,
-stride]`` with ``n`` NIXL UCX WRITEs of ``size`` bytes into the client's registered memory;
-``[b"push", size, data]`` is received with ``recv_into``
-a pre-faulted buffer (as a peer cache must keep what it is sent) and answered ``[b"ok"]``.
+without the protocol.
+
+- ``[b"pull", size, n]``: ``n`` messages of ``size`` bytes, ``n`` distinct chunks (as the
+  tier loads distinct keys), sent zero-copy from memory.
+- ``[b"nixlpull", size, n, agent metadata, base, slots, stride]``: ``n`` NIXL UCX WRITEs of
+  distinct registered chunks into the client's registered memory, then ``[b"ok"]``.
+- ``[b"push", size, data]``: received with ``recv_into`` a pre-faulted buffer (as a peer
+  cache must keep what it is sent), answered ``[b"ok"]``.
+
 Both sides thus receive into memory of their own, as the tier does. Run as
 ``python -m kvtiers_p2p.rawpeer BIND ENDPOINT_FILE PARENT_PID``."""
 
@@ -29,7 +33,7 @@ def main(argv: list[str]) -> None:
     os.replace(endpoint_file + ".tmp", endpoint_file)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    payloads: dict[int, zmq.Frame] = {}
+    payloads: dict[int, list[zmq.Frame]] = {}
     pools: dict[int, list[memoryview]] = {}
     nx = None
     nsrc: dict[int, memoryview] = {}
@@ -40,11 +44,11 @@ def main(argv: list[str]) -> None:
         ident, op, size = s.recv(), s.recv(), int(s.recv())
         if op == b"pull":
             n = int(s.recv())
-            frame = payloads.get(size)
-            if frame is None:
-                frame = payloads[size] = zmq.Frame(os.urandom(size))
-            for _ in range(n):  # the same stored bytes each time, sent zero-copy as the server does
-                s.send_multipart([ident, b"c", frame], copy=False)
+            frames = payloads.setdefault(size, [])
+            while len(frames) < n:  # n distinct chunks, as the tier loads n distinct keys
+                frames.append(zmq.Frame(os.urandom(size)))
+            for i in range(n):  # sent zero-copy from memory, as the server does
+                s.send_multipart([ident, b"c", frames[i]], copy=False)
         elif op == b"nixlpull":  # raw NIXL UCX: n WRITEs of a registered buffer into the client's memory
             n, md, base, slots, stride = int(s.recv()), s.recv(), int(s.recv()), int(s.recv()), int(s.recv())
             if nx is None:
@@ -52,12 +56,13 @@ def main(argv: list[str]) -> None:
 
                 nx = NixlServer()
             src = nsrc.get(size)
-            if src is None:
+            if src is None or len(src) < n * size:  # n distinct chunks in registered memory
                 flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-                src = nsrc[size] = memoryview(mmap.mmap(-1, size, flags=flags))
+                src = nsrc[size] = memoryview(mmap.mmap(-1, n * size, flags=flags))
+                src[:] = os.urandom(len(src))
                 nx.register(src)
             peer = nx.add_peer(md)
-            handles = [nx.write(src, peer, base + (i % slots) * stride) for i in range(n)]
+            handles = [nx.write(src[i * size : (i + 1) * size], peer, base + (i % slots) * stride) for i in range(n)]
             states = [nx.state(h) if h is not None else "ERR" for h in handles]
             while "PROC" in states:
                 states = [nx.state(h) if st == "PROC" else st for h, st in zip(handles, states, strict=True)]

@@ -179,8 +179,8 @@ class PeerServer:
                 time.sleep(0.0005)
                 continue
             if self.streams:
-                if not self._pump() and not self._nixl_pending():
-                    time.sleep(0.0005)  # every stream's pipe is full (NIXL writes: poll on, they progress)
+                if not self._pump():  # every stream's pipe is full, or NIXL writes are under way
+                    time.sleep(0 if self._nixl_pending() else 0.0005)
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + 0.5
