@@ -10,9 +10,9 @@ The defaults describe one named setup from public figures: **Llama-3.1-8B on one
 - Prefill: 2 x 8.03e9 FLOPs per token for the weights plus attention over a ~6k-token
   context (4 x 32 layers x 4096 x 6000 = 3.1 GFLOPs) = ~19 GFLOPs per token; at 40 % of the
   H100's 989 dense BF16 TFLOP/s: ~50 us per token (~20k tokens/s).
-- Decode: one step reads the weights (16.1 GB) and each sequence's KV; a batch of 64
-  sequences of 12k tokens reads 16.1 + 51.5 GB at ~80 % of 3.35 TB/s HBM: ~25 ms per step,
-  ~400 us per generated token per sequence.
+- Decode: one step reads the weights (16.1 GB at ~80 % of 3.35 TB/s HBM: ~6 ms, shared by
+  the batch) and each sequence's KV (12k tokens x 64 KiB: ~300 us per sequence). The batch
+  is every conversation the GPU holds, at most its capacity (64): ~25 ms per step of 64.
 - Host memory for KV: 100 GiB; host <-> GPU: PCIe Gen5 x16 at 40 GB/s each way (64 GB/s
   theoretical).
 
@@ -41,7 +41,8 @@ class Accelerator:
     gpu_kv_bytes: int = 48 * GiB
     host_kv_bytes: int = 100 * GiB
     prefill_us_per_token: float = 50.0
-    decode_us_per_token: float = 400.0
+    decode_us_per_token: float = 300.0  # per sequence per step: reading its KV
+    decode_step_us: float = 6000.0  # per step, shared by the batch: reading the weights
     pcie_gbps: float = 40.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -92,6 +93,7 @@ class Tally:
     loaded_tokens: dict[str, int] = field(default_factory=dict)  # source -> tokens
     computed_tokens: int = 0
     output_tokens: int = 0
+    decode_batch: int = 1  # sequences per decode step
     chunks_loaded: dict[str, int] = field(default_factory=dict)  # path medium -> chunks read from it
     chunks_stored: dict[str, int] = field(default_factory=dict)  # medium -> chunks written to it
     mismatches: int = 0
@@ -104,7 +106,8 @@ def modelled_seconds(t: Tally, acc: Accelerator, chunk_bytes: int, links: dict[s
     busiest resource among the GPU, PCIe and the tiers' loads. Stores to a tier are
     written behind, off the critical path: where they need longer than the run, the tier
     could not have kept every chunk (see :func:`store_lag`)."""
-    out = {"gpu": (t.computed_tokens * acc.prefill_us_per_token + t.output_tokens * acc.decode_us_per_token) / 1e6}
+    per_token = acc.decode_us_per_token + acc.decode_step_us / max(1, t.decode_batch)
+    out = {"gpu": (t.computed_tokens * acc.prefill_us_per_token + t.output_tokens * per_token) / 1e6}
     to_gpu = sum(t.loaded_tokens.values()) * acc.kv_bytes_per_token
     from_gpu = t.chunks_stored.get("host", 0) * chunk_bytes
     out["pcie_h2d"] = to_gpu / (acc.pcie_gbps * 1e9)

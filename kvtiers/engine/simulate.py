@@ -11,11 +11,12 @@ host-cache eviction, promotion, the store cascade are the real ones. Every loade
 checked byte for byte. The GPU's own prefix cache is modelled (an LRU of chunk keys).
 
 Time is modelled: the GPU's busy time is prefill (tokens computed) plus decode (tokens
-generated); each path's busy time is the modelled chunk bytes it moved over its bandwidth:
-PCIe from the model, tiers **measured on this machine** with the tier bench at 4 MiB chunks
-(or given). Transfers overlap with compute, so a run takes as long as its busiest
-resource; throughput is generated tokens over that time, timed turns only (the first turn
-of every conversation, which computes its opening context under every policy, is warm-up).
+generated, in steps shared by every conversation the GPU holds); each path's busy time is
+the modelled chunk bytes it moved over its bandwidth: PCIe from the model, tiers
+**measured on this machine** with the tier bench at 4 MiB chunks (or given). Transfers
+overlap with compute, so a run takes as long as its busiest resource; throughput is
+generated tokens over that time, timed turns only (the first turn of every conversation,
+which computes its opening context under every policy, is warm-up).
 
 Policies: ``recompute`` (no offload: GPU prefix cache only), ``host`` (host arena),
 ``host+fs``, ``host+obj``, ``host+p2p`` (host arena, then that tier).
@@ -204,7 +205,8 @@ def run_point(policy: str, concurrency: int, acc: Accelerator, wl: Workload, tie
     gpu = GpuCache(gpu_chunks)
     convs = [Conversation(_tokens(rng, wl.context_tokens), salt=rng.randbytes(8) + policy.encode())
              for _ in range(concurrency)]
-    tally = Tally()
+    # decode runs every conversation the GPU holds at once, at most its capacity
+    tally = Tally(decode_batch=max(1, min(concurrency, gpu_chunks // max(1, wl.chunks_per_conversation()))))
     mgr = dev = None
     if policy != "recompute":
         arena = Arena.allocate(host_chunks, SLOT_BYTES)
@@ -364,7 +366,8 @@ def _row(policy: str, n: int, t: Tally, acc: Accelerator, chunk_bytes: int, link
         "policy": policy, "concurrency": n, "tokens_per_s": round(t.output_tokens / total, 1) if total else 0.0,
         "requests_per_s": round(t.requests / total, 3) if total else 0.0, "bound": bound,
         "seconds": {k: round(v, 4) for k, v in secs.items()},
-        "requests": t.requests, "prompt_tokens": t.prompt_tokens, "gpu_hit_tokens": t.gpu_hit_tokens,
+        "decode_batch": t.decode_batch, "requests": t.requests, "prompt_tokens": t.prompt_tokens,
+        "gpu_hit_tokens": t.gpu_hit_tokens,
         "loaded_tokens": dict(t.loaded_tokens), "computed_tokens": t.computed_tokens,
         "prefill_saved": round(loaded / t.prompt_tokens, 4) if t.prompt_tokens else 0.0,
         "chunks_loaded": dict(t.chunks_loaded), "chunks_stored": dict(t.chunks_stored), "mismatches": t.mismatches,
@@ -385,8 +388,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"  KV {m['kv_bytes_per_token'] >> 10} KiB/token, chunk {w['tokens_per_chunk']} tokens "
         f"({m['chunk_bytes'] >> 20} MiB); GPU holds {m['gpu_chunks']} chunks ({m['gpu_conversations']} conversations), "
         f"host {m['host_chunks']} chunks ({m['host_conversations']} conversations)",
-        f"  prefill {m['prefill_us_per_token']:g} us/token, decode {m['decode_us_per_token']:g} us/token, "
-        f"PCIe {m['pcie_gbps']:g} GB/s",
+        f"  prefill {m['prefill_us_per_token']:g} us/token, decode {m['decode_step_us']:g} us/step + "
+        f"{m['decode_us_per_token']:g} us/sequence, PCIe {m['pcie_gbps']:g} GB/s",
         f"  conversations: {w['context_tokens']} tokens of context, then {w['user_tokens']} user + "
         f"{w['answer_tokens']} answer tokens per turn, {w['turns']} turns (the first one untimed)",
     ]

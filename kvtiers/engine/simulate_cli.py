@@ -79,7 +79,9 @@ def _configs(items: tuple[str, ...]) -> dict[str, dict[str, Any]]:
 @click.option("--prefill-us", type=float, default=_ACC.prefill_us_per_token, show_default=True,
               help="Prefill cost per token, microseconds.")
 @click.option("--decode-us", type=float, default=_ACC.decode_us_per_token, show_default=True,
-              help="Decode cost per generated token per sequence (in a full batch), microseconds.")
+              help="Decode cost per generated token per sequence (reading its KV), microseconds.")
+@click.option("--decode-step-us", type=float, default=_ACC.decode_step_us, show_default=True,
+              help="Decode cost per step, shared by the batch (reading the weights), microseconds.")
 @click.option("--pcie-gbps", type=float, default=_ACC.pcie_gbps, show_default=True,
               help="Host <-> GPU bandwidth each way, GB/s.")
 @click.option("--gbps", "gbps_items", multiple=True, metavar="TIER=LOAD[/STORE]",
@@ -93,8 +95,8 @@ def _configs(items: tuple[str, ...]) -> dict[str, dict[str, Any]]:
 def simulate(concurrency: str, policies: tuple[str, ...], turns: int, context_tokens: int, user_tokens: int,
              answer_tokens: int, tokens_per_chunk: int, kv_bytes_per_token: int, gpu_kv_gib: float,
              host_kv_gib: float, gpu_chunks: int | None, host_chunks: int | None, prefill_us: float, decode_us: float,
-             pcie_gbps: float, gbps_items: tuple[str, ...], config_items: tuple[str, ...], seed: int, as_json: bool,
-             plot_path: str | None) -> None:
+             decode_step_us: float, pcie_gbps: float, gbps_items: tuple[str, ...], config_items: tuple[str, ...],
+             seed: int, as_json: bool, plot_path: str | None) -> None:
     """Multi-turn conversations at each concurrency against a model of an accelerator (by
     default Llama-3.1-8B on one H100, from public figures) and the real kvtiers data path at
     reduced scale (TieringManager, host arena, tiers), with tier bandwidths measured here.
@@ -105,9 +107,9 @@ def simulate(concurrency: str, policies: tuple[str, ...], turns: int, context_to
 
     acc = Accelerator(kv_bytes_per_token=kv_bytes_per_token, gpu_kv_bytes=int(gpu_kv_gib * GiB),
                       host_kv_bytes=int(host_kv_gib * GiB), prefill_us_per_token=prefill_us,
-                      decode_us_per_token=decode_us, pcie_gbps=pcie_gbps)
-    if (kv_bytes_per_token, prefill_us, decode_us) != (_ACC.kv_bytes_per_token, _ACC.prefill_us_per_token,
-                                                       _ACC.decode_us_per_token):
+                      decode_us_per_token=decode_us, decode_step_us=decode_step_us, pcie_gbps=pcie_gbps)
+    if (kv_bytes_per_token, prefill_us, decode_us, decode_step_us) != (
+            _ACC.kv_bytes_per_token, _ACC.prefill_us_per_token, _ACC.decode_us_per_token, _ACC.decode_step_us):
         acc.name = "custom model (calibrated by options)"
     wl = Workload(context_tokens=context_tokens, user_tokens=user_tokens, answer_tokens=answer_tokens, turns=turns,
                   tokens_per_chunk=tokens_per_chunk, concurrency=_ints(concurrency), seed=seed)
