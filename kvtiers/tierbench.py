@@ -231,8 +231,8 @@ def run_tier_bench(
     progress: Any = None,
 ) -> dict[str, Any]:
     """Benchmark ``tier_type`` (a registered name, an import path or a tier class) with
-    ``options`` (None or empty: the tier's
-    ``conformance_config`` in a temporary directory, if it has one). ``chunks`` per round
+    ``options`` (None or empty: the tier's ``conformance_config`` in a temporary directory,
+    if it has one). ``chunks`` per round
     (default ``total_bytes // chunk``). ``variants``: name -> option overrides, each opened
     as its own tier and measured in the same rounds against the same baseline (rows carry
     ``"variant"``). ``progress``: a :class:`kvtiers.progress.Progress` (or None).
@@ -268,8 +268,8 @@ def run_tier_bench(
             base = runner = None
             stored: list[bytes] = []
             try:
-                for name, over in variants.items():
-                    handles[name] = open_tier(tier_type, {**options, **over}, ctx)
+                for vname, over in variants.items():
+                    handles[vname] = open_tier(tier_type, {**options, **over}, ctx)
                 first = next(iter(handles.values()))
                 make = getattr(type(first.tier), "bench_baseline", None)
                 if baseline and make is not None:
