@@ -30,9 +30,8 @@ def plot_bench(report: dict[str, Any], path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     colors = {"store": "tab:blue", "load": "tab:orange"}
     for op in ("store", "load"):
-        rows = [r for r in report["results"] if r["op"] == op and not r.get("variant")]
-        if not rows:
-            rows = [r for r in report["results"] if r["op"] == op]
+        first = report["results"][0].get("variant") if report["results"] else None  # variants: the first one
+        rows = [r for r in report["results"] if r["op"] == op and r.get("variant") == first]
         xs = [r["chunk_bytes"] / (1 << 20) for r in rows]
         left.plot(xs, [r["gbps"] for r in rows], "o-", color=colors[op], label=f"{op}, tier")
         if any(r["baseline_gbps"] is not None for r in rows):
