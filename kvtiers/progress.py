@@ -25,7 +25,8 @@ class Progress:
 
     ``total``: the number of steps (0 or None: unknown, no bar, only a counter).
     ``quiet``: print nothing. ``tty``: force (True) or suppress (False) the terminal bar;
-    by default it follows ``file.isatty()``.
+    by default it follows ``file.isatty()``. :func:`bar_only` makes one that shows a bar on
+    a terminal and nothing elsewhere, for commands whose output is already one line per step.
     """
 
     def __init__(self, total: int | None, label: str, *, quiet: bool = False, file: TextIO | None = None,
@@ -69,6 +70,14 @@ class Progress:
         if self.tty and self._drawn:
             self._draw("")
 
+    def clear(self) -> None:
+        """Erase the bar (terminal only) so the caller can print lines of its own, on stdout
+        or stderr; the next :meth:`advance` draws it again below them."""
+        if self.tty and self._drawn and not self.quiet:
+            self.file.write("\r\x1b[2K")
+            self.file.flush()
+            self._drawn = False
+
     def close(self) -> None:
         """End the bar's line (terminal only)."""
         if self.tty and self._drawn and not self.quiet:
@@ -92,3 +101,11 @@ class Progress:
     def _line(self, text: str) -> None:
         self.file.write(text + "\n")
         self.file.flush()
+
+
+def bar_only(total: int | None, label: str, *, quiet: bool = False, file: TextIO | None = None) -> Progress:
+    """A :class:`Progress` that draws a bar on a terminal and prints nothing otherwise."""
+    p = Progress(total, label, quiet=quiet, file=file)
+    if not p.tty:
+        p.quiet = True
+    return p

@@ -227,3 +227,25 @@ def test_a_failing_tier_or_baseline_stops_the_run_with_its_reason():
 
     with pytest.raises(RuntimeError, match="baseline 'broken' load failed: OSError: disk on fire"):
         run_tier_bench(BrokenBaseline, {}, chunk_sizes=[4096], chunks=2, rounds=1, concurrency=())
+
+
+def test_progress_clear_and_bar_only():
+    from kvtiers.progress import bar_only
+
+    tty = _Tty()
+    bar = Progress(2, "work", file=tty)
+    bar.advance()
+    bar.clear()  # the caller prints a line of its own now
+    assert tty.getvalue().endswith("\r\x1b[2K")
+    bar.close()
+    assert not tty.getvalue().endswith("\n")  # nothing drawn since the clear: no line to end
+    plain = io.StringIO()
+    b = bar_only(2, "work", file=plain)
+    b.advance(note="x")
+    b.clear()
+    b.close()
+    assert plain.getvalue() == ""  # not a terminal: the command's own lines are enough
+    tty2 = _Tty()
+    b = bar_only(2, "work", file=tty2)
+    b.advance()
+    assert "1/2" in tty2.getvalue()
