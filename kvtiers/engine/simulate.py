@@ -253,16 +253,16 @@ def _path_counts(mgr: Any) -> dict[str, int]:
 
 
 def measure_link(tier_type: str, options: dict[str, Any]) -> Link:
-    """Store and load GB/s of a tier on this machine: the tier bench at 4 MiB chunks, 16
+    """Store and load GB/s of a tier on this machine: the tier bench at 4 MiB chunks, 32
     per round, 3 rounds, no baseline."""
     from ..tierbench import run_tier_bench
 
-    rep = run_tier_bench(tier_type, options, chunk_sizes=[4 << 20], chunks=16, rounds=3, concurrency=(),
-                         baseline=False, lookup_batch=16)
+    rep = run_tier_bench(tier_type, options, chunk_sizes=[4 << 20], chunks=32, rounds=3, concurrency=(),
+                         baseline=False, lookup_batch=32)
     # the best round: what the storage sustains when other processes leave it alone
     g = {r["op"]: max(r["round_gbps"]) for r in rep["results"]}
     return Link(load_gbps=g["load"], store_gbps=g["store"],
-                source="measured here: tier bench, 16 x 4 MiB chunks, best of 3 rounds")
+                source="measured here: tier bench, 32 x 4 MiB chunks, best of 3 rounds")
 
 
 def tier_options(tier_type: str, given: dict[str, dict[str, Any]], stack: ExitStack) -> dict[str, Any] | None:
