@@ -446,41 +446,67 @@ class DmaEngine:
             i = j
 
     def _cpu_masked(self, plan: list[tuple[Any, int]], load: bool) -> None:
-        """Chunks given per group: per group and chunk, one copy per tensor (per group for a
-        uniform pool) per run of positions not skipped; scattered blocks, one gather/scatter."""
-        for per, slot in plan:
-            slot_arr = self._arena_np[slot]
-            for grp, arr in zip(self._groups, per, strict=True):
+        """Chunks given per group. Per group: chunks whose positions are all kept, with
+        consecutive ids going to consecutive slots, are merged into one strided copy per tensor
+        (per group for a uniform pool); other chunks one copy per tensor per run of kept
+        positions, or one gather/scatter when scattered."""
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []  # (dst, src)
+        n = len(plan)
+        for gi, grp in enumerate(self._groups):
+            lt, npos, bb = grp.num_tensors, grp.positions, grp.block_bytes
+            width = lt * npos * bb
+            i = 0
+            while i < n:
+                arr, slot = plan[i][0][gi], plan[i][1]
+                j = i + 1
+                if len(arr) == npos and arr[0] >= 0 and _is_run(arr):
+                    while j < n and plan[j][1] == plan[j - 1][1] + 1:
+                        nxt = plan[j][0][gi]
+                        if not (len(nxt) == npos and nxt[0] == plan[j - 1][0][gi][-1] + 1 and _is_run(nxt)):
+                            break
+                        j += 1
+                if j - i > 1:  # k full chunks, blocks first.. to slots slot..: one copy per tensor
+                    k, first = j - i, int(arr[0])
+                    region = self._arena_np[slot : slot + k, grp.offset : grp.offset + width].reshape(k, lt, npos, bb)
+                    end = first + k * npos
+                    if grp.np_pool3 is not None:
+                        dev = grp.np_pool3[:, first:end].reshape(lt, k, npos, bb).transpose(1, 0, 2, 3)
+                        pairs.append((dev, region) if load else (region, dev))
+                    else:
+                        for t, tensor in enumerate(grp.np_tensors):
+                            dev = tensor[first:end].reshape(k, npos, bb)
+                            pairs.append((dev, region[:, t]) if load else (region[:, t], dev))
+                    i = j
+                    continue
+                i += 1
                 if not len(arr):
                     continue
-                lt, npos, bb = grp.num_tensors, grp.positions, grp.block_bytes
-                region = slot_arr[grp.offset : grp.offset + lt * npos * bb].reshape(lt, npos, bb)
+                region = self._arena_np[slot, grp.offset : grp.offset + width].reshape(lt, npos, bb)
                 runs = _masked_runs(arr)
-                if len(runs) > 4:  # scattered: fancy indexing over the positions kept
+                if len(runs) > 4:  # scattered: one gather / scatter over the positions kept
                     pos = np.flatnonzero(arr >= 0)
                     ids = arr[pos]
-                    views = [grp.np_pool3] if grp.np_pool3 is not None else grp.np_tensors
-                    for k, t in enumerate(views):
-                        reg = region if grp.np_pool3 is not None else region[k]
+                    if grp.np_pool3 is not None:
                         if load:
-                            t[(slice(None), ids) if grp.np_pool3 is not None else ids] = (
-                                reg[:, pos] if grp.np_pool3 is not None else reg[pos])
-                        elif grp.np_pool3 is not None:
-                            reg[:, pos] = t[:, ids]
+                            grp.np_pool3[:, ids] = region[:, pos]
                         else:
-                            reg[pos] = t[ids]
+                            region[:, pos] = grp.np_pool3[:, ids]
+                        continue
+                    for t, tensor in enumerate(grp.np_tensors):
+                        if load:
+                            tensor[ids] = region[t, pos]
+                        else:
+                            region[t, pos] = tensor[ids]
                     continue
                 for pos, first, count in runs:
                     if grp.np_pool3 is not None:
-                        pairs = [(grp.np_pool3[:, first : first + count], region[:, pos : pos + count])]
-                    else:
-                        pairs = [(t[first : first + count], region[k, pos : pos + count])
-                                 for k, t in enumerate(grp.np_tensors)]
-                    for dev, reg in pairs:
-                        if load:
-                            np.copyto(dev, reg)
-                        else:
-                            np.copyto(reg, dev)
+                        dev, reg = grp.np_pool3[:, first : first + count], region[:, pos : pos + count]
+                        pairs.append((dev, reg) if load else (reg, dev))
+                        continue
+                    for t, tensor in enumerate(grp.np_tensors):
+                        dev, reg = tensor[first : first + count], region[t, pos : pos + count]
+                        pairs.append((dev, reg) if load else (reg, dev))
+        self._copy_pairs(pairs)
 
     def _cpu_merged(self, first: int, slot: int, k: int, load: bool) -> None:
         """``k`` full chunks of blocks ``first ..`` to slots ``slot ..``: one strided copy per
