@@ -11,8 +11,9 @@ import xml.etree.ElementTree as ET
 import click
 
 from kvtiers.config import parse_json_option
+from kvtiers.progress import bar_only
 
-from .catalog import RULE_LEVELS
+from .catalog import RULE_LEVELS, all_checks
 from .limits import DEFAULT_LIMITS
 from .runner import CheckResult, Report, run_conformance, stuck_checks
 
@@ -55,6 +56,8 @@ def conformance(tier_type: str, config_json: str | None, config_file: str | None
 
     shown: list[tuple[int, str]] = []  # (rule, level) groups already printed
     current: list[Report] = []
+    # a bar of checks done on a terminal (stderr); elsewhere the rule lines are the progress
+    bar = bar_only(len(all_checks()), f"conformance {tier_type}")
 
     def start(report: Report) -> None:
         current.append(report)
@@ -68,17 +71,23 @@ def conformance(tier_type: str, config_json: str | None, config_file: str | None
                 return
             if rl not in shown:
                 shown.append(rl)
+                bar.clear()
                 click.echo(current[0].rule_result(*rl).line())
 
     def progress(r: CheckResult) -> None:
         flush((r.check.rule, r.check.level))
         if verbose:
             why = f" ({r.why})" if r.why else ""
+            bar.clear()
             click.echo(f"  {r.check.test_name} [{r.check.level}]: {r.status}{why} {r.seconds:.2f}s", err=True)
+        bar.advance(note=r.check.test_name)
 
     limits = DEFAULT_LIMITS.replace(examples=examples, check_s=check_timeout)
-    report = run_conformance(tier_type, config, levels=levels, seed=seed, limits=limits,
-                             on_start=start, on_result=progress, keep=keep)
+    try:
+        report = run_conformance(tier_type, config, levels=levels, seed=seed, limits=limits,
+                                 on_start=start, on_result=progress, keep=keep)
+    finally:
+        bar.clear()
     flush(None)
     for note in report.notes:
         click.echo(note, err=True)
