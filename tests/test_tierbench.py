@@ -249,3 +249,51 @@ def test_progress_clear_and_bar_only():
     b = bar_only(2, "work", file=tty2)
     b.advance()
     assert "1/2" in tty2.getvalue()
+
+
+def on_terminal(*args: str, timeout: float = 120) -> tuple[int, str, str]:
+    """Run ``kvtiers ARGS`` with stderr on a pseudo-terminal; return (rc, stdout, stderr)."""
+    import pty
+
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "kvtiers.cli", *args], stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    got = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child is gone
+            break
+        if not data:
+            break
+        got.append(data)
+    out, _ = p.communicate(timeout=timeout)
+    os.close(master)
+    return p.returncode, out.decode(), b"".join(got).decode(errors="replace")
+
+
+def test_long_commands_draw_a_bar_on_a_terminal(tmp_path):
+    from kvtiers_conformance import all_checks
+
+    from kvtiers import Arena, Job, Namespace, TierContext, open_tier
+
+    rc, out, err = on_terminal("bench", "tier", "memory", "--chunk-bytes", "64K", "--chunks", "4", "--rounds", "1",
+                               "--no-concurrency", "--lookup-batch", "10")
+    assert rc == 0 and "kvtiers bench tier memory" in out
+    assert "\r" in err and "bench memory [" in err and "2/2" in err
+    n = len(all_checks())
+    rc, out, err = on_terminal("conformance", "memory", "--seed", "1", "--examples", "3")
+    assert rc == 0 and "summary: PASSED" in out
+    assert "conformance memory [" in err and f"{n}/{n}" in err
+    root = tmp_path / "kv"  # one namespace with one chunk
+    h = open_tier("fs", {"root_dir": str(root)}, TierContext(Arena.allocate(1, 4096), Namespace({"m": 1})))
+    h.submit_store(Job(1, (b"k",), (0,)))
+    while not h.get_finished_jobs():
+        pass
+    h.close()
+    rc, out, err = on_terminal("fs", "gc", str(root))
+    assert rc == 0 and "removed 0 item(s)" in out
+    assert "fs gc [" in err and "1/1" in err and "1 chunks" in err
+    r = subprocess.run([sys.executable, "-m", "kvtiers.cli", "fs", "gc", str(root)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stderr == ""  # not a terminal: only the command's own lines

@@ -89,13 +89,18 @@ def gc(root: str, max_bytes: int | None, namespace: str | None, drop: bool, dry_
        stale_after: float, quiet: bool) -> None:
     """Remove abandoned temporary files under ROOT, and chunks over --max-bytes (least
     recently used first), or a whole namespace with --namespace D --drop."""
+    from kvtiers.progress import bar_only
+
     from .gc import gc_root
 
+    bar = bar_only(None, "fs gc")  # namespaces scanned, on a terminal; the lines below are the output
     try:
         report = gc_root(root, max_bytes=max_bytes, namespace=namespace, drop=drop, dry_run=dry_run,
-                         stale_after=stale_after)
+                         stale_after=stale_after, progress=bar)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+    finally:
+        bar.clear()
     verb = "would remove" if dry_run else "removed"
     if not quiet:
         for path, why in report.removed:

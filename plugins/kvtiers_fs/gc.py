@@ -10,6 +10,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import layout
 from .index import scan
@@ -130,11 +131,13 @@ def gc_root(
     drop: bool = False,
     dry_run: bool = False,
     stale_after: float = 3600.0,
+    progress: Any = None,
 ) -> GcReport:
     """Clean ``root``: remove abandoned temporary files; with ``max_bytes``, delete least
     recently used chunks (oldest mtime first, over all namespaces or just ``namespace``)
     until at most ``max_bytes`` remain; with ``namespace`` and ``drop``, remove that whole
-    namespace. ``dry_run`` reports without deleting."""
+    namespace. ``dry_run`` reports without deleting. ``progress``: a
+    :class:`kvtiers.progress.Progress`, advanced once per namespace scanned."""
     if drop and not namespace:
         raise ValueError("--drop needs --namespace DIGEST")
     if max_bytes is not None and max_bytes < 0:
@@ -145,6 +148,8 @@ def gc_root(
         nsdirs = [d for d in nsdirs if os.path.basename(d) == namespace]
         if not nsdirs:
             raise ValueError(f"{root}: no namespace {namespace!r}")
+    if progress is not None:
+        progress.total = len(nsdirs)
     if drop:
         for d in nsdirs:
             found, _ = scan(d, stale_after=float("inf"), stopping=lambda: False, clean=False)
@@ -152,6 +157,8 @@ def gc_root(
             report.removed.append((d, "dropped namespace"))
             if not dry_run:
                 shutil.rmtree(d, ignore_errors=True)
+            if progress is not None:
+                progress.advance(note=os.path.basename(d))
         return report
     now = time.time()
     chunks: list[tuple[float, str, int]] = []
@@ -168,6 +175,8 @@ def gc_root(
                     _unlink(path)
         found, _ = scan(d, stale_after=float("inf"), stopping=lambda: False, clean=False)
         chunks.extend((t, layout.chunk_path(d, k), n) for t, k, n in found)
+        if progress is not None:
+            progress.advance(note=f"{os.path.basename(d)}: {len(found)} chunks")
     total = sum(n for _, _, n in chunks)
     if max_bytes is not None and total > max_bytes:
         chunks.sort()
