@@ -155,7 +155,7 @@ def test_bench_obj_backend_both(s3_server):
     rows = {(x["op"], x["backend"]): x for x in report["results"]}
     assert set(rows) == {(op, b) for op in ("store", "load") for b in ("aiobotocore", "nixl")}
     for x in rows.values():
-        assert x["gbps"] > 0 and x["baseline_gbps"] > 0 and len(x["rounds_gbps"]) == 3
+        assert x["gbps"] > 0 and x["baseline_gbps"] > 0 and len(x["round_gbps"]) == 3
         assert abs(x["ratio"] - x["gbps"] / x["baseline_gbps"]) < 0.01 * x["ratio"] + 1e-3
     for op in ("store", "load"):  # one baseline per op, shared by both rows
         assert rows[(op, "nixl")]["baseline_gbps"] == rows[(op, "aiobotocore")]["baseline_gbps"]
