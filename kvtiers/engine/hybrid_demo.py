@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from .demo import SimEngine
 from .hybrid import chunk_specs, copied_bytes, window_first_block
 from .layout import KVLayout
 
@@ -76,14 +77,9 @@ class HybridSimEngine:
         self.free = list(range(num_blocks - 1, -1, -1))
         self.free_states = list(range(num_states - 1, -1, -1))
 
-    # -- blocks and state slots ------------------------------------------------------------
-    def alloc(self, n: int) -> list[int] | None:
-        if len(self.free) < n:
-            return None
-        return [self.free.pop() for _ in range(n)]
-
-    def release(self, blocks: list[int]) -> None:
-        self.free.extend(blocks)
+    # -- blocks (the dense engine's free list) and state slots -----------------------------
+    alloc = SimEngine.alloc
+    release = SimEngine.release
 
     def release_states(self, slots: list[int]) -> None:
         self.free_states.extend(slots)
