@@ -107,3 +107,16 @@ def test_model_pieces():
     assert gpu.prefix(keys) == 0  # the first key was evicted (LRU, room for 3)
     gpu.use(keys[:1])
     assert gpu.prefix(keys) == 1
+
+
+def test_fs_is_modelled_on_the_named_drive_times_its_measured_efficiency(tmp_path):
+    """By default the fs tier's link is the drive's datasheet speed scaled by the fs tier's
+    efficiency against raw I/O measured here: never faster than the drive, never zero."""
+    from kvtiers.engine.simulate import DRIVES, drive_link
+
+    drive, read, write = DRIVES["fs"]
+    link = drive_link("fs", {"root_dir": str(tmp_path / "fs")}, chunks=4, rounds=2)
+    assert 0 < link.load_gbps <= read and 0 < link.store_gbps <= write
+    assert drive in link.source and "efficiency measured here" in link.source
+    with pytest.raises(ValueError, match="no raw baseline"):
+        drive_link("memory", {}, drive=("any drive", 1.0, 1.0), chunks=2, rounds=1)

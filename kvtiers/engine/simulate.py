@@ -12,8 +12,13 @@ checked byte for byte. The GPU's own prefix cache is modelled (an LRU of chunk k
 
 Time is modelled: the GPU's busy time is prefill (tokens computed) plus decode (tokens
 generated, in steps shared by every conversation the GPU holds); each path's busy time is
-the modelled chunk bytes it moved over its bandwidth: PCIe from the model, tiers
-**measured on this machine** with the tier bench at 4 MiB chunks (or given). Transfers
+the modelled chunk bytes it moved over its bandwidth: PCIe from the model; the fs tier, like
+the accelerator, on named hardware from public figures (a data-center NVMe drive's datasheet
+speeds, :data:`DRIVES`) times the fs tier's efficiency **measured on this machine** against raw
+I/O on the same directory (the tier bench's baseline), so kvtiers' own overhead counts and the
+development VM's disk does not; obj and p2p **measured on this machine** with the tier bench
+at 4 MiB chunks. ``--gbps`` gives any tier's figures; ``measured=True`` (``--measured``) uses
+this machine's own fs GB/s. Transfers
 overlap with compute, so a run takes as long as its busiest resource; throughput is
 generated tokens over that time, timed turns only (the first turn of every conversation,
 which computes its opening context under every policy, is warm-up).
@@ -40,6 +45,9 @@ from .simmodel import Accelerator, Link, Tally, Workload, break_even_gbps, criti
 SLOT_BYTES = 4096  # the reduced scale: one arena slot per modelled chunk
 POLICIES = ("recompute", "host", "host+fs", "host+obj", "host+p2p")
 LOOKUP_DEADLINE = 10.0
+# Storage media modelled from public figures: tier -> (drive, sequential read GB/s, write GB/s).
+# Samsung PM9A3 (PCIe Gen4 U.2 data-center NVMe), product datasheet: 6,900 MB/s read, 4,100 MB/s write.
+DRIVES = {"fs": ("Samsung PM9A3 NVMe", 6.9, 4.1)}
 
 
 def chunk_keys(tokens: Sequence[int], tokens_per_chunk: int, salt: bytes, known: list[bytes] | None = None,
@@ -265,6 +273,24 @@ def measure_link(tier_type: str, options: dict[str, Any]) -> Link:
                 source="measured here: tier bench, 32 x 4 MiB chunks, best of 3 rounds")
 
 
+def drive_link(tier_type: str, options: dict[str, Any], *, drive: tuple[str, float, float] | None = None,
+               chunks: int = 32, rounds: int = 3) -> Link:
+    """The tier on a drive (default: its entry in :data:`DRIVES`): the datasheet GB/s times
+    the tier's efficiency measured here (tier GB/s over its raw baseline on the same storage,
+    median of the rounds, at most 1)."""
+    from ..tierbench import run_tier_bench
+
+    name, read, write = drive or DRIVES[tier_type]
+    rep = run_tier_bench(tier_type, options, chunk_sizes=[4 << 20], chunks=chunks, rounds=rounds, concurrency=(),
+                         baseline=True, lookup_batch=32)
+    eff = {r["op"]: min(1.0, r["ratio"]) for r in rep["results"] if r.get("op") in ("load", "store") and r.get("ratio")}
+    if set(eff) != {"load", "store"}:
+        raise ValueError(f"the {tier_type} tier has no raw baseline to measure its efficiency against")
+    return Link(load_gbps=round(read * eff["load"], 3), store_gbps=round(write * eff["store"], 3),
+                source=f"{name} datasheet {read:g}/{write:g} GB/s x the tier's efficiency measured here against "
+                       f"raw I/O ({eff['load']:.2f} load, {eff['store']:.2f} store)")
+
+
 def tier_options(tier_type: str, given: dict[str, dict[str, Any]], stack: ExitStack) -> dict[str, Any] | None:
     """Options for the tier of a ``host+TIER`` policy: given ones, else the tier's
     ``conformance_config`` in a temporary directory, else (obj) a SeaweedFS server started
@@ -299,9 +325,11 @@ def tier_options(tier_type: str, given: dict[str, dict[str, Any]], stack: ExitSt
 
 def simulate(acc: Accelerator, wl: Workload, *, policies: Sequence[str] = POLICIES,
              tier_configs: dict[str, dict[str, Any]] | None = None, gbps: dict[str, tuple[float, float]] | None = None,
-             gpu_chunks: int | None = None, host_chunks: int | None = None, progress: Any = None) -> dict[str, Any]:
+             gpu_chunks: int | None = None, host_chunks: int | None = None, progress: Any = None,
+             measured: bool = False) -> dict[str, Any]:
     """Run every policy at every concurrency; return the report (``model``, ``workload``,
-    ``links``, ``policies``, ``skipped``, ``results``)."""
+    ``links``, ``policies``, ``skipped``, ``results``). ``measured``: every tier at this
+    machine's GB/s, the fs tier included (else fs is modelled on :data:`DRIVES`)."""
     chunk_bytes = wl.tokens_per_chunk * acc.kv_bytes_per_token
     gpu_chunks = gpu_chunks or acc.gpu_kv_bytes // chunk_bytes
     host_chunks = host_chunks or acc.host_kv_bytes // chunk_bytes
@@ -330,6 +358,10 @@ def simulate(acc: Accelerator, wl: Workload, *, policies: Sequence[str] = POLICI
             if ttype in gbps:
                 load, store = gbps[ttype]
                 link = Link(load, store, "given")
+            elif ttype in DRIVES and not measured:
+                if progress is not None:
+                    progress.note(f"measuring the {ttype} tier's efficiency against raw I/O on this machine")
+                link = drive_link(ttype, opts)
             else:
                 if progress is not None:
                     progress.note(f"measuring the {ttype} tier on this machine")

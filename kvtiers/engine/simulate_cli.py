@@ -86,6 +86,8 @@ def _configs(items: tuple[str, ...]) -> dict[str, dict[str, Any]]:
               help="Host <-> GPU bandwidth each way, GB/s.")
 @click.option("--gbps", "gbps_items", multiple=True, metavar="TIER=LOAD[/STORE]",
               help="A tier's bandwidth in GB/s instead of measuring it here (repeatable).")
+@click.option("--measured", is_flag=True,
+              help="The fs tier at this machine's measured GB/s, not the modelled NVMe drive.")
 @click.option("--tier-config", "config_items", multiple=True, metavar="TIER=JSON",
               help="Options of a policy's tier, e.g. obj='{\"endpoint_url\": ..., \"bucket\": ...}' (repeatable).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the conversations' tokens.")
@@ -95,11 +97,13 @@ def _configs(items: tuple[str, ...]) -> dict[str, dict[str, Any]]:
 def simulate(concurrency: str, policies: tuple[str, ...], turns: int, context_tokens: int, user_tokens: int,
              answer_tokens: int, tokens_per_chunk: int, kv_bytes_per_token: int, gpu_kv_gib: float,
              host_kv_gib: float, gpu_chunks: int | None, host_chunks: int | None, prefill_us: float, decode_us: float,
-             decode_step_us: float, pcie_gbps: float, gbps_items: tuple[str, ...], config_items: tuple[str, ...],
-             seed: int, as_json: bool, plot_path: str | None) -> None:
+             decode_step_us: float, pcie_gbps: float, gbps_items: tuple[str, ...], measured: bool,
+             config_items: tuple[str, ...], seed: int, as_json: bool, plot_path: str | None) -> None:
     """Multi-turn conversations at each concurrency against a model of an accelerator (by
     default Llama-3.1-8B on one H100, from public figures) and the real kvtiers data path at
-    reduced scale (TieringManager, host arena, tiers), with tier bandwidths measured here.
+    reduced scale (TieringManager, host arena, tiers). The fs tier is modelled on a named NVMe
+    drive (datasheet GB/s times its efficiency measured here against raw I/O); obj and p2p
+    at the GB/s measured here.
     Prints throughput and prefill tokens saved per offload policy and concurrency."""
     from ..progress import Progress
     from .simulate import POLICIES, format_table, steps
@@ -119,7 +123,7 @@ def simulate(concurrency: str, policies: tuple[str, ...], turns: int, context_to
     with Progress(steps(wl, len(pols)), "simulate", quiet=as_json) as bar:
         try:
             report = run(acc, wl, policies=pols, tier_configs=configs, gbps=gbps, gpu_chunks=gpu_chunks,
-                         host_chunks=host_chunks, progress=bar)
+                         host_chunks=host_chunks, progress=bar, measured=measured)
         except ValueError as e:
             raise click.UsageError(str(e)) from None
     if plot_path:
