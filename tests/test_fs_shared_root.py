@@ -54,7 +54,9 @@ SHARED_WRITER = textwrap.dedent(
         out.write(f"store {{s0!r}} {{time.time()!r}} {{int(r.ok)}}\\n")
         time.sleep({pace})
     out.write("done\\n")
-    while not os.path.exists(stop):  # keep rescanning until the test has seen the end state
+    parent, give_up = os.getppid(), time.monotonic() + 300
+    # keep rescanning until the test has seen the end state (or the test is gone)
+    while not os.path.exists(stop) and os.getppid() == parent and time.monotonic() < give_up:
         time.sleep(0.01)
     done.set()
     t.close()
@@ -245,7 +247,9 @@ def test_a_rescan_learns_the_others_files_and_removals(tmp_path):
         for k in mine:
             assert a.store(ta, [k]).ok
         # a's next rescan sees 10 chunks under a bound of 8: the two oldest (b's first) go
-        wait_for(lambda: len(chunk_files(str(tmp_path))) == 8, timeout=10, what="the rescan to evict")
+        # (the files go first, then their keys are reported through ctx.removed)
+        wait_for(lambda: len(chunk_files(str(tmp_path))) == 8 and len([k for k, why in a.removed if why == "evicted"])
+                 >= 2, timeout=10, what="the rescan to evict and report")
         assert sorted(k for k, why in a.removed if why == "evicted") == theirs[:2]
         assert all(os.path.exists(ta.path(k)) for k in theirs[2:] + mine)
         os.unlink(ta.path(theirs[2]))  # removed under a, e.g. by gc
