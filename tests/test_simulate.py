@@ -71,7 +71,7 @@ def test_three_regimes_through_the_real_data_path(s3_server, tmp_path):
 def test_table_and_progress_lines(tmp_path):
     cmd = [sys.executable, "-m", "kvtiers.cli", "simulate", "--context-tokens", "2048", "--turns", "2",
            "--gpu-chunks", "8", "--host-chunks", "16", "--concurrency", "2,8", "--policy", "recompute",
-           "--policy", "host+fs"]  # fmt: skip
+           "--policy", "host+fs", "--measured"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "Llama-3.1-8B" in r.stdout and "x recompute" in r.stdout
