@@ -7,6 +7,7 @@ import threading
 import time
 
 from kvtiers_fs import FsTier
+from tier_helpers import wait_job  # the test_fs_* files import it from here
 
 from kvtiers import Arena, Job, JobResult, Lookup, Namespace, TierContext
 from kvtiers.ioloop import is_io_thread
@@ -79,17 +80,6 @@ class Env:
         for t in self.tiers:
             if not t._closed:
                 t.close()
-
-
-def wait_job(tier, job_id: int, timeout: float = 30.0) -> JobResult:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for r in tier.get_finished_jobs():
-            if r.job_id == job_id:
-                return r
-            raise AssertionError(f"unexpected result {r}")
-        time.sleep(0.001)
-    raise AssertionError(f"job {job_id} did not finish within {timeout} s")
 
 
 def resolve(tier, keys, timeout: float = 5.0) -> list[Lookup]:

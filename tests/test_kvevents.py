@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from tier_helpers import CopyDma
 
 from kvtiers import Arena, Request
 from kvtiers.engine.kvevents import KVEventPublisher, KVEventsConfig, attach_kv_events, parse_kv_events
@@ -108,23 +109,6 @@ class OldBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 # -- helpers --------------------------------------------------------------------------------
-
-class CopyDma:
-    """A DMA engine for a manager without devices: copies complete at once."""
-
-    def __init__(self) -> None:
-        self.done: list[int] = []
-
-    def submit_store(self, tid: int, chunks: Any) -> None:
-        self.done.append(tid)
-
-    def submit_load(self, tid: int, chunks: Any) -> None:
-        self.done.append(tid)
-
-    def poll(self) -> list[int]:
-        out, self.done = self.done, []
-        return out
-
 
 def manager(slots: int = 4, tier_bytes: int | None = 6 * SLOT, blocks_per_chunk: int = 1) -> TieringManager:
     mgr = TieringManager(arena=Arena.allocate(slots, SLOT), dma=CopyDma(), blocks_per_chunk=blocks_per_chunk,

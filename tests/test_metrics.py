@@ -13,11 +13,11 @@ import textwrap
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from tier_helpers import CopyDma
 
 from kvtiers import Arena, Job, JobResult, hookimpl
 from kvtiers.engine.manager import TieringManager
@@ -49,21 +49,6 @@ class BrokenLoads(MemoryTier):
     @hookimpl
     def submit_load(self, job: Job) -> None:
         self._finished.append(JobResult(job.job_id, job.keys, error="OSError: disk gone"))
-
-
-class CopyDma:
-    def __init__(self) -> None:
-        self.done: list[int] = []
-
-    def submit_store(self, tid: int, chunks: Any) -> None:
-        self.done.append(tid)
-
-    def submit_load(self, tid: int, chunks: Any) -> None:
-        self.done.append(tid)
-
-    def poll(self) -> list[int]:
-        out, self.done = self.done, []
-        return out
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:

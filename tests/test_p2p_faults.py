@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from kvtiers_p2p import protocol as P  # noqa: E402
 from kvtiers_p2p.spawn import start_server  # noqa: E402
+from tier_helpers import wait_job as wait  # noqa: E402
 
 from kvtiers import Arena, Job, Lookup, Namespace, TierContext, open_tier  # noqa: E402
 
@@ -41,15 +42,6 @@ def fill(arena: Arena, seed: int) -> list[bytes]:
 def tier(port: int, arena: Arena, **opts):
     return open_tier("p2p", {"host": "127.0.0.1", "port": port, **opts}, TierContext(arena, NS))
 
-
-def wait(h, job_id: int, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for r in h.get_finished_jobs():
-            assert r.job_id == job_id
-            return r
-        time.sleep(0.002)
-    raise AssertionError(f"job {job_id} not finished within {timeout} s")
 
 
 def resolve(h, keys, timeout: float = 15.0) -> list[Lookup]:

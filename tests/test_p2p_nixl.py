@@ -15,20 +15,12 @@ pytest.importorskip("nixl_cu12")
 
 from kvtiers_conformance import DEFAULT_LIMITS, run_conformance  # noqa: E402
 from kvtiers_p2p.spawn import start_server  # noqa: E402
+from tier_helpers import wait_job as wait  # noqa: E402
 
 from kvtiers import Arena, Job, Namespace, TierContext, open_tier  # noqa: E402
 
 NS = Namespace({"test": "p2p-nixl"})
 
-
-def wait(h, job_id: int, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for r in h.get_finished_jobs():
-            assert r.job_id == job_id
-            return r
-        time.sleep(0.002)
-    raise AssertionError(f"job {job_id} not finished")
 
 
 @pytest.fixture(scope="module")

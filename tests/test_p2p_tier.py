@@ -17,6 +17,7 @@ from kvtiers_p2p.server import AuthConfigError, PeerServer  # noqa: E402
 from kvtiers_p2p.spawn import start_server  # noqa: E402
 from kvtiers_p2p.store import MemoryStore  # noqa: E402
 from kvtiers_p2p.tier import peer_urls  # noqa: E402
+from tier_helpers import wait_job as wait  # noqa: E402
 
 from kvtiers import Arena, ConfigError, Job, Lookup, Namespace, TierContext, open_tier  # noqa: E402
 from kvtiers.cli import main  # noqa: E402
@@ -27,15 +28,6 @@ NS = Namespace({"test": "p2p-tier"})
 def tier(arena: Arena, ns: Namespace = NS, **opts):
     return open_tier("p2p", opts, TierContext(arena, ns))
 
-
-def wait(h, job_id: int, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for r in h.get_finished_jobs():
-            assert r.job_id == job_id
-            return r
-        time.sleep(0.002)
-    raise AssertionError(f"job {job_id} not finished")
 
 
 def resolve(h, keys, timeout: float = 10.0):
