@@ -18,7 +18,7 @@ from kvtiers_p2p.spawn import start_server  # noqa: E402
 
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server(capacity=256 << 20)
+    srv = start_server(capacity=256 << 20, extra=["--test-faults"])  # rule 4's conformance_corrupt
     yield srv
     srv.stop()  # by its own PID
 

@@ -43,12 +43,14 @@ def p2p() -> None:
 @click.option("--allow", "allow_dir", type=click.Path(file_okay=False),
               help="Directory of allowed clients' public key files (CurveZMQ).")
 @click.option("--nixl", is_flag=True, help="Also serve loads over NIXL (UCX) to clients with backend 'nixl'.")
+@click.option("--test-faults", is_flag=True,
+              help="Tests only: accept CORRUPT requests that damage stored chunks (conformance rule 4).")
 @click.option("--endpoint-file", hidden=True)
 @click.option("--exit-when-missing", hidden=True)
 @click.option("--parent-pid", type=int, hidden=True)
 def serve(bind: str, capacity: int, namespace: str | None, chunk_bytes: int | None, max_clients: int,
           max_inflight: int, max_chunk_bytes: int, handshake_timeout: float, idle_timeout: float,
-          curve_secret: str | None, allow_dir: str | None, nixl: bool, endpoint_file: str | None,
+          curve_secret: str | None, allow_dir: str | None, nixl: bool, test_faults: bool, endpoint_file: str | None,
           exit_when_missing: str | None, parent_pid: int | None) -> None:  # fmt: skip
     """Run a standalone peer cache in host memory until SIGTERM or Ctrl-C."""
     from .server import AuthConfigError, ServerLimits, run
@@ -63,7 +65,8 @@ def serve(bind: str, capacity: int, namespace: str | None, chunk_bytes: int | No
     try:
         stats = run(bind, capacity, limits=limits, namespace=namespace, chunk_bytes=chunk_bytes,
                     curve_secret=curve_secret, allow_dir=allow_dir, endpoint_file=endpoint_file,
-                    exit_when_missing=exit_when_missing, parent_pid=parent_pid, announce=announce, nixl=nixl)
+                    exit_when_missing=exit_when_missing, parent_pid=parent_pid, announce=announce, nixl=nixl,
+                    test_faults=test_faults)
     except (AuthConfigError, ValueError, RuntimeError, ImportError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"kvtiers p2p: stopped; stats {json.dumps(stats, sort_keys=True)}", err=True)

@@ -14,6 +14,8 @@ one data frame for the ops that carry a chunk. Client to server::
                                                        first; CHUNK then has no data frame
     [CANCEL, rid, target_rid]                       (no answer: the target stops streaming)
     [BYE,    rid]                                   (no answer: the session ends)
+    [CORRUPT, rid, namespace_digest, key]           -> [OK, rid, [offset, ...]] ([] if not stored);
+                                                       test servers only (``--test-faults``)
 
 A refusal is ``[ERR, rid, code, message]``. ROUTER/DEALER because one server answers many
 clients with pipelined, interleaved replies and a GET streams many chunks: REQ/REP would
@@ -39,9 +41,10 @@ from kvtiers.types import MAX_KEY_LEN
 VERSION = 1
 
 HELLO, LOOKUP, GET, PUT, CANCEL, BYE, GETN = 1, 2, 3, 4, 5, 6, 7
+CORRUPT = 8  #: fault injection for tests: flip bytes of a stored chunk, keep its xxh3 (no session needed)
 OK, CHUNK, MISSING, DONE, ERR = 16, 17, 18, 19, 20
 REQUEST_OPS = {HELLO: "HELLO", LOOKUP: "LOOKUP", GET: "GET", PUT: "PUT", CANCEL: "CANCEL", BYE: "BYE",
-               GETN: "GETN"}
+               GETN: "GETN", CORRUPT: "CORRUPT"}
 
 MAX_HEADER = 256 * 1024  #: a request header longer than this is malformed
 MAX_REPLY_HEADER = 64 << 20  #: replies may list many evicted keys

@@ -27,6 +27,8 @@ from .store import MemoryStore
 
 log = logging.getLogger("kvtiers.p2p")
 
+E_NO_FAULTS = "no-test-faults"  #: the ERR code of a CORRUPT sent to a server without ``test_faults``
+
 BURST = 8  #: chunks one GET stream may send before the next stream's turn
 NIXL_AHEAD = 16  #: NIXL writes a GETN stream keeps posted ahead of what it announced
 
@@ -92,7 +94,7 @@ class PeerServer:
 
     def __init__(self, bind: str, store: Any, *, limits: ServerLimits = ServerLimits(),
                  namespace: str | None = None, chunk_bytes: int | None = None, curve_secret: str | None = None,
-                 allow_dir: str | None = None, nixl: bool = False) -> None:  # fmt: skip
+                 allow_dir: str | None = None, nixl: bool = False, test_faults: bool = False) -> None:  # fmt: skip
         ep = P.parse_endpoint(bind)
         if (curve_secret is None) != (allow_dir is None):
             raise AuthConfigError("CurveZMQ needs both --curve-secret and --allow")
@@ -102,6 +104,7 @@ class PeerServer:
         self.limits = limits
         self.namespace = namespace
         self.pinned_chunk = chunk_bytes
+        self.test_faults = test_faults  # accept CORRUPT (tests only; see _corrupt)
         self.instance = secrets.token_hex(8)  # clients notice a restart by a new instance id
         self.sessions: dict[bytes, Session] = {}
         self.banned: OrderedDict[bytes, float] = OrderedDict()
@@ -357,6 +360,8 @@ class PeerServer:
             raise P.ProtocolError(f"{P.REQUEST_OPS[op]} with more than one frame")
         if op == P.HELLO:
             return self._hello(ident, rid, hdr)
+        if op == P.CORRUPT:  # no session: the caller (conformance_corrupt) knows no chunk size
+            return self._corrupt(ident, rid, hdr)
         sess = self.sessions.get(ident)
         if sess is None:
             if op not in (P.BYE, P.CANCEL):
@@ -480,6 +485,30 @@ class PeerServer:
         self.stats["chunks_stored"] += 1
         self._reply(sess.ident, P.pack(P.OK, rid, evicted))
 
+    def _corrupt(self, ident: bytes, rid: int, hdr: list) -> None:
+        """CORRUPT (servers started with ``test_faults`` only): flip the first, middle and
+        last byte of a stored chunk in place and keep its xxh3, as bit rot in memory would,
+        so a later GET sends bytes the client rejects. Answers the offsets flipped (none
+        when the key is not stored). A GET already sending this buffer may send damaged
+        bytes too, which its client rejects the same way."""
+        P.expect_len(hdr, 4, "CORRUPT")
+        ns, key = hdr[2], P.check_key(hdr[3])
+        if type(ns) is not str or not 0 < len(ns) <= 64:
+            raise P.ProtocolError("CORRUPT: bad namespace")
+        if not self.test_faults:
+            return self._error(ident, rid, E_NO_FAULTS, "CORRUPT refused: this server was not started with "
+                                                        "--test-faults (fault injection is for tests only)")
+        item = self.store.get(ns, key)
+        if item is None:
+            return self._reply(ident, P.pack(P.OK, rid, []))
+        buf, size = item[0], item[2]
+        offsets = sorted({0, size // 2, size - 1})
+        for off in offsets:
+            buf[off] ^= 0x5A
+        self.stats["corrupted"] = self.stats.get("corrupted", 0) + 1
+        log.warning("p2p server: CORRUPT damaged key %s of namespace %s (test fault)", key.hex(), ns)
+        self._reply(ident, P.pack(P.OK, rid, offsets))
+
     def _pump(self) -> bool:
         """Send the next chunk of each stream, round robin; False when none could be sent."""
         try:
@@ -546,12 +575,12 @@ def parse_size(text: str | int) -> int:
 def run(bind: str, capacity: int, *, limits: ServerLimits = ServerLimits(), namespace: str | None = None,
         chunk_bytes: int | None = None, curve_secret: str | None = None, allow_dir: str | None = None,
         endpoint_file: str | None = None, exit_when_missing: str | None = None, parent_pid: int | None = None,
-        announce: Any = None, nixl: bool = False) -> dict:  # fmt: skip
+        announce: Any = None, nixl: bool = False, test_faults: bool = False) -> dict:  # fmt: skip
     """Run a standalone peer cache until SIGTERM/SIGINT (or until ``exit_when_missing`` is
     gone or ``parent_pid`` died). ``endpoint_file`` receives the bound address (useful with
     port 0), written atomically. Returns the server's counters (``stats``)."""
     server = PeerServer(bind, MemoryStore(capacity), limits=limits, namespace=namespace, chunk_bytes=chunk_bytes,
-                        curve_secret=curve_secret, allow_dir=allow_dir, nixl=nixl)
+                        curve_secret=curve_secret, allow_dir=allow_dir, nixl=nixl, test_faults=test_faults)
     try:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.stop())

@@ -133,13 +133,25 @@ class P2PTier:
     def conformance_config(cls, scratch) -> dict:
         """Start a peer server in a child process for one check; it exits when ``scratch``
         is removed (the end of the check) or when this process dies. The environment
-        variable ``KVTIERS_P2P_BACKEND=nixl`` checks the NIXL data path instead."""
+        variable ``KVTIERS_P2P_BACKEND=nixl`` checks the NIXL data path instead. The server
+        runs with ``--test-faults``, so :meth:`conformance_corrupt` can damage its chunks."""
         from .spawn import start_server
 
         backend = os.environ.get("KVTIERS_P2P_BACKEND", "zmq")
         srv = start_server(capacity=1 << 30, exit_when_missing=str(scratch),
-                           extra=["--nixl"] if backend == "nixl" else None)
+                           extra=["--test-faults"] + (["--nixl"] if backend == "nixl" else []))
         return {"host": "127.0.0.1", "port": srv.port, "timeout": 10.0, "backend": backend}
+
+    @classmethod
+    def conformance_corrupt(cls, config: dict, namespace, key: bytes) -> None:
+        """Damage the stored chunk of ``key`` in ``namespace`` (a :class:`kvtiers.Namespace`)
+        on the peers of ``config``: each server holding it flips three of its bytes and keeps
+        its xxh3, so a load fails the key (rule 4). The servers must run with
+        ``--test-faults`` (as :meth:`conformance_config` starts them); others refuse, and this
+        raises saying so, as it does when no peer holds the key."""
+        from .faults import corrupt
+
+        corrupt(config, namespace.digest, key)
 
     # -- peers ---------------------------------------------------------------------------
     @property
