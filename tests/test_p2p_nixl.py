@@ -1,5 +1,6 @@
 """The p2p tier's NIXL data path (``backend: "nixl"`` against ``kvtiers p2p serve --nixl``):
-conformance checks, a peer killed mid-transfer, and a server without NIXL refusing clearly.
+conformance checks, a peer killed mid-transfer, the fence that keeps a silent server's late
+writes out of reported slots (rule 6), and a server without NIXL refusing clearly.
 ``kvtiers conformance p2p --config '{..., "backend": "nixl"}'`` runs the full suite."""
 
 from __future__ import annotations
@@ -66,6 +67,74 @@ def test_nixl_peer_killed_mid_transfer_never_wrong_bytes():
                 assert bytes(dst[i]) == bytes(src[i]), f"key {k!r} reported loaded with wrong bytes"
     finally:
         b.close()
+        server.kill()
+
+
+def _stored_server(n: int, size: int):
+    server = start_server(capacity=256 << 20, extra=["--nixl"])
+    src = Arena.allocate(n, size)
+    for i in range(n):
+        src[i][:] = os.urandom(16) * (size // 16)
+    keys = tuple(b"fence-%d" % i for i in range(n))
+    a = open_tier("p2p", {"host": "127.0.0.1", "port": server.port}, TierContext(src, NS))
+    a.submit_store(Job(1, keys, tuple(range(n))))
+    assert wait(a, 1).ok
+    a.close()
+    return server, src, keys
+
+
+def _finished(h, job_id: int, seconds: float):
+    """The job's result if ``h`` reports it within ``seconds``, else None."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for r in h.get_finished_jobs():
+            assert r.job_id == job_id
+            return r
+        time.sleep(0.02)
+    return None
+
+
+@pytest.mark.parametrize("fence", [3.0, None])
+def test_a_silent_nixl_server_holds_the_load_until_it_settles_or_the_fence_passes(fence):
+    """The server is stopped with the GETN on its way: the load's deadline passes, but the
+    job stays unreported (the server could still write the slots) until the fence passes,
+    or, with no fence, until the resumed server answers the CANCEL with DONE."""
+    n, size = 8, 256 << 10
+    server, src, keys = _stored_server(n, size)
+    dst = Arena.allocate(n, size)
+    h = open_tier("p2p", {"host": "127.0.0.1", "port": server.port, "backend": "nixl", "timeout": 1.0,
+                          "nixl_fence_timeout": fence}, TierContext(dst, NS))
+    try:
+        deadline = time.monotonic() + 10  # connected and handshaken before the stop
+        while not getattr(h.tier._client.peers.get(f"tcp://127.0.0.1:{server.port}"), "ready", False):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            h.submit_load(Job(2, keys, tuple(range(n))))
+            assert _finished(h, 2, 1.0 + 1.5) is None, "reported while the stopped server could still write"
+            if fence is not None:
+                r = _finished(h, 2, 30)
+                assert r is not None and set(r.failed_keys) == set(keys)
+                assert time.monotonic() - t0 >= 1.0 + fence - 0.5  # held to the fence, not just the timeout
+                assert h.tier._client.late_fences == 1
+            else:
+                assert _finished(h, 2, 2.0) is None, "no fence: held while the server is silent"
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        if fence is None:
+            r = _finished(h, 2, 30)  # the server wakes, sees the GETN and the CANCEL, answers DONE
+            assert r is not None and h.tier._client.late_fences == 0
+            for i, k in enumerate(keys):
+                if k not in r.failed_keys:
+                    assert bytes(dst[i]) == bytes(src[i])
+        h.submit_load(Job(3, keys, tuple(range(n))))  # and it serves again
+        r = wait(h, 3, timeout=30)
+        assert r.ok, r
+        assert all(bytes(dst[i]) == bytes(src[i]) for i in range(n))
+    finally:
+        h.close()
         server.kill()
 
 

@@ -30,10 +30,13 @@ def key(i: int) -> bytes:
     return b"prefix-%d" % i
 
 
-def test_serve_block_lets_a_peer_pull_the_host_cache():
+@pytest.mark.parametrize("backend", ["zmq", "nixl"])
+def test_serve_block_lets_a_peer_pull_the_host_cache(backend):
+    if backend == "nixl":
+        pytest.importorskip("nixl_cu12")
     src = kv(1)
     prefill = TieringManager.from_config({"host_bytes": 1 << 20, "blocks_per_chunk": BPC,
-                                          "serve": {"bind": "tcp://127.0.0.1:0"}}, src,
+                                          "serve": {"bind": "tcp://127.0.0.1:0", "nixl": backend == "nixl"}}, src,
                                          namespace_fields={"model": "m"})
     port = int(prefill.serve.endpoint.rsplit(":", 1)[1])
     stop = threading.Event()
@@ -45,7 +48,8 @@ def test_serve_block_lets_a_peer_pull_the_host_cache():
 
     dst = kv(None)
     decode = TieringManager.from_config({"host_bytes": 1 << 20, "blocks_per_chunk": BPC,
-                                         "tiers": [{"type": "p2p", "host": "127.0.0.1", "port": port}]}, dst,
+                                         "tiers": [{"type": "p2p", "host": "127.0.0.1", "port": port,
+                                                    "backend": backend}]}, dst,
                                         namespace_fields={"model": "m"})
     try:
         keys = [key(i) for i in range(4)]
@@ -77,5 +81,7 @@ def test_serve_block_lets_a_peer_pull_the_host_cache():
 def test_serve_block_errors_are_config_errors():
     with pytest.raises(ConfigError, match="unknown option 'port'"):
         TieringManager.from_config({"host_bytes": 1 << 20, "serve": {"port": 1}}, kv(1))
+    with pytest.raises(ConfigError, match="nixl must be true or false"):
+        TieringManager.from_config({"host_bytes": 1 << 20, "serve": {"nixl": "yes"}}, kv(1))
     with pytest.raises(ConfigError, match="kvtiers p2p keygen"):
         TieringManager.from_config({"host_bytes": 1 << 20, "serve": {"bind": "tcp://0.0.0.0:0"}}, kv(1))

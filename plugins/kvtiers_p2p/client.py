@@ -7,6 +7,14 @@ PUT requests inside the peer's in-flight window, receives each chunk straight in
 slot (``recv_into``) and checks its xxh3 there, and enforces every request's deadline. A peer
 that disconnects fails its requests at once; a peer that goes silent fails them at their
 deadline (with a CANCEL sent); either way a load tries the next peer that may hold the key.
+
+On the NIXL path the server writes into the slots itself and NIXL cannot abort a posted
+write, so a GETN that fails (deadline, disconnect, close) is *fenced* before its keys fail
+or move to another peer: it waits for the server's DONE (sent after a CANCEL once every
+write it posted has finished), for the server's process to be gone (pidfd, same host), or
+for ``fence_timeout`` seconds past the failure (``None``: no limit; the job then stays
+unreported, and a manager treats it as lost with its slots pinned). Only the last case can
+let a write from a server silent that long land late; it is logged.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import time
 from collections import deque
 from collections.abc import Callable
@@ -67,7 +76,10 @@ class Request:
     probe: Any = None
     sent: bool = False
     answered: set[int] = field(default_factory=set)
-    stage: list[int] | None = None  # getn: staging index per item, -1 once given back
+    peer: Any = None  # getn: the peer it was sent to
+    instance: str | None = None  # getn: the server instance it was sent to
+    why: str = ""  # getn being fenced: why it failed
+    fence: float = 0.0  # getn being fenced: when to give up waiting for the server
 
 
 @dataclass
@@ -107,7 +119,8 @@ class PeerClient:
 
     def __init__(self, arena: Arena, *, namespace: str, chunk_bytes: int, max_bytes: int | None,
                  lookup_timeout: float, curve: tuple[bytes, bytes, bytes] | None,
-                 callbacks: dict[str, Callable[..., None]], nixl: bool = False) -> None:  # fmt: skip
+                 callbacks: dict[str, Callable[..., None]], nixl: bool = False,
+                 fence_timeout: float | None = 15.0) -> None:  # fmt: skip
         self.arena = arena
         self.namespace = namespace
         self.chunk_bytes = chunk_bytes
@@ -119,7 +132,11 @@ class PeerClient:
         if nixl:  # made here so a failure is an error at open; used on the I/O thread only
             from .nixl_path import NixlClient
 
-            self.nx = NixlClient(chunk_bytes)
+            self.nx = NixlClient(arena)
+        self.fence_timeout = fence_timeout
+        self.fencing: dict[int, Request] = {}  # getn rid -> request whose slots the server may still write
+        self._pidfds: dict[str, int] = {}  # server instance -> pidfd (servers on this host)
+        self.late_fences = 0  # fences given up on with the server still silent
         self.peers: dict[str, Peer] = {}
         self._rids = itertools.count(1)
         self._commands: deque[Callable[[], None]] = deque()
@@ -161,49 +178,76 @@ class PeerClient:
     def _run(self) -> None:
         try:
             while not self._closing:
-                timeout = self._poll_timeout()
-                events = dict(self.poller.poll(timeout))
-                if self._rfd in events:
-                    try:
-                        while os.read(self._rfd, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                while self._commands:
-                    self._commands.popleft()()
-                for peer in list(self.peers.values()):
-                    if peer.mon is not None and peer.mon in events:
-                        self._monitor(peer)
-                    if peer.sock is not None and peer.sock in events:
-                        self._receive(peer)
-                now = time.monotonic()
-                self._expire(now)
-                if now >= self._next_tick:
-                    self._next_tick = now + 0.5
-                    tick = self.cb.get("on_tick")
-                    if tick is not None:
-                        tick()
-                for peer in list(self.peers.values()):
-                    self._pump(peer)
+                self._step()
+            self._drain_fences()
         except Exception:  # a bug here must not hang the engine: fail everything
             log.exception("p2p client thread failed")
         finally:
             for peer in list(self.peers.values()):
                 self._remove_peer(peer, "tier closed", bye=True)
+            for req in list(self.fencing.values()):  # their servers had their chance in _drain_fences
+                self._settle(req, late=not self._gone(req.instance))
             while self._commands:  # late submits: they still finish (as failures)
                 try:
                     self._commands.popleft()()
                 except Exception:
                     log.exception("p2p client: late command failed")
             self.ctx.term()
+            for fd in self._pidfds.values():
+                os.close(fd)
             if self.nx is not None:
                 self.nx.close()
+
+    def _step(self) -> None:
+        """One round of the I/O loop: wait for events, run commands, receive, expire, send."""
+        events = dict(self.poller.poll(self._poll_timeout()))
+        if self._rfd in events:
+            try:
+                while os.read(self._rfd, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        while self._commands:
+            self._commands.popleft()()
+        for peer in list(self.peers.values()):
+            if peer.mon is not None and peer.mon in events:
+                self._monitor(peer)
+            if peer.sock is not None and peer.sock in events:
+                self._receive(peer)
+        now = time.monotonic()
+        self._expire(now)
+        if now >= self._next_tick:
+            self._next_tick = now + 0.5
+            tick = self.cb.get("on_tick")
+            if tick is not None:
+                tick()
+        for peer in list(self.peers.values()):
+            self._pump(peer)
+
+    def _drain_fences(self, limit: float = 5.0) -> None:
+        """Closing: fail what is queued, cancel the GETNs in flight and give their servers up
+        to ``limit`` seconds (or their fence) to settle the slots they may still write."""
+        if self.nx is None:
+            return
+        for peer in self.peers.values():
+            queued, peer.queue = list(peer.queue), deque()
+            for req in queued:
+                self._fail_request(peer, req, "tier closed")
+            for req in [r for r in peer.inflight.values() if r.kind == "getn"]:
+                self._end(peer, req)
+                self._cancel(peer, req)
+                self._fail_request(peer, req, "tier closed")
+        end = time.monotonic() + limit
+        while self.fencing and time.monotonic() < end:
+            self._step()
 
     def _poll_timeout(self) -> int:
         if self._commands:
             return 0
         now = time.monotonic()
         nearest = now + 0.1
+        for r in self.fencing.values():
+            nearest = min(nearest, r.fence)
         for peer in self.peers.values():
             for r in peer.inflight.values():
                 nearest = min(nearest, r.deadline)
@@ -306,15 +350,18 @@ class PeerClient:
                 self._finish(it, False, "not found on any peer")
                 continue
             groups.setdefault(it.candidates[0], []).append(it)
-        batch = GET_BATCH if self.nx is None else max(1, min(GET_BATCH, self.nx.n // 4))
-        kind = "get" if self.nx is None else "getn"
         for url, group in groups.items():
             peer = self.peers[url]
-            for i in range(0, len(group), batch):
-                part = group[i : i + batch]
+            for i in range(0, len(group), GET_BATCH):
+                part = group[i : i + GET_BATCH]
                 rid = next(self._rids)
-                frames = [P.pack(P.GET, rid, [it.key for it in part])] if kind == "get" else []
-                peer.queue.append(Request(kind, rid, part[0].job.deadline, frames, items=part))
+                keys = [it.key for it in part]
+                if self.nx is None:
+                    req = Request("get", rid, part[0].job.deadline, [P.pack(P.GET, rid, keys)], items=part)
+                else:  # the server writes each chunk into its slot
+                    frames = [P.pack(P.GETN, rid, keys, [it.slot for it in part])]
+                    req = Request("getn", rid, part[0].job.deadline, frames, items=part)
+                peer.queue.append(req)
 
     def store(self, items: list[Item], url: str | None) -> None:
         if url is None or url not in self.peers:
@@ -359,12 +406,6 @@ class PeerClient:
                     continue
                 if peer.gets >= peer.max_inflight:
                     return
-                if req.kind == "getn" and req.stage is None:
-                    stage = self.nx.take(len(req.items))
-                    if stage is None:
-                        return  # staging is busy: wait for chunks to land
-                    req.stage = stage
-                    req.frames = [P.pack(P.GETN, req.rid, [it.key for it in req.items], stage)]
             try:
                 peer.sock.send_multipart(req.frames, zmq.NOBLOCK, copy=True)
             except zmq.Again:
@@ -375,6 +416,7 @@ class PeerClient:
             peer.inflight[req.rid] = req
             if req.kind in ("get", "getn"):
                 peer.gets += 1
+                req.peer, req.instance = peer, peer.instance
 
     # -- receiving -----------------------------------------------------------------------
     def _discard_rest(self, sock: zmq.Socket) -> None:
@@ -402,7 +444,11 @@ class PeerClient:
         op, rid = hdr[0], hdr[1]
         req = peer.inflight.get(rid)
         if req is None:
-            return  # a late answer to a request that timed out or was cancelled
+            req = self.fencing.get(rid)
+            if req is None or req.peer is not peer:
+                return  # a late answer to a request that timed out or was cancelled
+            self._answer_fenced(req, op, hdr)
+            return
         if op == P.CHUNK:
             P.expect_len(hdr, 4, "CHUNK")
             idx, digest = hdr[2], P.check_hash(hdr[3])
@@ -412,7 +458,7 @@ class PeerClient:
             req.answered.add(idx)
             it = req.items[idx]
             if req.kind == "getn":
-                return self._landed(peer, req, idx, digest)
+                return self._landed(peer, req.items[idx], digest)
             if it.done or not peer.sock.getsockopt(zmq.RCVMORE):
                 return
             out = self.arena[it.slot]
@@ -429,13 +475,11 @@ class PeerClient:
             if req.kind not in ("get", "getn") or type(idx) is not int or not 0 <= idx < len(req.items):
                 raise P.ProtocolError("MISSING for no asked key")
             req.answered.add(idx)
-            self._unstage(req, [idx])
             it = req.items[idx]
             self.cb["on_missing"](it.key, peer.url)
             self._retry(it, "not found on any peer")
         elif op == P.DONE:
             self._end(peer, req)
-            self._unstage(req, range(len(req.items)))  # the server wrote nothing more
             for i, it in enumerate(req.items):
                 if i not in req.answered:
                     self._retry(it, f"peer {peer.url} ended the GET without key")
@@ -451,34 +495,70 @@ class PeerClient:
         else:
             raise P.ProtocolError(f"unknown reply op {op}")
 
-    def _landed(self, peer: Peer, req: Request, idx: int, digest: int) -> None:
-        """A GETN chunk was written into staging: check it there, copy it into its slot."""
-        it = req.items[idx]
-        data = self.nx.view(req.stage[idx])[: self.chunk_bytes]
-        if not it.done:
-            if P.checksum(data) != digest:
-                self._unstage(req, [idx])
-                return self._retry(it, f"xxh3 mismatch on a chunk from {peer.url} (nixl)")
-            out = self.arena[it.slot]
-            out[:] = data
-            self._finish(it, True, None, len(out))
-        self._unstage(req, [idx])
-
-    def _unstage(self, req: Request, idxs: Any) -> None:
-        """Give staging buffers of ``req`` back (the server will not write them again)."""
-        if req.stage is None:
+    def _landed(self, peer: Peer, it: Item, digest: int) -> None:
+        """A GETN chunk was written into its slot: check it there."""
+        if it.done:
             return
-        back = [req.stage[i] for i in idxs if req.stage[i] >= 0]
-        for i in idxs:
-            req.stage[i] = -1
-        self.nx.give(back)
+        out = self.arena[it.slot]
+        if P.checksum(out) != digest:
+            return self._retry(it, f"xxh3 mismatch on a chunk from {peer.url} (nixl)")
+        self._finish(it, True, None, len(out))
 
-    def _quarantine(self, req: Request) -> None:
-        """A GETN given up on: NIXL may still write its staging buffers; never reuse them."""
-        if req.stage is not None:
-            n = sum(1 for s in req.stage if s >= 0)
-            req.stage = [-1] * len(req.stage)
-            self.nx.quarantined += n
+    def _answer_fenced(self, req: Request, op: int, hdr: list) -> None:
+        """An answer for a GETN being fenced: chunks that landed still count; the server's
+        DONE or ERR (nothing more will be written) settles it."""
+        if op in (P.CHUNK, P.MISSING):
+            P.expect_len(hdr, 4 if op == P.CHUNK else 3, "CHUNK" if op == P.CHUNK else "MISSING")
+            idx = hdr[2]
+            if type(idx) is not int or not 0 <= idx < len(req.items) or idx in req.answered:
+                raise P.ProtocolError("CHUNK or MISSING for no asked key")
+            req.answered.add(idx)
+            if op == P.CHUNK:
+                self._landed(req.peer, req.items[idx], P.check_hash(hdr[3]))
+            if len(req.answered) < len(req.items):
+                return
+        elif op not in (P.DONE, P.ERR):
+            raise P.ProtocolError(f"unexpected reply op {op} to a cancelled GETN")
+        self._settle(req)
+
+    def _fence(self, req: Request, why: str) -> None:
+        """A sent GETN failed: hold its unanswered keys until the server settles their slots."""
+        req.why = why
+        req.fence = time.monotonic() + (self.fence_timeout if self.fence_timeout is not None else float("inf"))
+        self.fencing[req.rid] = req
+        if len(req.answered) == len(req.items) or self._gone(req.instance):
+            self._settle(req)
+
+    def _settle(self, req: Request, late: bool = False) -> None:
+        """The server will write no more slots of ``req``: its unanswered keys move on."""
+        if self.fencing.pop(req.rid, None) is None:
+            return
+        why = req.why
+        if late:
+            self.late_fences += 1
+            log.warning("p2p: peer %s still silent %s s after a GETN failed (%s); failing its keys, though "
+                        "a NIXL write it posted could still land in their slots", getattr(req.peer, "url", "?"),
+                        self.fence_timeout, why)
+        for i, it in enumerate(req.items):
+            if i not in req.answered:
+                self._retry(it, why)
+
+    def _gone(self, instance: str | None) -> bool:
+        """Whether the server process of ``instance`` is known to have exited (same host only)."""
+        fd = self._pidfds.get(instance) if instance is not None else None
+        return fd is not None and bool(select.select([fd], [], [], 0)[0])
+
+    def _watch(self, body: dict) -> None:
+        """Open a pidfd on a server on this host (HELLO's ``pid`` and ``boot``), to know when it is gone."""
+        inst, pid = body.get("instance"), body.get("pid")
+        if self.nx is None or type(inst) is not str or type(pid) is not int or inst in self._pidfds:
+            return
+        if body.get("boot") != P.boot_id() or pid == os.getpid():
+            return
+        try:
+            self._pidfds[inst] = os.pidfd_open(pid)
+        except OSError:  # gone already, or no pidfds here: fences then rely on answers and the timeout
+            pass
 
     def _ok(self, peer: Peer, req: Request, body: Any) -> None:
         if req.kind == "hello":
@@ -487,6 +567,7 @@ class PeerClient:
             if self.nx is not None and body.get("nixl") is not True:
                 raise P.ProtocolError("the server did not accept NIXL")
             inst = body.get("instance")
+            self._watch(body)
             if peer.instance is not None and inst != peer.instance:
                 self.cb["on_restart"](peer.url)
             peer.instance = inst
@@ -520,16 +601,14 @@ class PeerClient:
             peer.ready = False
             if peer.hello_rid is None:
                 self._hello(peer)
-            if req.kind in ("get", "getn"):
-                self._unstage(req, range(len(req.items)))  # refused: nothing was written
-                req.sent, req.answered, req.stage = False, set(), None
+            if req.kind in ("get", "getn"):  # refused: nothing was written
+                req.sent, req.answered = False, set()
                 peer.queue.appendleft(req)
                 return
         why = f"peer {peer.url}: {msg}"
         if req.kind == "lookup":
             self._probe_done(req.probe)
         elif req.kind in ("get", "getn"):
-            self._unstage(req, range(len(req.items)))
             for it in req.items:
                 self._retry(it, why)
         else:
@@ -547,10 +626,8 @@ class PeerClient:
         if req.kind == "lookup":
             self._probe_done(req.probe)
         elif req.kind in ("get", "getn"):
-            if req.sent:
-                self._quarantine(req)
-            else:
-                self._unstage(req, range(len(req.items)))
+            if req.kind == "getn" and req.sent:
+                return self._fence(req, why)
             for it in req.items:
                 self._retry(it, why)
         elif req.kind == "put":
@@ -568,16 +645,24 @@ class PeerClient:
         for req in reqs:
             self._fail_request(peer, req, why)
 
+    def _cancel(self, peer: Peer, req: Request) -> None:
+        if req.kind in ("get", "getn") and peer.sock is not None:
+            try:
+                peer.sock.send(P.pack(P.CANCEL, next(self._rids), req.rid), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
     def _expire(self, now: float) -> None:
+        for req in list(self.fencing.values()):
+            if self._gone(req.instance):
+                self._settle(req)
+            elif now >= req.fence:
+                self._settle(req, late=True)
         for peer in list(self.peers.values()):
             late = [r for r in peer.inflight.values() if r.deadline <= now]
             for req in late:
                 self._end(peer, req)
-                if req.kind in ("get", "getn") and peer.sock is not None:
-                    try:
-                        peer.sock.send(P.pack(P.CANCEL, next(self._rids), req.rid), zmq.NOBLOCK)
-                    except zmq.ZMQError:
-                        pass
+                self._cancel(peer, req)
                 self._fail_request(peer, req, f"peer {peer.url} did not answer in time")
             if any(r.deadline <= now for r in peer.queue):
                 keep = deque()
@@ -594,7 +679,8 @@ class PeerClient:
             return
         if it.candidates:
             it.candidates.pop(0)
-        if it.candidates and time.monotonic() < it.job.deadline and it.candidates[0] in self.peers:
+        if it.candidates and not self._closing and time.monotonic() < it.job.deadline \
+                and it.candidates[0] in self.peers:
             self.load([it])
         else:
             self._finish(it, False, why)

@@ -7,6 +7,10 @@ pins are queued to it and done in the manager's ``poll``/``get_finished`` (every
 step): a chunk's slot is pinned there, its bytes are copied into the ZMQ message (and their
 xxh3 taken) on the server thread, then the pin is released on the engine thread again. A
 chunk evicted or dropped meanwhile stays valid until its pin is gone.
+
+With ``"nixl": true`` the arena is also registered with NIXL, and clients with ``backend:
+"nixl"`` get each pinned chunk written straight into their slot; the pin is released once
+NIXL reports the write over.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from . import protocol as P
 from .server import PeerServer, ServerLimits, Session, Stream
 
 SERVE_OPTIONS = {"bind", "curve_secret", "allow", "max_clients", "max_inflight", "idle_timeout",
-                 "handshake_timeout"}
+                 "handshake_timeout", "nixl"}
 E_READONLY = "read-only"
 
 
@@ -32,14 +36,18 @@ class ArenaServer(PeerServer):
     """A peer server whose chunks are the ready entries of a manager's host cache."""
 
     def __init__(self, manager: Any, bind: str, *, limits: ServerLimits = ServerLimits(),
-                 curve_secret: str | None = None, allow_dir: str | None = None) -> None:  # fmt: skip
+                 curve_secret: str | None = None, allow_dir: str | None = None,
+                 nixl: bool = False) -> None:  # fmt: skip
         self.mgr = manager
         self.arena = manager.arena
         self.to_engine: deque[tuple] = deque()  # server thread -> engine thread
         self.from_engine: deque[tuple[bytes, bytes]] = deque()  # lookup answers, engine -> server
         self._handoff = threading.Lock()  # a stream's pins vs. its end
         super().__init__(bind, None, limits=limits, namespace=manager.namespace.digest,
-                         chunk_bytes=manager.arena.slot_bytes, curve_secret=curve_secret, allow_dir=allow_dir)
+                         chunk_bytes=manager.arena.slot_bytes, curve_secret=curve_secret, allow_dir=allow_dir,
+                         nixl=nixl)
+        if self.nixl is not None:
+            self.nixl.register(self.arena.buffer)
         self.served = 0
         self._thread = threading.Thread(target=self._run, name="kvtiers-p2p-serve", daemon=True)
         self._thread.start()
@@ -65,6 +73,7 @@ class ArenaServer(PeerServer):
 
     def _get(self, st: Stream) -> None:
         st.slots = None  # filled by the engine thread: a pinned slot or None per key
+        st.held = {}  # NIXL: position -> pinned slot a write reads; unpinned when it is over
         self.streams.append(st)
         self.to_engine.append(("get", st))
 
@@ -75,10 +84,26 @@ class ArenaServer(PeerServer):
         for s in slots or ():
             if s is not None:
                 self.to_engine.append(("unpin", s))
+        super()._ended(st)  # NIXL writes in flight keep their pins until they are over
 
     def _put(self, sess: Session, rid: int, key: bytes, digest: int) -> None:
         self.sock.recv(copy=False)
         self._error(sess.ident, rid, E_READONLY, "this engine serves its host cache read-only")
+
+    def _nixl_source(self, st: Stream, p: int) -> tuple[Any, int] | None:
+        slot = st.slots[p]
+        if slot is None:
+            return None
+        st.slots[p] = None  # the write holds the pin now; _ended leaves it to _nixl_done
+        st.held[p] = slot
+        data = self.arena[slot]
+        return data, P.checksum(data)
+
+    def _nixl_done(self, st: Stream, p: int) -> None:
+        slot = st.held.pop(p, None)
+        if slot is not None:
+            self.to_engine.append(("unpin", slot))
+            self.served += 1
 
     def _chunk(self, st: Stream) -> bool | None:
         slots = st.slots
@@ -86,6 +111,8 @@ class ArenaServer(PeerServer):
             return None  # the engine thread has not pinned them yet
         if not slots:
             return True  # ended
+        if st.stage is not None:
+            return self._chunk_nixl(st)
         slot = slots[st.pos]
         if slot is None:
             return self._send(st.session.ident, P.pack(P.MISSING, st.rid, st.pos))
@@ -134,6 +161,10 @@ class ArenaServer(PeerServer):
         for st in list(self.streams):
             self._ended(st)
         self.streams.clear()
+        if self.orphans:
+            self.wait_orphans()
+            for _w, _, st, p in self.orphans:  # still writing after the wait: keep them pinned
+                st.held.pop(p, None)
         self.poll()
         if self._auth is not None:
             self._auth.stop()
@@ -148,8 +179,11 @@ def serve_arena(manager: Any, options: Mapping[str, Any]) -> ArenaServer:
         known = ", ".join(sorted(SERVE_OPTIONS))
         raise ConfigError(f"config: serve: unknown option {sorted(unknown)[0]!r} (known: {known})")
     lim = {k: options[k] for k in ("max_clients", "max_inflight", "idle_timeout", "handshake_timeout") if k in options}
+    nixl = options.get("nixl", False)
+    if type(nixl) is not bool:
+        raise ConfigError(f"config: serve: nixl must be true or false, got {nixl!r}")
     try:
         return ArenaServer(manager, options.get("bind", "tcp://127.0.0.1:5710"), limits=ServerLimits(**lim),
-                           curve_secret=options.get("curve_secret"), allow_dir=options.get("allow"))
-    except (ValueError, zmq.ZMQError) as e:
+                           curve_secret=options.get("curve_secret"), allow_dir=options.get("allow"), nixl=nixl)
+    except (ValueError, zmq.ZMQError, ImportError, RuntimeError) as e:
         raise ConfigError(f"config: serve: {e}") from None

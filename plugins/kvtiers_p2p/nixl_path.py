@@ -1,16 +1,17 @@
 """The optional NIXL data path of the p2p tier (``backend: "nixl"``, ``kvtiers p2p serve --nixl``).
 
 Control stays on ZMQ; the chunk bytes of a load move with NIXL's UCX backend (RDMA where
-present, shared memory or TCP on one host): the server WRITEs each chunk into memory the
-client registered, then says so over ZMQ with the chunk's xxh3 (``CHUNK`` without a data
-frame), and the client checks the bytes where they landed.
+present, shared memory or TCP on one host): the client registers its whole arena, the server
+WRITEs each chunk straight into the slot the load names, then says so over ZMQ with the
+chunk's xxh3 (``CHUNK`` without a data frame), and the client checks the bytes where they
+landed. Stores stay on ZMQ on both paths.
 
-They land in a registered *staging* area, not in the arena slot: NIXL cannot abort a
-transfer once posted, so a load that times out (a slow peer) could otherwise be written into
-a slot the engine already reuses (rule 6). The client copies a checked chunk into its slot
-(one memcpy, as the ZMQ path's ``recv_into`` out of ZMQ's buffer), and the staging buffers
-of a request that timed out are quarantined, never reused, until the server answers them.
-Stores stay on ZMQ on both paths.
+NIXL cannot abort a WRITE once posted, so rule 6 (no write into a slot after its job is
+reported) is kept by the client holding a load's job open until the server has *settled*
+every slot it was asked to write: a CHUNK or MISSING for it, or the server's DONE, which
+after a CANCEL comes only once every write it posted has finished. A server process that
+is gone settles its slots too (on one host the client watches it with a pidfd). See
+:class:`kvtiers_p2p.client.PeerClient` for the fence around a silent server.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import numpy as np
 
 log = logging.getLogger("kvtiers.p2p")
 
-STAGING_BYTES = 256 << 20  #: staging per client (at least 16 chunks, at most 256)
 
 
 def available() -> str | None:
@@ -54,32 +54,18 @@ def address(buf: Any) -> int:
 
 
 class NixlClient:
-    """The client's agent and its registered staging area (I/O thread only)."""
+    """The client's agent with the tier's whole arena registered (I/O thread only)."""
 
-    def __init__(self, slot_bytes: int) -> None:
+    def __init__(self, arena: Any) -> None:
         self.agent = _agent("kvtiers-p2p-client")
-        self.stride = slot_bytes
-        self.n = max(16, min(256, STAGING_BYTES // slot_bytes))
-        self.stage = np.zeros(self.n * slot_bytes, dtype=np.uint8)
-        self.base = int(self.stage.ctypes.data)
-        self.reg = self.agent.register_memory([(self.base, self.stage.nbytes, 0, "")], "DRAM", ["UCX"])
-        self.free = list(range(self.n - 1, -1, -1))
-        self.quarantined = 0
+        self.stride = arena.slot_bytes
+        self.n = len(arena)
+        self.base = address(arena.buffer)
+        self.reg = self.agent.register_memory([(self.base, self.n * self.stride, 0, "")], "DRAM", ["UCX"])
 
     def hello(self) -> dict[str, Any]:
-        """What HELLO carries so the server can write into the staging area."""
+        """What HELLO carries so the server can write into the arena's slots."""
         return {"md": self.agent.get_agent_metadata(), "base": self.base, "n": self.n, "stride": self.stride}
-
-    def view(self, i: int) -> memoryview:
-        return memoryview(self.stage)[i * self.stride : (i + 1) * self.stride]
-
-    def take(self, n: int) -> list[int] | None:
-        if len(self.free) < n:
-            return None
-        return [self.free.pop() for _ in range(n)]
-
-    def give(self, idx: list[int]) -> None:
-        self.free.extend(idx)
 
     def close(self) -> None:
         try:
@@ -90,7 +76,7 @@ class NixlClient:
 
 
 class NixlServer:
-    """The server's agent: registers store memory, writes chunks into clients' staging."""
+    """The server's agent: registers the memory it serves from, writes chunks into clients' slots."""
 
     def __init__(self) -> None:
         self.agent = _agent("kvtiers-p2p-server")
@@ -109,27 +95,37 @@ class NixlServer:
             self.peers[md] = name
         return name
 
-    def write(self, buf: Any, peer: str, remote_addr: int) -> Any:
-        """Post a WRITE of ``buf`` to ``remote_addr`` of ``peer``; returns its handle."""
+    def write(self, buf: Any, peer: str, remote_addr: int) -> Write | None:
+        """Post a WRITE of ``buf`` to ``remote_addr`` of ``peer``; None if NIXL refused it."""
         agent = self.agent
         local = agent.get_xfer_descs([(address(buf), len(buf), 0)], "DRAM")
         remote = agent.get_xfer_descs([(remote_addr, len(buf), 0)], "DRAM")
         handle = agent.initialize_xfer("WRITE", local, remote, peer, backends=["UCX"])
-        state = agent.transfer(handle)
-        if state == "ERR":
+        if agent.transfer(handle) == "ERR":
             handle.release()
             return None
-        return handle
+        return Write(agent, handle)
 
-    def state(self, handle: Any) -> str:
-        """``DONE`` (released), ``PROC`` or ``ERR`` (released)."""
-        try:
-            state = self.agent.check_xfer_state(handle)
-        except Exception:
-            state = "ERR"
-        if state != "PROC":
+
+class Write:
+    """A posted NIXL WRITE; :meth:`poll` may be called by anyone, any number of times."""
+
+    __slots__ = ("_agent", "_handle", "state")
+
+    def __init__(self, agent: Any, handle: Any) -> None:
+        self._agent, self._handle, self.state = agent, handle, "PROC"
+
+    def poll(self) -> str:
+        """``PROC`` while in flight, then ``DONE`` or ``ERR`` (the handle released once)."""
+        if self.state == "PROC":
             try:
-                handle.release()
-            except Exception as e:
-                log.debug("p2p nixl: release failed: %s", e)
-        return state
+                state = self._agent.check_xfer_state(self._handle)
+            except Exception:
+                state = "ERR"
+            if state != "PROC":
+                self.state = "DONE" if state == "DONE" else "ERR"
+                try:
+                    self._handle.release()
+                except Exception as e:
+                    log.debug("p2p nixl: release failed: %s", e)
+        return self.state

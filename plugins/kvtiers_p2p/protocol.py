@@ -9,10 +9,12 @@ one data frame for the ops that carry a chunk. Client to server::
     [GET,    rid, [key, ...]]                       -> per key [CHUNK, rid, i, xxh3] + data
                                                        or [MISSING, rid, i]; then [DONE, rid]
     [PUT,    rid, key, xxh3] + data                 -> [OK, rid, [evicted key, ...]]
-    [GETN,   rid, [key, ...], [staging index, ...]] -> as GET, but each chunk is written with
-                                                       NIXL into the client's staging buffer
+    [GETN,   rid, [key, ...], [slot index, ...]]    -> as GET, but each chunk is written with
+                                                       NIXL into the client's arena slot
                                                        first; CHUNK then has no data frame
-    [CANCEL, rid, target_rid]                       (no answer: the target stops streaming)
+    [CANCEL, rid, target_rid]                       (no answer to a GET: it stops streaming; a
+                                                       GETN is answered [DONE, target_rid] once
+                                                       no write it posted can still land)
     [BYE,    rid]                                   (no answer: the session ends)
     [CORRUPT, rid, namespace_digest, key]           -> [OK, rid, [offset, ...]] ([] if not stored);
                                                        test servers only (``--test-faults``)
@@ -45,6 +47,20 @@ CORRUPT = 8  #: fault injection for tests: flip bytes of a stored chunk, keep it
 OK, CHUNK, MISSING, DONE, ERR = 16, 17, 18, 19, 20
 REQUEST_OPS = {HELLO: "HELLO", LOOKUP: "LOOKUP", GET: "GET", PUT: "PUT", CANCEL: "CANCEL", BYE: "BYE",
                GETN: "GETN", CORRUPT: "CORRUPT"}
+
+_BOOT: list[str | None] = []
+
+
+def boot_id() -> str | None:
+    """This host's boot id (Linux), so a peer can tell it runs on the same host; None elsewhere."""
+    if not _BOOT:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                _BOOT.append(f.read().strip())
+        except OSError:
+            _BOOT.append(None)
+    return _BOOT[0]
+
 
 MAX_HEADER = 256 * 1024  #: a request header longer than this is malformed
 MAX_REPLY_HEADER = 64 << 20  #: replies may list many evicted keys

@@ -65,8 +65,9 @@ class Stream:
     keys: list[bytes]
     pos: int = 0
     sent: list[Any] = field(default_factory=list)
-    stage: list[int] | None = None  # GETN: the client's staging index per key
-    posted: dict[int, Any] = field(default_factory=dict)  # GETN: position -> write in flight
+    stage: list[int] | None = None  # GETN: the client's slot index per key
+    posted: dict[int, tuple] = field(default_factory=dict)  # GETN: position -> ("w", write, source) |
+    #                                                          ("ok", xxh3) | ("miss",)
 
 
 class AuthConfigError(ValueError):
@@ -115,12 +116,14 @@ class PeerServer:
         self.stats = {"malformed": 0, "refused": 0, "chunks_sent": 0, "chunks_stored": 0}
         self._stop = False
         self.nixl = None
-        self.orphans: list[Any] = []  # GETN writes of streams that ended: kept until NIXL is done
+        self.orphans: list[tuple] = []  # (write, source, stream, pos) of ended GETNs: kept until NIXL is done
+        self.draining: list[tuple[bytes, int, list[Any]]] = []  # cancelled GETNs: (ident, rid, writes)
         if nixl:
             from .nixl_path import NixlServer
 
             self.nixl = NixlServer()
-            store.on_slab = self.nixl.register
+            if store is not None:  # a store registers its slabs as it maps them
+                store.on_slab = self.nixl.register
         self.ctx = zmq.Context()
         self._auth = None
         try:
@@ -181,6 +184,8 @@ class PeerServer:
             if not self._flush():
                 time.sleep(0.0005)
                 continue
+            if self.draining:
+                self._drain()
             if self.streams:
                 if not self._pump():  # every stream's pipe is full, or NIXL writes are under way
                     time.sleep(0 if self._nixl_pending() else 0.0005)
@@ -195,7 +200,17 @@ class PeerServer:
         return bool(self.streams or self.outbox)
 
     def _nixl_pending(self) -> bool:
-        return self.nixl is not None and any(st.posted for st in self.streams)
+        return self.nixl is not None and (bool(self.draining) or any(st.posted for st in self.streams))
+
+    def _drain(self) -> None:
+        """Answer each cancelled GETN with DONE once no write it posted can still land."""
+        left = []
+        for ident, rid, writes in self.draining:
+            if any(w.poll() == "PROC" for w in writes):
+                left.append((ident, rid, writes))
+            else:
+                self._reply(ident, P.pack(P.DONE, rid))
+        self.draining = left
 
     def _reply(self, ident: bytes, *frames: Any) -> None:
         """Send a reply now, or queue it behind earlier ones when the client's pipe is full."""
@@ -259,9 +274,9 @@ class PeerServer:
 
     def _ended(self, st: Stream) -> None:
         """A stream was cancelled or its client dropped before it was sent out."""
-        for posted in st.posted.values():
-            if posted is not None and posted[0] == "write":
-                self.orphans.append(posted)  # NIXL cannot abort it: keep its buffer until done
+        for p, posted in st.posted.items():
+            if posted[0] == "w":  # NIXL cannot abort it: keep its source until it is done
+                self.orphans.append((posted[1], posted[2], st, p))
         st.posted.clear()
 
     def _chunk(self, st: Stream) -> bool | None:
@@ -286,32 +301,47 @@ class PeerServer:
                 return True
             raise
 
+    def _nixl_source(self, st: Stream, p: int) -> tuple[Any, int] | None:
+        """The buffer and xxh3 of ``st.keys[p]`` for a NIXL write, or None (missing). The
+        caller keeps the buffer referenced until the write is over (see :meth:`_nixl_done`)."""
+        item = self.store.get(st.session.ns, st.keys[p])
+        if item is None:
+            return None
+        item[3] = True  # evicted meanwhile: the pool reuses the buffer only once our reference is gone
+        return item[0], item[1]
+
+    def _nixl_done(self, st: Stream, p: int) -> None:
+        """The NIXL write of ``st.keys[p]`` is over (or was never posted): its source may go."""
+
     def _chunk_nixl(self, st: Stream) -> bool | None:
         """GETN: post NIXL writes a few keys ahead, then announce each one once it is done."""
         peer, base, _, stride = st.session.nixl
         for p in range(st.pos, min(len(st.keys), st.pos + NIXL_AHEAD)):
             if p in st.posted:
                 continue
-            item = self.store.get(st.session.ns, st.keys[p])
-            handle = None
-            if item is not None:
-                handle = self.nixl.write(item[0], peer, base + st.stage[p] * stride)
-            # the buffer is referenced here until NIXL is done, so the pool does not reuse it
-            st.posted[p] = ("write", handle, item[0], item[1]) if handle is not None else ("missing",)
+            src = self._nixl_source(st, p)
+            write = None if src is None else self.nixl.write(src[0], peer, base + st.stage[p] * stride)
+            if write is None:
+                if src is not None:
+                    self._nixl_done(st, p)
+                st.posted[p] = ("miss",)
+            else:
+                st.posted[p] = ("w", write, src)
         cur = st.posted[st.pos]
-        if cur[0] == "write":
-            state = self.nixl.state(cur[1])
+        if cur[0] == "w":
+            state = cur[1].poll()
             if state == "PROC":
                 return None
-            cur = st.posted[st.pos] = ("done", cur[3]) if state == "DONE" else ("missing",)
-        if cur[0] == "done":
+            self._nixl_done(st, st.pos)
+            cur = st.posted[st.pos] = ("ok", cur[2][1]) if state == "DONE" else ("miss",)
+        if cur[0] == "ok":
             head = P.pack(P.CHUNK, st.rid, st.pos, cur[1])
         else:
             head = P.pack(P.MISSING, st.rid, st.pos)
         ok = self._send(st.session.ident, head)
         if ok:
             del st.posted[st.pos]
-            if cur[0] == "done":
+            if cur[0] == "ok":
                 self.stats["chunks_sent"] += 1
         return ok
 
@@ -382,7 +412,7 @@ class PeerServer:
                 n = sess.nixl[2]
                 if type(stage) is not list or len(stage) != len(keys) or not all(
                         type(i) is int and 0 <= i < n for i in stage):
-                    raise P.ProtocolError(f"GETN staging indexes must be {len(keys)} ints in [0, {n})")
+                    raise P.ProtocolError(f"GETN slot indexes must be {len(keys)} ints in [0, {n})")
             if sess.streams >= self.limits.max_inflight:
                 return self._error(ident, rid, P.E_BUSY, f"more than {self.limits.max_inflight} GETs in flight")
             sess.streams += 1
@@ -397,7 +427,10 @@ class PeerServer:
                 if st.session is sess and st.rid == target:
                     self.streams.remove(st)
                     sess.streams -= 1
+                    writes = [x[1] for x in st.posted.values() if x[0] == "w"]
                     self._ended(st)
+                    if st.stage is not None:  # GETN: DONE says no write of it can land any more
+                        self.draining.append((ident, st.rid, writes))
         elif op == P.BYE:
             self._drop(ident)
 
@@ -435,7 +468,7 @@ class PeerServer:
                     type(x.get(k)) is int and x.get(k) > 0 for k in ("base", "n", "stride")):
                 raise P.ProtocolError("HELLO: malformed nixl descriptor")
             if x["stride"] < chunk:
-                raise P.ProtocolError("HELLO: nixl staging stride smaller than a chunk")
+                raise P.ProtocolError("HELLO: nixl slot stride smaller than a chunk")
             if self.nixl is None:
                 return self._error(ident, rid, P.E_NONIXL,
                                    "this server does not serve NIXL: start it with `kvtiers p2p serve --nixl`")
@@ -451,7 +484,7 @@ class PeerServer:
             self._drop(ident)
             self.sessions[ident] = Session(ident, ns, chunk, max_bytes, time.monotonic(), nixl=nixl)
         info = {"version": P.VERSION, "instance": self.instance, "max_inflight": self.limits.max_inflight,
-                "max_batch": P.MAX_BATCH, "nixl": nixl is not None}
+                "max_batch": P.MAX_BATCH, "nixl": nixl is not None, "pid": os.getpid(), "boot": P.boot_id()}
         self._reply(ident, P.pack(P.OK, rid, info))
 
     def quota(self, ns: str) -> int | None:
@@ -542,12 +575,29 @@ class PeerServer:
 
     def _expire(self, now: float) -> None:
         if self.orphans:
-            self.orphans = [o for o in self.orphans if self.nixl.state(o[1]) == "PROC"]
+            self._reap_orphans()
         idle = [i for i, s in self.sessions.items() if now - s.last_seen > self.limits.idle_timeout and not s.streams]
         for ident in idle:
             self._drop(ident)
         while self.banned and next(iter(self.banned.values())) < now:
             self.banned.popitem(last=False)
+
+    def _reap_orphans(self) -> None:
+        left = []
+        for o in self.orphans:
+            if o[0].poll() == "PROC":
+                left.append(o)
+            else:
+                self._nixl_done(o[2], o[3])
+        self.orphans = left
+
+    def wait_orphans(self, limit: float = 5.0) -> None:
+        """Wait (at most ``limit`` s) for NIXL writes of ended GETNs, so their sources can go."""
+        end = time.monotonic() + limit
+        self._reap_orphans()
+        while self.orphans and time.monotonic() < end:
+            time.sleep(0.001)
+            self._reap_orphans()
 
     def close(self) -> None:
         """Close the socket and the context (pending replies are dropped)."""

@@ -69,7 +69,11 @@ class P2PTier:
     counts as not holding the keys); ``negative_ttl`` / ``positive_ttl`` (how long a MISS /
     a HIT is remembered); ``max_bytes`` (the cap the peers keep for this namespace: the
     smallest of its connected clients' caps applies); ``curve_server_key`` (the server's
-    public key file) with ``curve_secret_file`` (this client's secret key file).
+    public key file) with ``curve_secret_file`` (this client's secret key file);
+    ``backend`` (``"zmq"``, or ``"nixl"``: servers write loads straight into the arena's
+    slots) with ``nixl_fence_timeout`` (seconds a failed NIXL load waits for a silent server
+    to settle the slots it may still write, before its keys fail anyway; ``null``: wait as
+    long as it takes, the job staying unreported).
     """
 
     levels = frozenset({"core", "shared", "bounded"})
@@ -78,7 +82,8 @@ class P2PTier:
                  peers: list | None = None, peers_file: str | None = None, timeout: float = 10.0,
                  lookup_timeout: float = 2.0, negative_ttl: float = 1.0, positive_ttl: float = 30.0,
                  max_bytes: int | None = None, curve_server_key: str | None = None,
-                 curve_secret_file: str | None = None, backend: str = "zmq") -> None:  # fmt: skip
+                 curve_secret_file: str | None = None, backend: str = "zmq",
+                 nixl_fence_timeout: float | None = 15.0) -> None:  # fmt: skip
         try:
             from .client import PeerClient
         except ImportError as e:
@@ -95,6 +100,8 @@ class P2PTier:
                 raise TierError(f"tier 'p2p': backend 'nixl': {why}")
         if timeout <= 0 or lookup_timeout <= 0:
             raise ConfigError("tier 'p2p': timeout and lookup_timeout must be positive")
+        if nixl_fence_timeout is not None and nixl_fence_timeout < 0:
+            raise ConfigError(f"tier 'p2p': nixl_fence_timeout must be >= 0 or null, got {nixl_fence_timeout}")
         if max_bytes is not None and max_bytes < 0:
             raise ConfigError(f"tier 'p2p': max_bytes must be >= 0, got {max_bytes}")
         self.ctx = ctx
@@ -122,7 +129,7 @@ class P2PTier:
             callbacks={"on_result": self._on_result, "on_found": self._on_found, "on_stored": self._on_stored,
                        "on_evicted": self._on_evicted, "on_missing": self._on_missing,
                        "on_restart": self._on_restart},
-            nixl=backend == "nixl",
+            nixl=backend == "nixl", fence_timeout=None if nixl_fence_timeout is None else float(nixl_fence_timeout),
         )  # fmt: skip
         if peers_file is not None:
             self._client.cb["on_tick"] = self._watch_peers_file
