@@ -435,19 +435,24 @@ def format_table(report: dict[str, Any]) -> str:
         var = f"{r.get('variant', ''):<12} " if variants else ""
         lines.append(f"{r['op']:<6} {_size(r['chunk_bytes']):>8} {var}{r['gbps']:>10.3f} {raw} {ratio}")
     if report["concurrency"]:
+        cvar = any(r.get("variant") for r in report["concurrency"])
         lines.append("")
-        lines.append(f"{'op':<6} {'chunk':>8} {'jobs x keys':>12} {'tier GB/s':>10} {'raw GB/s':>9} {'ratio':>7}")
+        lines.append(f"{'op':<6} {'chunk':>8} " + (f"{'variant':<12} " if cvar else "")
+                     + f"{'jobs x keys':>12} {'tier GB/s':>10} {'raw GB/s':>9} {'ratio':>7}")
         for r in report["concurrency"]:
             raw = f"{r['baseline_gbps']:>9.3f}" if r["baseline_gbps"] is not None else f"{'-':>9}"
             ratio = f"{r['ratio']:>6.2f}x" if r["ratio"] is not None else f"{'-':>7}"
             jk = f"{r['jobs']} x {r['keys_per_job']}"
-            lines.append(f"{r['op']:<6} {_size(r['chunk_bytes']):>8} {jk:>12} {r['gbps']:>10.3f} {raw} {ratio}")
+            var = f"{r.get('variant', ''):<12} " if cvar else ""
+            lines.append(f"{r['op']:<6} {_size(r['chunk_bytes']):>8} {var}{jk:>12} {r['gbps']:>10.3f} {raw} {ratio}")
     lines.append("")
     for lk in report["lookup"]:
-        lines.append(f"lookup {_size(lk['chunk_bytes']):>8}: {lk['keys_per_s'] / 1e6:.2f} M keys/s in batches of "
-                     f"{lk['batch']} (dict membership {lk['baseline_keys_per_s'] / 1e6:.2f} M keys/s), "
+        var = f" ({lk['variant']})" if lk.get("variant") else ""
+        lines.append(f"lookup {_size(lk['chunk_bytes']):>8}{var}: {lk['keys_per_s'] / 1e6:.2f} M keys/s in batches "
+                     f"of {lk['batch']} (dict membership {lk['baseline_keys_per_s'] / 1e6:.2f} M keys/s), "
                      f"first batch resolved in {lk['resolve_ms']:.1f} ms")
     for s in report["submit_latency_us"]:
-        lines.append(f"submit_{s['op']:<5} {_size(s['chunk_bytes']):>8}: median {s['median']:.0f} us, "
+        var = f" ({s['variant']})" if s.get("variant") else ""
+        lines.append(f"submit_{s['op']:<5} {_size(s['chunk_bytes']):>8}{var}: median {s['median']:.0f} us, "
                      f"p99 {s['p99']:.0f} us, max {s['max']:.0f} us ({s['keys_per_job']}-key jobs)")
     return "\n".join(lines)

@@ -70,8 +70,11 @@ def _options(default_chunk: tuple[str, ...], default_total: str, default_chunks:
 
 
 def run_command(tier_type: str, kw: dict[str, Any], variants: dict[str, dict[str, Any]] | None = None,
-                post: Callable[[dict[str, Any]], None] | None = None) -> None:
-    """Run the bench for the parsed options ``kw`` of a bench command; print the report."""
+                post: Callable[[dict[str, Any]], None] | None = None,
+                runs: dict[str, dict[str, Any]] | None = None) -> None:
+    """Run the bench for the parsed options ``kw`` of a bench command; print the report.
+    ``runs``: label -> option overrides, each measured by a harness run of its own (so with
+    its own baseline), one after the other; their rows carry ``variant`` (the label)."""
     from .config import parse_json_option
     from .errors import ConfigError
     from .progress import Progress
@@ -83,20 +86,25 @@ def run_command(tier_type: str, kw: dict[str, Any], variants: dict[str, dict[str
     get_registry().tier_info(tier_type)  # an unknown type is an error before anything runs
     conc = () if kw["no_concurrency"] else tuple(kw["concurrency"])
     sizes = list(kw["chunk_bytes"])
-    total = steps(sizes, kw["rounds"], conc)
+    runs = runs or {"": {}}
+    total = steps(sizes, kw["rounds"], conc) * len(runs)
+    reports: dict[str, dict[str, Any]] = {}
     with Progress(total, f"bench {tier_type}", quiet=kw["as_json"]) as bar:
         try:
-            report = run_tier_bench(
-                tier_type, options, chunk_sizes=sizes, total_bytes=kw["total_bytes"], chunks=kw["chunks"],
-                rounds=kw["rounds"], concurrency=conc, keys_per_job=kw["keys_per_job"],
-                lookup_batch=kw["lookup_batch"], baseline=not kw["no_baseline"], variants=variants, progress=bar,
-            )
+            for label, over in runs.items():
+                reports[label] = run_tier_bench(
+                    tier_type, {**options, **over}, chunk_sizes=sizes, total_bytes=kw["total_bytes"],
+                    chunks=kw["chunks"], rounds=kw["rounds"], concurrency=conc, keys_per_job=kw["keys_per_job"],
+                    lookup_batch=kw["lookup_batch"], baseline=not kw["no_baseline"], variants=variants,
+                    progress=bar,
+                )
         except ConfigError as e:
             raise click.UsageError(f"{e} (give the tier's options with --config JSON or --config-file F)") from None
         except ValueError as e:
             raise click.UsageError(str(e)) from None
         except RuntimeError as e:  # a failed or lost job: the tier's fault, said in one line
             raise click.ClickException(str(e)) from None
+    report = merge_reports(reports) if len(reports) > 1 or "" not in reports else reports[""]
     if post is not None:
         post(report)
     if kw["plot_path"]:
@@ -111,20 +119,39 @@ def run_command(tier_type: str, kw: dict[str, Any], variants: dict[str, dict[str
             click.echo(f"plot written to {kw['plot_path']}")
 
 
+def merge_reports(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One report of several harness runs (label -> report): every row gets ``variant``
+    (the label, or ``label/variant`` where the row had one); ``baseline`` names each run's."""
+    first = next(iter(reports.values()))
+    names = {label: r["baseline"] for label, r in reports.items()}
+    merged: dict[str, Any] = {**first, "baseline": "; ".join(f"{k}: {v}" for k, v in names.items() if v) or None}
+    for part in ("results", "concurrency", "lookup", "submit_latency_us"):
+        merged[part] = []
+        for label, r in reports.items():
+            for row in r[part]:
+                merged[part].append({**row, "variant": f"{label}/{row['variant']}" if row.get("variant") else label})
+    return merged
+
+
 def bench_command(name: str, tier_type: str | None, help_text: str, *,
                   default_chunk: tuple[str, ...] = ("1MiB", "4MiB"), default_total: str = "256MiB",
                   default_chunks: int | None = None,
                   extra: list[Callable] | None = None,
                   variants_from: Callable[[dict[str, Any]], dict[str, dict[str, Any]] | None] | None = None,
-                  post: Callable[[dict[str, Any]], None] | None = None) -> click.Command:
+                  post: Callable[[dict[str, Any]], None] | None = None,
+                  runs_from: Callable[[dict[str, Any]], dict[str, dict[str, Any]] | None] | None = None,
+                  ) -> click.Command:
     """A ``kvtiers bench`` command: ``tier TYPE`` when ``tier_type`` is None, else an alias
     with the tier fixed. ``extra``: more click options; ``variants_from(kwargs)`` turns
-    them into variants (name -> option overrides); ``post(report)`` may adjust the report."""
+    them into variants (name -> option overrides, measured in the same rounds against one
+    baseline); ``runs_from(kwargs)`` into runs (label -> option overrides, one harness run
+    each, each against its own baseline); ``post(report)`` may adjust the report."""
 
     def cmd(**kw: Any) -> None:
         ttype = kw.pop("tier_type", None) or tier_type
         variants = variants_from(kw) if variants_from else None
-        run_command(ttype, kw, variants, post)
+        runs = runs_from(kw) if runs_from else None
+        run_command(ttype, kw, variants, post, runs)
 
     cmd.__doc__ = help_text
     for opt in reversed([*_options(default_chunk, default_total, default_chunks), *(extra or [])]):

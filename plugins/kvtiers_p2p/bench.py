@@ -1,211 +1,238 @@
-"""``kvtiers bench p2p``: loads and pushes through the p2p tier against raw ZMQ.
+"""The p2p tier's raw baseline for ``kvtiers bench tier p2p``, and ``kvtiers bench p2p``.
 
-One run starts two child processes on loopback: a peer server (``kvtiers_p2p.server``) and
-a raw ZMQ ROUTER (:mod:`kvtiers_p2p.rawpeer`). For each chunk size, each round pushes
-``total`` bytes of fresh keys through the tier (``submit_store``, one job) and the same
-bytes as plain DEALER sends answered by one ack each, at the same window of messages in
-flight; then it loads them back (``submit_load``: GET, chunks received into the arena slots
-and xxh3-checked) and pulls as many chunks of the same size from the raw peer with plain
-``recv_into`` into the same slots. Tier and baseline alternate which goes first from round
-to round; medians over rounds are compared. With ``--backend nixl`` (or ``both``) the server
-also serves NIXL, the tier loads over NIXL (stores stay on ZMQ), and the load baseline is raw
-NIXL UCX WRITEs of the same chunks from the raw peer's registered memory into memory this
-process registered.
+The baseline is plain ZMQ over the same pattern and the same kind of socket as the tier: one
+DEALER (on the SDK's I/O loop, as many requests in flight as the tier keeps per peer) sends
+each chunk to a ROUTER in another process on loopback (:mod:`kvtiers_p2p.rawpeer`), which
+receives it into a pooled, pre-faulted buffer (``recv_into``) and acks it, and asks for each
+chunk back, which the raw peer sends zero-copy and the DEALER receives into the slot. No
+handshake, header, checksum, job tracking or deadline: what the tier adds. For a tier with
+``backend: "nixl"`` the baseline's loads are raw NIXL UCX WRITEs of the raw peer's buffers
+straight into the arena slots (registered with an agent of the bench's own), one plain ZMQ
+request and reply each; its stores stay raw ZMQ, as the tier's do. The harness
+(:mod:`kvtiers.tierbench`) runs tier and baseline interleaved and compares medians.
+
+``kvtiers bench p2p`` is the harness with the tier fixed: it starts a peer server in a child
+process (``--nixl`` too when asked), and ``--backend zmq|nixl|both`` measures each data path
+in a harness run of its own, against its own baseline, in one command.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-import zmq
+import click
 
-from kvtiers import Arena, Job, Namespace, TierContext, open_tier
-
-from . import client as C
-from .spawn import start_server
+from kvtiers.tierbench import Baseline
+from kvtiers.tierbench_cli import Size, bench_command
 
 
-def _wait(handle: Any, job_id: int, timeout: float = 300.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        for r in handle.get_finished_jobs():
-            if r.job_id == job_id:
-                return r
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"bench job {job_id} did not finish in {timeout:g} s")
-        time.sleep(0.0005)
-
-
-def _start_raw() -> tuple[subprocess.Popen, str]:
+def _start_raw(capacity: int) -> tuple[subprocess.Popen, str]:
+    """Start :mod:`kvtiers_p2p.rawpeer` on a free loopback port; its process and address."""
     fd, path = tempfile.mkstemp(prefix="kvtiers-p2p-raw-")
     os.close(fd)
     os.unlink(path)
     proc = subprocess.Popen([sys.executable, "-m", "kvtiers_p2p.rawpeer", "tcp://127.0.0.1:0", path,
-                             str(os.getpid())], stdin=subprocess.DEVNULL)
+                             str(os.getpid()), str(capacity)], stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
-    while not os.path.exists(path):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("raw ZMQ peer did not start")
-        time.sleep(0.02)
-    with open(path) as f:
-        endpoint = f.read().strip()
-    os.unlink(path)
-    return proc, endpoint
+    try:
+        while not os.path.exists(path):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("the bench's raw ZMQ peer did not start")
+            time.sleep(0.02)
+        with open(path) as f:
+            return proc, f.read().strip()
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
 
 
-class _Raw:
-    """The plain DEALER side of the baseline."""
+def baseline(tier: Any, chunk_bytes: int) -> Baseline | None:
+    """Plain ZMQ DEALER/ROUTER put/get of ``tier``'s chunks to a raw peer in another process
+    on loopback (raw NIXL WRITEs for loads when ``tier`` uses NIXL), as many requests in
+    flight as the tier keeps per peer. None when ``tier``'s peers are not on loopback TCP:
+    the raw peer would not be on the same kind of socket."""
+    from kvtiers.ioloop import get_loop
 
-    def __init__(self, endpoint: str) -> None:
-        self.ctx = zmq.Context()
-        self.s = self.ctx.socket(zmq.DEALER)
-        self.s.setsockopt(zmq.LINGER, 0)
-        self.s.setsockopt(zmq.RCVHWM, 256)
-        self.s.connect(endpoint)
+    from .client import WINDOW
+    from .protocol import parse_endpoint
 
-    def pull(self, arena: Arena, n: int) -> None:
-        self.s.send_multipart([b"pull", str(arena.slot_bytes).encode(), str(n).encode()])
-        for i in range(n):
-            self.s.recv()
-            got = self.s.recv_into(arena[i])
-            if got != arena.slot_bytes:
-                raise RuntimeError(f"raw pull got {got} bytes")
+    eps = [parse_endpoint(u) for u in tier.peers]
+    if not eps or not all(ep.loopback and ep.url.startswith("tcp://") for ep in eps):
+        return None
+    arena = tier.ctx.arena
+    proc, endpoint = _start_raw(2 * len(arena) * arena.slot_bytes + chunk_bytes)
+    raw = _RawClient(endpoint, chunk_bytes)
+    loop = get_loop()
+    nixl = getattr(tier._client, "nx", None) is not None
+    try:
+        if nixl:
+            asyncio.run_coroutine_threadsafe(raw.nixl_hello(arena), loop).result(60)
+    except BaseException:
+        _stop(proc)
+        raise
 
-    def push(self, arena: Arena, n: int) -> None:
-        sent = acked = 0
-        size = str(arena.slot_bytes).encode()
-        while acked < n:
-            while sent < n and sent - acked < C.WINDOW:
-                self.s.send_multipart([b"push", size, arena[sent]])
-                sent += 1
-            self.s.recv()
-            acked += 1
+    def close(_keys: Sequence[bytes]) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(raw.close(), loop).result(30)
+        finally:
+            _stop(proc)
 
-    def nixl_pull(self, nx: Any, n: int) -> None:
-        """``n`` raw NIXL writes of one chunk each into ``nx``'s registered staging."""
-        self.s.send_multipart([b"nixlpull", str(nx.stride).encode(), str(n).encode(), nx.agent.get_agent_metadata(),
-                               str(nx.base).encode(), str(nx.n).encode(), str(nx.stride).encode()])
-        if self.s.recv() != b"ok":
-            raise RuntimeError("raw NIXL pull failed")
-
-    def close(self) -> None:
-        self.s.close(0)
-        self.ctx.term()
-
-
-def run_bench(chunk_sizes: list[int], *, total: int = 128 << 20, rounds: int = 3,
-              backends: tuple[str, ...] = ("zmq",)) -> dict:
-    """Run the interleaved bench; return ``{"results": [...], ...}`` (see the module doc).
-    ``backends``: ``zmq`` and/or ``nixl`` (loads against raw NIXL UCX writes)."""
-    for size in chunk_sizes:
-        if size <= 0 or size % 4096:
-            raise ValueError(f"--chunk-bytes must be a positive multiple of 4096, got {size}")
-        if total < size:
-            raise ValueError(f"--total {total} is smaller than a chunk of {size} bytes")
-    nixl = "nixl" in backends
     if nixl:
+        name = "raw ZMQ DEALER/ROUTER stores, raw NIXL UCX WRITEs into the arena for loads, another process"
+    else:
+        name = "raw ZMQ DEALER/ROUTER send/recv_into to another process on loopback"
+    return Baseline(name=name, put=raw.put, get=raw.nixl_get if nixl else raw.get, concurrency=WINDOW, close=close)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+class _RawClient:
+    """One DEALER on the SDK's I/O loop, requests pipelined, replies matched by request id:
+    what a plain asyncio user of pyzmq writes. Chunks are received with ``recv_into`` the
+    caller's buffer (the arena slot)."""
+
+    def __init__(self, endpoint: str, chunk_bytes: int) -> None:
+        self.endpoint = endpoint
+        self.size = str(chunk_bytes).encode()
+        self.ctx: Any = None
+        self.sock: Any = None
+        self.reader: Any = None
+        self.waiting: dict[bytes, tuple[memoryview | None, asyncio.Future]] = {}
+        self.rids = itertools.count(1)
+        self.agent: Any = None
+
+    def _open(self) -> Any:
+        if self.sock is None:
+            import zmq
+            import zmq.asyncio
+
+            self.ctx = zmq.asyncio.Context()
+            self.sock = self.ctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.connect(self.endpoint)
+            self.reader = asyncio.ensure_future(self._read())
+        return self.sock
+
+    async def _read(self) -> None:
+        s = self.sock
+        while True:
+            rid = await s.recv()
+            out, fut = self.waiting.pop(rid)
+            try:
+                got = await (s.recv_into(out) if out is not None else s.recv())
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+            else:
+                fut.set_result(got)
+
+    async def _ask(self, frames: list[Any], out: memoryview | None = None) -> Any:
+        s = self._open()
+        rid = b"%d" % next(self.rids)
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting[rid] = (out, fut)
+        await s.send_multipart([frames[0], rid, *frames[1:]])
+        return await fut
+
+    async def put(self, key: bytes, data: memoryview) -> None:
+        if await self._ask([b"put", self.size, key, data]) != b"ok":
+            raise RuntimeError("raw peer refused a put")
+
+    async def get(self, key: bytes, out: memoryview) -> None:
+        n = await self._ask([b"get", key], out)
+        if n != len(out):
+            raise RuntimeError(f"raw peer sent {n} bytes for a chunk of {len(out)}")
+
+    async def nixl_hello(self, arena: Any) -> None:
+        """Register the arena with an agent of the bench's own; introduce it to the raw peer."""
+        from .nixl_path import _agent, address
+
+        self.address = address
+        self.agent = _agent("kvtiers-p2p-rawbench")
+        self.reg = self.agent.register_memory([(address(arena.buffer), len(arena.buffer), 0, "")], "DRAM", ["UCX"])
+        if await self._ask([b"nhello", self.agent.get_agent_metadata()]) != b"ok":
+            raise RuntimeError("raw peer refused NIXL")
+
+    async def nixl_get(self, key: bytes, out: memoryview) -> None:
+        if await self._ask([b"nget", key, b"%d" % self.address(out)]) != b"ok":
+            raise RuntimeError("raw NIXL write failed")
+
+    async def close(self) -> None:
+        if self.reader is not None:
+            self.reader.cancel()
+        if self.sock is not None:
+            self.sock.close(0)
+            self.ctx.term()
+        if self.agent is not None:
+            self.agent.deregister_memory(self.reg, ["UCX"])
+
+
+# -- kvtiers bench p2p ---------------------------------------------------------------------
+
+
+def _runs(kw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``--backend`` -> one harness run per data path; without ``--config``, a peer server
+    started here for the command (stopped when it ends)."""
+    backend = kw.pop("backend")
+    total = kw.pop("total")
+    if total is not None:
+        kw["total_bytes"] = total
+    backends = ["zmq", "nixl"] if backend == "both" else [backend]
+    if "nixl" in backends:
         from .nixl_path import available
 
         why = available()
         if why is not None:
-            raise ValueError(f"--backend nixl: {why}")
-    capacity = 2 * total + max(chunk_sizes)
-    server = start_server(capacity=capacity, extra=["--nixl"] if nixl else None)
-    raw_proc, raw_endpoint = _start_raw()
-    raw = _Raw(raw_endpoint)
-    results = []
-    try:
-        for size in chunk_sizes:
-            n = total // size
-            arena = Arena.allocate(n, size)
-            rng = np.random.default_rng(size)
-            np.frombuffer(arena.buffer, dtype=np.uint8)[:] = rng.integers(0, 256, len(arena.buffer), dtype=np.uint8)
-            ctx = TierContext(arena, Namespace({"kvtiers_bench": "p2p", "chunk_bytes": size}))
-            for backend in backends:
-                handle = open_tier("p2p", {"host": "127.0.0.1", "port": server.port, "timeout": 120.0,
-                                           "backend": backend}, ctx)
-                try:
-                    results += _measure(handle, raw, arena, n, rounds, backend)
-                finally:
-                    handle.close()
-    finally:
-        raw.close()
-        raw_proc.terminate()
-        raw_proc.wait(10)
-        server.stop()
-    return {
-        "results": results,
-        "baseline": "raw ZMQ DEALER/ROUTER to another process, receivers recv_into memory of their own: "
-                    "pull into the same arena slots; push at the same window, one ack per message",
-        "rounds": rounds, "total_bytes": total, "endpoint": "tcp://127.0.0.1 (loopback)",
-    }  # fmt: skip
+            raise click.UsageError(f"--backend nixl: {why}")
+    if kw["config_text"] or kw["config_file"]:
+        return {b: {"backend": b} for b in backends}
+    from .spawn import start_server
+
+    biggest = max(kw["chunk_bytes"])
+    per_round = kw["chunks"] * biggest if kw["chunks"] else max(kw["total_bytes"], biggest)
+    server = start_server(capacity=2 * per_round + biggest, extra=["--nixl"] if "nixl" in backends else None)
+    click.get_current_context().call_on_close(server.stop)
+    return {b: {"host": "127.0.0.1", "port": server.port, "timeout": 120.0, "backend": b} for b in backends}
 
 
-def _measure(handle: Any, raw: _Raw, arena: Arena, n: int, rounds: int, backend: str) -> list[dict]:
-    size = arena.slot_bytes
-    nx = None
-    if backend == "nixl":  # the raw baseline's destination: registered memory of an agent of our own
-        from .nixl_path import NixlClient
-
-        nx = NixlClient(size)
-    jobs = iter(range(1, 1 << 30))
-    times: dict[str, dict[str, list[float]]] = {op: {"p2p": [], "raw": []} for op in ("store", "load")}
-    for r in range(rounds):
-        keys = tuple(f"bench-{size}-{r}-{i}-{os.getpid()}".encode() for i in range(n))
-        for op in ("store", "load"):
-            def ours(op: str = op, keys: tuple = keys) -> float:
-                jid = next(jobs)
-                t0 = time.perf_counter()
-                (handle.submit_store if op == "store" else handle.submit_load)(Job(jid, keys, tuple(range(n))))
-                res = _wait(handle, jid)
-                dt = time.perf_counter() - t0
-                if not res.ok:
-                    raise RuntimeError(f"p2p {op} failed: {res.error}")
-                return dt
-
-            def theirs(op: str = op) -> float:
-                t0 = time.perf_counter()
-                if op == "load" and nx is not None:
-                    raw.nixl_pull(nx, n)
-                else:
-                    (raw.push if op == "store" else raw.pull)(arena, n)
-                return time.perf_counter() - t0
-
-            order = [("p2p", ours), ("raw", theirs)]
-            if r % 2:
-                order.reverse()
-            for who, fn in order:
-                times[op][who].append(fn())
-    if nx is not None:
-        nx.close()
-    out = []
-    for op in ("store", "load"):
-        mine = [n * size / t / 1e9 for t in times[op]["p2p"]]
-        base = [n * size / t / 1e9 for t in times[op]["raw"]]
-        g, b = statistics.median(mine), statistics.median(base)
-        out.append({
-            "op": op, "backend": backend, "chunk_bytes": size, "chunks": n, "gbps": round(g, 4),
-            "baseline_kind": "raw nixl ucx write" if (nx is not None and op == "load") else "raw zmq",
-            "baseline_gbps": round(b, 4), "ratio": round(g / b, 3) if b else None,
-            "rounds_gbps": [round(x, 4) for x in mine], "rounds_baseline_gbps": [round(x, 4) for x in base],
-        })  # fmt: skip
-    return out
+def _label(report: dict[str, Any]) -> None:
+    """Rows carry ``backend`` (the run's label) and ``baseline_kind``, as before the harness."""
+    for part in ("results", "concurrency"):
+        for row in report[part]:
+            row["backend"] = row.get("variant")
+            raw_nixl = row["backend"] == "nixl" and row["op"] == "load"
+            row["baseline_kind"] = "raw nixl ucx write" if raw_nixl else "raw zmq"
+    for part in ("lookup", "submit_latency_us"):
+        for row in report[part]:
+            row["backend"] = row.get("variant")
 
 
-def format_table(report: dict) -> str:
-    """The human-readable table ``kvtiers bench p2p`` prints."""
-    lines = [f"{'op':<6} {'backend':<8} {'chunk_bytes':>11} {'p2p GB/s':>9} {'raw GB/s':>9} {'ratio':>7}  baseline"]
-    for r in report["results"]:
-        lines.append(f"{r['op']:<6} {r['backend']:<8} {r['chunk_bytes']:>11} {r['gbps']:>9.3f} "
-                     f"{r['baseline_gbps']:>9.3f} {r['ratio']:>6.2f}x  {r['baseline_kind']}")
-    lines.append(f"median of {report['rounds']} interleaved rounds, {report['total_bytes']} bytes per round and "
-                 f"size, {report['endpoint']}")
-    return "\n".join(lines)
+bench_p2p = bench_command(
+    "p2p", "p2p",
+    "Loads and stores (pushes) through the p2p tier from a peer server in another process over "
+    "loopback, against raw ZMQ DEALER/ROUTER send/recv of the same bytes (and raw NIXL UCX writes "
+    "for NIXL loads) in the same run. The harness of 'kvtiers bench tier p2p', with a server started "
+    "for the run unless --config names one.",
+    default_total="128MiB",
+    extra=[
+        click.option("--backend", type=click.Choice(["zmq", "nixl", "both"]), default="zmq", show_default=True,
+                     help="Data path(s): each measured in a run of its own; nixl loads against raw NIXL UCX writes."),
+        click.option("--total", type=Size(), default=None, hidden=True, help="Alias of --total-bytes."),
+    ],
+    runs_from=_runs, post=_label,
+)

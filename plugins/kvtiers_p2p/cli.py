@@ -86,23 +86,5 @@ def keygen(directory: str, name: str) -> None:
     click.echo(f"public key: {public}\nsecret key: {secret}")
 
 
-@click.command("p2p")
-@click.option("--chunk-bytes", "chunk_sizes", type=Size(), multiple=True,
-              help="Bytes per chunk (repeat; default 1MiB and 4MiB).")
-@click.option("--total", type=Size(), default="128MiB", show_default=True, help="Bytes moved per round and size.")
-@click.option("--rounds", type=click.IntRange(1), default=3, show_default=True,
-              help="Interleaved rounds; medians are compared.")
-@click.option("--backend", type=click.Choice(["zmq", "nixl", "both"]), default="zmq", show_default=True,
-              help="Data path(s) to measure; nixl loads are compared with raw NIXL UCX writes.")
-@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def bench_p2p(chunk_sizes: tuple[int, ...], total: int, rounds: int, backend: str, as_json: bool) -> None:
-    """Loads and pushes through the p2p tier from a peer server in another process, against
-    raw ZMQ DEALER/ROUTER send/recv of the same bytes in the same run."""
-    from .bench import format_table, run_bench
-
-    try:
-        backends = ("zmq", "nixl") if backend == "both" else (backend,)
-        report = run_bench(list(chunk_sizes) or [1 << 20, 4 << 20], total=total, rounds=rounds, backends=backends)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-    click.echo(json.dumps(report, indent=1) if as_json else format_table(report))
+# `kvtiers bench p2p`: the one tier-bench harness with the tier fixed (kvtiers.tierbench)
+from .bench import bench_p2p  # noqa: E402, F401

@@ -1,15 +1,21 @@
-"""The baseline of ``kvtiers bench p2p``: plain ZMQ over the same DEALER/ROUTER pattern,
-without the protocol.
+"""The raw peer of the p2p tier's bench baseline: plain ZMQ over the same DEALER/ROUTER
+pattern and loopback TCP as the tier, without the protocol (no handshake, header, checksum,
+window or deadlines). Each request carries a request id ``rid`` its reply echoes:
 
-- ``[b"pull", size, n]``: ``n`` messages of ``size`` bytes, ``n`` distinct chunks (as the
-  tier loads distinct keys), sent zero-copy from memory.
-- ``[b"nixlpull", size, n, agent metadata, base, slots, stride]``: ``n`` NIXL UCX WRITEs of
-  distinct registered chunks into the client's registered memory, then ``[b"ok"]``.
-- ``[b"push", size, data]``: received with ``recv_into`` a pre-faulted buffer (as a peer
-  cache must keep what it is sent), answered ``[b"ok"]``.
+- ``[b"put", rid, size, key, data]``: ``data`` received with ``recv_into`` a buffer of a
+  pre-faulted pool (as a peer cache must keep what it is sent, and as the server does),
+  kept under ``key`` (oldest first out past the capacity), answered ``[rid, b"ok"]``.
+- ``[b"get", rid, key]``: ``[rid, the bytes kept under key]``, sent zero-copy (as the
+  server does); an empty frame when it has none.
+- ``[b"nhello", rid, agent metadata]``: (NIXL) register the pool with an agent of our own,
+  add the client's agent, answer ``[rid, b"ok"]``.
+- ``[b"nget", rid, key, address]``: (NIXL) a UCX WRITE of the bytes kept under ``key`` to
+  ``address`` of that agent's registered memory; ``[rid, b"ok"]`` once it is done (the
+  writes of several requests overlap), ``[rid, b"err"]`` when it fails or the key is missing.
 
-Both sides thus receive into memory of their own, as the tier does. Run as
-``python -m kvtiers_p2p.rawpeer BIND ENDPOINT_FILE PARENT_PID``."""
+Run as ``python -m kvtiers_p2p.rawpeer BIND ENDPOINT_FILE PARENT_PID CAPACITY``; it writes
+the address it bound to ENDPOINT_FILE and exits on SIGTERM or when its parent is gone.
+"""
 
 from __future__ import annotations
 
@@ -17,65 +23,154 @@ import mmap
 import os
 import signal
 import sys
+import time
+from collections import OrderedDict
+from typing import Any
 
 import zmq
 
+SLAB_BYTES = 64 << 20  #: pool buffers are mapped this many bytes at a time (as the server's store)
+
+
+class _Pool:
+    """Chunks by key in buffers carved from pre-faulted mappings, oldest evicted first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.bytes = 0
+        self.keep: OrderedDict[bytes, memoryview] = OrderedDict()
+        self.free: dict[int, list[memoryview]] = {}
+        self.slabs: list[memoryview] = []
+        self.on_slab: Any = None
+
+    def take(self, size: int) -> memoryview:
+        while self.keep and self.bytes + size > self.capacity:
+            _, old = self.keep.popitem(last=False)
+            self.bytes -= len(old)
+            self.free.setdefault(len(old), []).append(old)
+        free = self.free.setdefault(size, [])
+        if not free:
+            n = max(1, SLAB_BYTES // size)
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            slab = memoryview(mmap.mmap(-1, n * size, flags=flags))
+            self.slabs.append(slab)
+            if self.on_slab is not None:
+                self.on_slab(slab)
+            free.extend(slab[i * size : (i + 1) * size] for i in range(n))
+        self.bytes += size
+        return free.pop()
+
+    def put(self, key: bytes, buf: memoryview) -> None:
+        old = self.keep.pop(key, None)
+        if old is not None:
+            self.bytes -= len(old)
+            self.free.setdefault(len(old), []).append(old)
+        self.keep[key] = buf
+
+
+class _Nixl:
+    """An agent of our own writing pool buffers into the client's registered memory."""
+
+    def __init__(self, pool: _Pool) -> None:
+        from .nixl_path import _agent, address
+
+        self.address = address
+        self.agent = _agent("kvtiers-p2p-raw")
+        self.peer = ""
+        for slab in pool.slabs:
+            self.register(slab)
+        pool.on_slab = self.register
+        self.pending: list[tuple[list[bytes], Any]] = []  # ([identity, rid], transfer handle)
+
+    def register(self, slab: memoryview) -> None:
+        self.agent.register_memory([(self.address(slab), len(slab), 0, "")], "DRAM", ["UCX"])
+
+    def hello(self, md: bytes) -> None:
+        name = self.agent.add_remote_agent(md)
+        self.peer = name.decode() if isinstance(name, bytes) else name
+
+    def write(self, to: list[bytes], buf: memoryview, remote: int) -> bool:
+        """Post a WRITE of ``buf`` to ``remote``; ``to`` (identity, rid) is answered once it ends."""
+        a = self.agent
+        src = a.get_xfer_descs([(self.address(buf), len(buf), 0)], "DRAM")
+        dst = a.get_xfer_descs([(remote, len(buf), 0)], "DRAM")
+        h = a.initialize_xfer("WRITE", src, dst, self.peer, backends=["UCX"])
+        if a.transfer(h) == "ERR":
+            h.release()
+            return False
+        self.pending.append((to, h))
+        return True
+
+    def finished(self) -> list[tuple[list[bytes], bool]]:
+        """The requests whose writes ended since the last call, and whether each succeeded."""
+        out, left = [], []
+        for to, h in self.pending:
+            try:
+                st = self.agent.check_xfer_state(h)
+            except Exception:
+                st = "ERR"
+            if st == "PROC":
+                left.append((to, h))
+            else:
+                h.release()
+                out.append((to, st == "DONE"))
+        self.pending = left
+        return out
+
 
 def main(argv: list[str]) -> None:
-    bind, endpoint_file, parent = argv[0], argv[1], int(argv[2])
+    bind, endpoint_file, parent, capacity = argv[0], argv[1], int(argv[2]), int(argv[3])
     ctx = zmq.Context()
     s = ctx.socket(zmq.ROUTER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.SNDHWM, 1024)
+    s.setsockopt(zmq.RCVHWM, 1024)
     s.bind(bind)
     with open(endpoint_file + ".tmp", "w") as f:
         f.write(s.getsockopt_string(zmq.LAST_ENDPOINT) + "\n")
     os.replace(endpoint_file + ".tmp", endpoint_file)
-    stop = []
+    stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    payloads: dict[int, list[zmq.Frame]] = {}
-    pools: dict[int, list[memoryview]] = {}
-    nx = None
-    nsrc: dict[int, memoryview] = {}
-    turn = 0
-    while not stop and os.getppid() == parent:
-        if not s.poll(200):
+    pool = _Pool(capacity)
+    nx: _Nixl | None = None
+    check = 0.0
+    while not stop:
+        if nx is not None and nx.pending:
+            for to, ok in nx.finished():
+                s.send_multipart([*to, b"ok" if ok else b"err"])
+            busy = bool(nx.pending)
+        else:
+            busy = False
+        now = time.monotonic()
+        if now > check:
+            check = now + 0.5
+            if os.getppid() != parent:
+                break
+        if not s.poll(0 if busy else 200):
             continue
-        ident, op, size = s.recv(), s.recv(), int(s.recv())
-        if op == b"pull":
-            n = int(s.recv())
-            frames = payloads.setdefault(size, [])
-            while len(frames) < n:  # n distinct chunks, as the tier loads n distinct keys
-                frames.append(zmq.Frame(os.urandom(size)))
-            for i in range(n):  # sent zero-copy from memory, as the server does
-                s.send_multipart([ident, b"c", frames[i]], copy=False)
-        elif op == b"nixlpull":  # raw NIXL UCX: n WRITEs of a registered buffer into the client's memory
-            n, md, base, slots, stride = int(s.recv()), s.recv(), int(s.recv()), int(s.recv()), int(s.recv())
+        ident, op = s.recv(), s.recv()
+        rid = s.recv() if s.getsockopt(zmq.RCVMORE) else b""
+        if op == b"put":
+            size, key = int(s.recv()), s.recv()
+            buf = pool.take(size)
+            s.recv_into(buf)
+            pool.put(key, buf)
+            s.send_multipart([ident, rid, b"ok"])
+        elif op == b"get":
+            buf = pool.keep.get(s.recv())
+            s.send_multipart([ident, rid, b"" if buf is None else buf], copy=False)
+        elif op == b"nhello":
             if nx is None:
-                from .nixl_path import NixlServer
-
-                nx = NixlServer()
-            src = nsrc.get(size)
-            if src is None or len(src) < n * size:  # n distinct chunks in registered memory
-                flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-                src = nsrc[size] = memoryview(mmap.mmap(-1, n * size, flags=flags))
-                src[:] = os.urandom(len(src))
-                nx.register(src)
-            peer = nx.add_peer(md)
-            handles = [nx.write(src[i * size : (i + 1) * size], peer, base + (i % slots) * stride) for i in range(n)]
-            states = [nx.state(h) if h is not None else "ERR" for h in handles]
-            while "PROC" in states:
-                states = [nx.state(h) if st == "PROC" else st for h, st in zip(handles, states, strict=True)]
-            s.send_multipart([ident, b"ok" if all(st == "DONE" for st in states) else b"err"])
-        elif op == b"push":
-            pool = pools.get(size)
-            if pool is None:
-                flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-                m = mmap.mmap(-1, 64 * size, flags=flags)
-                pool = pools[size] = [memoryview(m)[i * size : (i + 1) * size] for i in range(64)]
-            turn = (turn + 1) % 64
-            s.recv_into(pool[turn])
-            s.send_multipart([ident, b"ok"])
+                nx = _Nixl(pool)
+            nx.hello(s.recv())
+            s.send_multipart([ident, rid, b"ok"])
+        elif op == b"nget" and nx is not None:
+            key, remote = s.recv(), int(s.recv())
+            buf = pool.keep.get(key)
+            if buf is None or not nx.write([ident, rid], buf, remote):
+                s.send_multipart([ident, rid, b"err"])
+        else:
+            s.send_multipart([ident, rid, b"err"])
         while s.getsockopt(zmq.RCVMORE):
             s.recv()
     s.close(0)

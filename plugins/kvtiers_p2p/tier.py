@@ -150,6 +150,15 @@ class P2PTier:
         return {"host": "127.0.0.1", "port": srv.port, "timeout": 10.0, "backend": backend}
 
     @classmethod
+    def bench_baseline(cls, tier: P2PTier, chunk_bytes: int):
+        """Raw ZMQ DEALER/ROUTER put/get to a raw peer in another process on loopback (raw
+        NIXL UCX writes for loads on the NIXL path), for ``kvtiers bench tier p2p``; None
+        for peers off loopback (see :mod:`kvtiers_p2p.bench`)."""
+        from .bench import baseline
+
+        return baseline(tier, chunk_bytes)
+
+    @classmethod
     def conformance_corrupt(cls, config: dict, namespace, key: bytes) -> None:
         """Damage the stored chunk of ``key`` in ``namespace`` (a :class:`kvtiers.Namespace`)
         on the peers of ``config``: each server holding it flips three of its bytes and keeps
