@@ -1,6 +1,6 @@
 """The p2p tier and its server: options, several peers and peers changing at run time, the
 handshake (mismatches named), security defaults (loopback, CurveZMQ), server limits, the
-protocol checks, the CLI and the bench."""
+protocol checks and the CLI (the bench: test_p2p_bench.py)."""
 
 from __future__ import annotations
 
@@ -210,16 +210,6 @@ def test_protocol_rejects_malformed_headers():
     with pytest.raises(P.ProtocolError):
         P.check_key(b"x" * 65)
     assert P.unpack(P.pack(P.GET, 7, [b"a"])) == [P.GET, 7, [b"a"]]
-
-
-def test_bench_p2p_json(capsys):
-    assert main(["bench", "p2p", "--chunk-bytes", "1MiB", "--total", "8MiB", "--rounds", "1", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    rows = {(r["op"], r["chunk_bytes"]) for r in report["results"]}
-    assert rows == {("store", 1 << 20), ("load", 1 << 20)}
-    for r in report["results"]:
-        assert r["gbps"] > 0 and r["baseline_gbps"] > 0 and r["ratio"] == pytest.approx(r["gbps"] / r["baseline_gbps"],
-                                                                                          rel=0.01)
 
 
 def test_store_never_reuses_a_buffer_a_send_still_holds():

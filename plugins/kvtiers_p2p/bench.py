@@ -70,10 +70,11 @@ def baseline(tier: Any, chunk_bytes: int) -> Baseline | None:
         return None
     arena = tier.ctx.arena
     proc, endpoint = _start_raw(2 * len(arena) * arena.slot_bytes + chunk_bytes)
-    raw = _RawClient(endpoint, chunk_bytes)
+    raw = _RawClient(endpoint, chunk_bytes, tier.timeout)  # a request fails as late as the tier's would
     loop = get_loop()
     nixl = getattr(tier._client, "nx", None) is not None
-    try:
+    try:  # connected before it is measured, as the tier is (its handshake)
+        asyncio.run_coroutine_threadsafe(raw.ping(), loop).result(60)
         if nixl:
             asyncio.run_coroutine_threadsafe(raw.nixl_hello(arena), loop).result(60)
     except BaseException:
@@ -107,8 +108,9 @@ class _RawClient:
     what a plain asyncio user of pyzmq writes. Chunks are received with ``recv_into`` the
     caller's buffer (the arena slot)."""
 
-    def __init__(self, endpoint: str, chunk_bytes: int) -> None:
+    def __init__(self, endpoint: str, chunk_bytes: int, timeout: float) -> None:
         self.endpoint = endpoint
+        self.timeout = timeout
         self.size = str(chunk_bytes).encode()
         self.ctx: Any = None
         self.sock: Any = None
@@ -130,10 +132,17 @@ class _RawClient:
         return self.sock
 
     async def _read(self) -> None:
+        import zmq
+
         s = self.sock
         while True:
             rid = await s.recv()
-            out, fut = self.waiting.pop(rid)
+            entry = self.waiting.pop(rid, None)
+            if entry is None:  # the answer to a request given up on
+                while s.getsockopt(zmq.RCVMORE):
+                    await s.recv()
+                continue
+            out, fut = entry
             try:
                 got = await (s.recv_into(out) if out is not None else s.recv())
             except Exception as e:  # noqa: BLE001 - handed to the caller
@@ -147,7 +156,15 @@ class _RawClient:
         fut = asyncio.get_running_loop().create_future()
         self.waiting[rid] = (out, fut)
         await s.send_multipart([frames[0], rid, *frames[1:]])
-        return await fut
+        try:
+            return await asyncio.wait_for(fut, self.timeout)
+        except TimeoutError:
+            self.waiting.pop(rid, None)
+            raise TimeoutError(f"the raw peer did not answer in {self.timeout:g} s") from None
+
+    async def ping(self) -> None:
+        if await self._ask([b"ping", self.size]) != b"ok":
+            raise RuntimeError("raw peer did not answer")
 
     async def put(self, key: bytes, data: memoryview) -> None:
         if await self._ask([b"put", self.size, key, data]) != b"ok":
@@ -180,6 +197,7 @@ class _RawClient:
             self.ctx.term()
         if self.agent is not None:
             self.agent.deregister_memory(self.reg, ["UCX"])
+            self.agent = None
 
 
 # -- kvtiers bench p2p ---------------------------------------------------------------------

@@ -7,6 +7,9 @@ window or deadlines). Each request carries a request id ``rid`` its reply echoes
   kept under ``key`` (oldest first out past the capacity), answered ``[rid, b"ok"]``.
 - ``[b"get", rid, key]``: ``[rid, the bytes kept under key]``, sent zero-copy (as the
   server does); an empty frame when it has none.
+- ``[b"ping", rid, size]``: map the pool's buffers of ``size`` up to the capacity, answer
+  ``[rid, b"ok"]`` (the bench connects, and the raw peer faults its memory in, before
+  anything is measured).
 - ``[b"nhello", rid, agent metadata]``: (NIXL) register the pool with an agent of our own,
   add the client's agent, answer ``[rid, b"ok"]``.
 - ``[b"nget", rid, key, address]``: (NIXL) a UCX WRITE of the bytes kept under ``key`` to
@@ -41,6 +44,7 @@ class _Pool:
         self.keep: OrderedDict[bytes, memoryview] = OrderedDict()
         self.free: dict[int, list[memoryview]] = {}
         self.slabs: list[memoryview] = []
+        self.mapped = 0
         self.on_slab: Any = None
 
     def take(self, size: int) -> memoryview:
@@ -48,17 +52,24 @@ class _Pool:
             _, old = self.keep.popitem(last=False)
             self.bytes -= len(old)
             self.free.setdefault(len(old), []).append(old)
-        free = self.free.setdefault(size, [])
-        if not free:
-            n = max(1, SLAB_BYTES // size)
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-            slab = memoryview(mmap.mmap(-1, n * size, flags=flags))
-            self.slabs.append(slab)
-            if self.on_slab is not None:
-                self.on_slab(slab)
-            free.extend(slab[i * size : (i + 1) * size] for i in range(n))
+        if not self.free.get(size):
+            self._map(size, max(1, min(SLAB_BYTES, self.capacity - self.mapped) // size))
         self.bytes += size
-        return free.pop()
+        return self.free[size].pop()
+
+    def prefault(self, size: int) -> None:
+        """Map buffers of ``size`` up to the capacity now, so none is faulted in while measured."""
+        while self.mapped + size <= self.capacity:
+            self._map(size, max(1, min(SLAB_BYTES, self.capacity - self.mapped) // size))
+
+    def _map(self, size: int, n: int) -> None:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        slab = memoryview(mmap.mmap(-1, n * size, flags=flags))
+        self.slabs.append(slab)
+        self.mapped += len(slab)
+        if self.on_slab is not None:
+            self.on_slab(slab)
+        self.free.setdefault(size, []).extend(slab[i * size : (i + 1) * size] for i in range(n))
 
     def put(self, key: bytes, buf: memoryview) -> None:
         old = self.keep.pop(key, None)
@@ -159,6 +170,9 @@ def main(argv: list[str]) -> None:
         elif op == b"get":
             buf = pool.keep.get(s.recv())
             s.send_multipart([ident, rid, b"" if buf is None else buf], copy=False)
+        elif op == b"ping":
+            pool.prefault(int(s.recv()))
+            s.send_multipart([ident, rid, b"ok"])
         elif op == b"nhello":
             if nx is None:
                 nx = _Nixl(pool)
