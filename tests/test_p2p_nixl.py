@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -70,8 +72,49 @@ def test_nixl_peer_killed_mid_transfer_never_wrong_bytes():
         server.kill()
 
 
+KILLED_CLIENT = r"""
+import sys
+from kvtiers import Arena, Job, Namespace, TierContext, open_tier
+port, n, size = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+dst = Arena.allocate(n, size)
+h = open_tier("p2p", {"host": "127.0.0.1", "port": port, "backend": "nixl"},
+              TierContext(dst, Namespace({"test": "p2p-nixl"})))
+h.submit_load(Job(1, tuple(b"fence-%d" % i for i in range(n)), tuple(range(n))))
+while not any(dst[0][:16]):
+    pass
+print("landing", flush=True)
+sys.stdin.read()  # killed here, with writes still posted into its memory
+"""
+
+
+def test_a_client_killed_mid_load_leaves_the_nixl_server_serving():
+    """The server's NIXL writes into a dead client fail (NIXL_ERR_REMOTE_DISCONNECT): that
+    must fail those writes, not the server."""
+    n, size = 96, 1 << 20
+    server, src, keys = _stored_server(n, size)
+    child = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, str(server.port), str(n), str(size)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"landing\n"
+        child.kill()
+        child.wait(10)
+        dst = Arena.allocate(n, size)
+        h = open_tier("p2p", {"host": "127.0.0.1", "port": server.port, "backend": "nixl"}, TierContext(dst, NS))
+        try:
+            h.submit_load(Job(2, keys, tuple(range(n))))
+            r = wait(h, 2, timeout=60)
+            assert r.ok, r
+            assert all(bytes(dst[i]) == bytes(src[i]) for i in range(n))
+        finally:
+            h.close()
+        assert server.proc.poll() is None, "the server died with its client"
+    finally:
+        child.kill()
+        server.kill()
+
+
 def _stored_server(n: int, size: int):
-    server = start_server(capacity=256 << 20, extra=["--nixl"])
+    server = start_server(capacity=max(256 << 20, 2 * n * size), extra=["--nixl"])
     src = Arena.allocate(n, size)
     for i in range(n):
         src[i][:] = os.urandom(16) * (size // 16)

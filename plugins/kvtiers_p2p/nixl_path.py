@@ -58,6 +58,7 @@ class NixlClient:
 
     def __init__(self, arena: Any) -> None:
         self.agent = _agent("kvtiers-p2p-client")
+        self.arena = arena  # registered memory must outlive the registration
         self.stride = arena.slot_bytes
         self.n = len(arena)
         self.base = address(arena.buffer)
@@ -98,13 +99,21 @@ class NixlServer:
     def write(self, buf: Any, peer: str, remote_addr: int) -> Write | None:
         """Post a WRITE of ``buf`` to ``remote_addr`` of ``peer``; None if NIXL refused it."""
         agent = self.agent
-        local = agent.get_xfer_descs([(address(buf), len(buf), 0)], "DRAM")
-        remote = agent.get_xfer_descs([(remote_addr, len(buf), 0)], "DRAM")
-        handle = agent.initialize_xfer("WRITE", local, remote, peer, backends=["UCX"])
-        if agent.transfer(handle) == "ERR":
-            handle.release()
-            return None
-        return Write(agent, handle)
+        handle = None
+        try:
+            local = agent.get_xfer_descs([(address(buf), len(buf), 0)], "DRAM")
+            remote = agent.get_xfer_descs([(remote_addr, len(buf), 0)], "DRAM")
+            handle = agent.initialize_xfer("WRITE", local, remote, peer, backends=["UCX"])
+            if agent.transfer(handle) != "ERR":
+                return Write(agent, handle)
+        except Exception as e:  # e.g. the client went away (NIXL_ERR_REMOTE_DISCONNECT): a failed write
+            log.debug("p2p nixl: write to %s failed: %s", peer, e)
+        if handle is not None:
+            try:
+                handle.release()
+            except Exception as e:
+                log.debug("p2p nixl: release failed: %s", e)
+        return None
 
 
 class Write:
