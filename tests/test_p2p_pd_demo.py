@@ -13,12 +13,16 @@ pytest.importorskip("zmq")
 pytest.importorskip("torch")
 
 
-def test_pd_demo_two_processes_every_byte_verified():
+@pytest.mark.parametrize("backend", ["zmq", "nixl"])
+def test_pd_demo_two_processes_every_byte_verified(backend):
+    if backend == "nixl":
+        pytest.importorskip("nixl_cu12")
     r = subprocess.run([sys.executable, "-m", "kvtiers.cli", "demo", "--scenario", "pd", "--conversations", "2",
-                        "--json"], capture_output=True, text=True, timeout=240)
+                        "--p2p-backend", backend, "--json"], capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
     pre, dec = report["prefill"], report["decode"]
+    assert report["backend"] == backend
     per_prompt = (256 + 768) // 64
     assert pre["chunks"] == per_prompt + 768 // 64  # the shared system prompt is stored once
     assert dec["mismatches"] == 0 and dec["failed"] == 0 and dec["chunks"] == 2 * per_prompt

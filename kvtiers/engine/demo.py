@@ -395,9 +395,12 @@ def summary(tally: Tally, mgr: Any, info: dict[str, Any], seconds: float) -> dic
 @click.option("--scenario", type=click.Choice(["chat", "pd"]), default="chat", show_default=True,
               help="chat: conversations through the tiers; pd: a prefill and a decode process over p2p "
                    "(--conversations prompts).")
+@click.option("--p2p-backend", type=click.Choice(["zmq", "nixl"]), default="zmq", show_default=True,
+              help="With --scenario pd: the p2p data path (nixl: the prefill writes into decode's slots).")
 def demo(turns: int, conversations: int, directory: str | None, keep: bool, config_text: str | None, seed: int,
          device: str | None, model: str, events_endpoint: str | None, events_replay: str | None,
-         metrics_port: int | None, linger: float, as_json: bool, scenario: str = "chat") -> None:
+         metrics_port: int | None, linger: float, as_json: bool, scenario: str = "chat",
+         p2p_backend: str = "zmq") -> None:
     """Serve simulated multi-turn conversations through the host arena and a persistent
     tier, verify every loaded byte, and print hits, bandwidth and prefill tokens saved.
 
@@ -406,7 +409,7 @@ def demo(turns: int, conversations: int, directory: str | None, keep: bool, conf
     if scenario == "pd":  # prefill/decode disaggregation over the p2p tier (docs/p2p.md)
         from .pd_demo import pd_command
 
-        return pd_command(prompts=conversations, seed=seed, device=device, as_json=as_json)
+        return pd_command(prompts=conversations, seed=seed, device=device, as_json=as_json, backend=p2p_backend)
     from ..config import parse_json_option
     from ..metrics import serve_metrics
     from .observe import observe_config, require_metrics_server

@@ -50,7 +50,8 @@ def prefill(args: argparse.Namespace) -> dict[str, Any]:
     per_prompt = len(prompts[0]) // tpc
     engine = SimEngine(pick_device(args.device), per_prompt * BLOCKS_PER_CHUNK, args.seed)
     unique = per_prompt + (args.prompts - 1) * (UNIQUE_TOKENS // tpc)
-    mgr = _manager(engine, {"serve": {"bind": "tcp://127.0.0.1:0"}}, unique + 8, args.seed)
+    serve = {"bind": "tcp://127.0.0.1:0", "nixl": args.backend == "nixl"}
+    mgr = _manager(engine, {"serve": serve}, unique + 8, args.seed)
     stored = 0
     seconds = 0.0
     try:
@@ -83,8 +84,8 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
     tpc = TOKENS_PER_BLOCK * BLOCKS_PER_CHUNK
     per_prompt = len(prompts[0]) // tpc
     engine = SimEngine(pick_device(args.device), per_prompt * BLOCKS_PER_CHUNK, args.seed)
-    mgr = _manager(engine, {"tiers": [{"type": "p2p", "host": "127.0.0.1", "port": args.port}]},
-                   2 * per_prompt, args.seed)
+    tier = {"type": "p2p", "host": "127.0.0.1", "port": args.port, "backend": args.backend}
+    mgr = _manager(engine, {"tiers": [tier]}, 2 * per_prompt, args.seed)
     out: dict[str, Any] = {"sources": {}, "bytes": {}, "seconds": {}, "mismatches": 0, "failed": 0, "chunks": 0}
     try:
         for tokens in prompts:
@@ -117,11 +118,14 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def run_pd(*, prompts: int, seed: int, device: str | None, timeout: float = 300.0) -> dict[str, Any]:
-    """Start the prefill and decode processes, wait for both, return what they measured."""
+def run_pd(*, prompts: int, seed: int, device: str | None, timeout: float = 300.0,
+           backend: str = "zmq") -> dict[str, Any]:
+    """Start the prefill and decode processes, wait for both, return what they measured.
+    ``backend``: the p2p data path, ``zmq`` or ``nixl`` (nixl-cu12 on both sides)."""
     tmp = tempfile.mkdtemp(prefix="kvtiers-pd-")
     ready, stop = os.path.join(tmp, "ready"), os.path.join(tmp, "stop")
-    common = ["--prompts", str(prompts), "--seed", str(seed)] + (["--device", device] if device else [])
+    common = ["--prompts", str(prompts), "--seed", str(seed), "--backend", backend]
+    common += ["--device", device] if device else []
     me = [sys.executable, "-m", "kvtiers.engine.pd_demo"]
     procs: list[subprocess.Popen] = []
     try:
@@ -153,31 +157,38 @@ def run_pd(*, prompts: int, seed: int, device: str | None, timeout: float = 300.
                 p.kill()
                 p.wait()
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"prompts": prompts, "seed": seed, "prefill": pre_out, "decode": dec_out}
+    return {"prompts": prompts, "seed": seed, "backend": backend, "prefill": pre_out, "decode": dec_out}
 
 
 def render(report: dict[str, Any]) -> str:
     """The table ``kvtiers demo --scenario pd`` prints."""
     pre, dec = report["prefill"], report["decode"]
-    lines = [f"{'path':<40} {'chunks':>7} {'GB/s':>8}",
-             f"{'prefill: device -> host arena (stored)':<40} {pre['chunks']:>7} "
+    lines = [f"{'path':<47} {'chunks':>7} {'GB/s':>8}",
+             f"{'prefill: device -> host arena (stored)':<47} {pre['chunks']:>7} "
              f"{pre['bytes'] / max(pre['seconds'], 1e-9) / 1e9:>8.3f}"]
-    names = {"p2p": "decode: prefill's arena -> p2p -> device", "host": "decode: own host cache -> device"}
+    via = "p2p (nixl)" if report.get("backend") == "nixl" else "p2p"
+    names = {"p2p": f"decode: prefill's arena -> {via} -> device", "host": "decode: own host cache -> device"}
     for src, n in sorted(dec["sources"].items()):
         secs = dec["seconds"].get(src)
         rate = f"{dec['bytes'][src] / secs / 1e9:>8.3f}" if secs else f"{'-':>8}"
-        lines.append(f"{names.get(src, 'decode: ' + src):<40} {n:>7} {rate}")
+        lines.append(f"{names.get(src, 'decode: ' + src):<47} {n:>7} {rate}")
     lines.append(f"{report['prompts']} prompts; prefill served {pre['served']} chunks over p2p; decode verified "
                  f"{dec['chunks']} chunks: {dec['mismatches']} mismatches, {dec['failed']} failed loads")
     return "\n".join(lines)
 
 
-def pd_command(*, prompts: int, seed: int, device: str | None, as_json: bool) -> None:
+def pd_command(*, prompts: int, seed: int, device: str | None, as_json: bool, backend: str = "zmq") -> None:
     """What ``kvtiers demo --scenario pd`` does: run, print, exit 1 on any bad byte."""
     import click
 
+    if backend == "nixl":
+        from kvtiers_p2p.nixl_path import available
+
+        why = available()
+        if why is not None:
+            raise click.ClickException(f"--p2p-backend nixl: {why}")
     try:
-        report = run_pd(prompts=prompts, seed=seed, device=device)
+        report = run_pd(prompts=prompts, seed=seed, device=device, backend=backend)
     except RuntimeError as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(report) if as_json else render(report))
@@ -197,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ready-file")
     ap.add_argument("--stop-file")
     ap.add_argument("--serve-seconds", type=float, default=600.0)
+    ap.add_argument("--backend", choices=["zmq", "nixl"], default="zmq")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     result = (prefill if args.role == "prefill" else decode)(args)
