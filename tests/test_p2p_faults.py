@@ -1,6 +1,6 @@
 """Faults of the p2p tier with real processes: a peer killed mid-transfer, a peer restarted,
-a silent (stopped) peer, eight client processes at once, and hostile frames from raw sockets
-while a well-behaved client keeps being served."""
+a silent (stopped) peer, eight client processes at once (each on both data paths, ZMQ and
+NIXL), and hostile frames from raw sockets while a well-behaved client keeps being served."""
 
 from __future__ import annotations
 
@@ -39,8 +39,10 @@ def fill(arena: Arena, seed: int) -> list[bytes]:
     return out
 
 
-def tier(port: int, arena: Arena, **opts):
-    return open_tier("p2p", {"host": "127.0.0.1", "port": port, **opts}, TierContext(arena, NS))
+def tier(server, arena: Arena, **opts):
+    """A p2p tier on ``server``'s data path."""
+    config = {"host": "127.0.0.1", "port": server.port, "backend": server.backend, **opts}
+    return open_tier("p2p", config, TierContext(arena, NS))
 
 
 
@@ -60,9 +62,12 @@ def store(h, keys, slots, job_id):
     return r
 
 
-@pytest.fixture
-def server():
-    srv = start_server(capacity=512 << 20)
+@pytest.fixture(params=["zmq", "nixl"])
+def server(request):
+    if request.param == "nixl":
+        pytest.importorskip("nixl_cu12")
+    srv = start_server(capacity=512 << 20, extra=["--nixl"] if request.param == "nixl" else None)
+    srv.backend = request.param
     yield srv
     srv.kill() if srv.proc.poll() is None else None
 
@@ -72,12 +77,12 @@ def test_peer_killed_mid_transfer_fails_keys_in_time_never_wrong_bytes(server):
     src = Arena.allocate(n, size)
     data = fill(src, 1)
     keys = [b"kill-%d" % i for i in range(n)]
-    a = tier(server.port, src)
+    a = tier(server, src)
     store(a, keys, range(n), 1)
     a.close()
     dst = Arena.allocate(n, size)
     dst.buffer[:] = POISON * (len(dst.buffer) // 4)
-    b = tier(server.port, dst, timeout=5.0)
+    b = tier(server, dst, timeout=5.0)
     try:
         t0 = time.monotonic()
         b.submit_load(Job(2, tuple(keys), tuple(range(n))))
@@ -98,13 +103,14 @@ def test_peer_restarted_reconnects_and_answers_miss_until_stored_again(server):
     arena = Arena.allocate(8, 64 << 10)
     data = fill(arena, 2)
     keys = [b"restart-%d" % i for i in range(4)]
-    h = tier(server.port, arena, timeout=5.0)
+    h = tier(server, arena, timeout=5.0)
     try:
         store(h, keys, range(4), 1)
         assert resolve(h, keys) == [Lookup.HIT] * 4
         port = server.port
         server.kill()
-        again = start_server(bind=f"tcp://127.0.0.1:{port}", capacity=64 << 20)
+        again = start_server(bind=f"tcp://127.0.0.1:{port}", capacity=64 << 20,
+                             extra=["--nixl"] if server.backend == "nixl" else None)
         try:
             deadline = time.monotonic() + 15
             while resolve(h, keys) != [Lookup.MISS] * 4:
@@ -128,7 +134,9 @@ def test_silent_peer_is_bounded(server):
     arena = Arena.allocate(8, 64 << 10)
     fill(arena, 3)
     keys = [b"silent-%d" % i for i in range(4)]
-    h = tier(server.port, arena, timeout=2.0, lookup_timeout=1.0)
+    # on the NIXL path a load given up on also waits for its fence (the server may still write)
+    fence = 1.0 if server.backend == "nixl" else 0.0
+    h = tier(server, arena, timeout=2.0, lookup_timeout=1.0, nixl_fence_timeout=fence)
     try:
         store(h, keys, range(4), 1)
         os.kill(server.pid, signal.SIGSTOP)
@@ -138,7 +146,7 @@ def test_silent_peer_is_bounded(server):
             h.submit_store(Job(3, (b"silent-new",), (0,)))
             results = {}
             while len(results) < 2:
-                assert time.monotonic() - t0 < 2.0 + 4.0, "a silent peer held jobs past the timeout"
+                assert time.monotonic() - t0 < 2.0 + fence + 4.0, "a silent peer held jobs past the timeout"
                 results.update((r.job_id, r) for r in h.get_finished_jobs())
                 time.sleep(0.01)
             assert set(results[2].failed_keys) == set(keys) and not results[3].ok
@@ -156,12 +164,13 @@ def test_silent_peer_is_bounded(server):
 CLIENT = r"""
 import sys, time, zlib
 from kvtiers import Arena, Job, Namespace, TierContext, open_tier
-port, me = int(sys.argv[1]), int(sys.argv[2])
+port, me, backend = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 n, size = 32, 256 << 10
 arena = Arena.allocate(2 * n, size)
 for i in range(n):
     arena[i][:] = zlib.crc32(b"%d-%d" % (me, i)).to_bytes(4, "little") * (size // 4)
-h = open_tier("p2p", {"host": "127.0.0.1", "port": port}, TierContext(arena, Namespace({"test": "p2p-faults"})))
+h = open_tier("p2p", {"host": "127.0.0.1", "port": port, "backend": backend},
+              TierContext(arena, Namespace({"test": "p2p-faults"})))
 keys = tuple(b"c%d-%d" % (me, i) for i in range(n))
 def wait(j):
     t = time.monotonic()
@@ -183,7 +192,8 @@ print("ok")
 
 
 def test_eight_client_processes_at_once(server):
-    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, str(server.port), str(i)], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, str(server.port), str(i), server.backend],
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(8)]
     try:
         outs = [p.communicate(timeout=120) for p in procs]
@@ -210,10 +220,11 @@ _message = st.lists(_frame, min_size=1, max_size=5)
 def test_hostile_frames_never_take_the_server_down(tmp_path):
     log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
     server = start_server(capacity=64 << 20, stderr=log)
+    server.backend = "zmq"  # the frames attack the control protocol, the same on both paths
     ctx = zmq.Context()
     arena = Arena.allocate(4, 64 << 10)
     data = fill(arena, 4)
-    good = tier(server.port, arena, timeout=10.0)
+    good = tier(server, arena, timeout=10.0)
     jobs = iter(range(1, 1 << 30))
     hello = P.pack(P.HELLO, 1, P.VERSION, NS.digest, arena.slot_bytes, None)
 
