@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 
 import pytest
@@ -81,7 +82,8 @@ def test_bench_tier_p2p_starts_its_server_and_compares_with_raw_zmq(capsys):
 
 def test_raw_baseline_moves_the_same_bytes_and_cleans_up():
     """The baseline is honest: what it puts to the raw peer comes back byte for byte into
-    the slots; a missing key fails; close ends the raw peer. Peers off loopback get none."""
+    the slots; a missing key fails, and so does a call to a raw peer that died; close ends
+    the raw peer. Peers off loopback get none."""
     srv = start_server(capacity=16 << 20)
     arena = Arena.allocate(4, 64 << 10)
     data = [os.urandom(64 << 10) for _ in range(4)]
@@ -106,6 +108,12 @@ def test_raw_baseline_moves_the_same_bytes_and_cleans_up():
             run(base.get(b"never-put", arena[0]))
         base.close([])
         assert _gone("kvtiers_p2p.rawpeer")
+        base = P2PTier.bench_baseline(h.tier, 64 << 10)  # a raw peer that dies fails the call, never hangs
+        (pid,) = _children("kvtiers_p2p.rawpeer")
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="raw peer exited"):
+            run(base.get(b"k0", arena[0]))
+        base.close([])
     finally:
         h.close()
         srv.stop()

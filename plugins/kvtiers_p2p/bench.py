@@ -24,7 +24,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,7 +64,7 @@ def baseline(tier: Any, chunk_bytes: int) -> Baseline | None:
     the raw peer would not be on the same kind of socket."""
     from kvtiers.ioloop import get_loop
 
-    from .client import WINDOW
+    from .client import GET_BATCH, WINDOW
     from .protocol import parse_endpoint
 
     eps = [parse_endpoint(u) for u in tier.peers]
@@ -70,7 +72,7 @@ def baseline(tier: Any, chunk_bytes: int) -> Baseline | None:
         return None
     arena = tier.ctx.arena
     proc, endpoint = _start_raw(2 * len(arena) * arena.slot_bytes + chunk_bytes)
-    raw = _RawClient(endpoint, chunk_bytes, tier.timeout)  # a request fails as late as the tier's would
+    raw = _RawClient(endpoint, chunk_bytes, proc)
     loop = get_loop()
     nixl = getattr(tier._client, "nx", None) is not None
     try:  # connected before it is measured, as the tier is (its handshake)
@@ -91,7 +93,10 @@ def baseline(tier: Any, chunk_bytes: int) -> Baseline | None:
         name = "raw ZMQ DEALER/ROUTER stores, raw NIXL UCX WRITEs into the arena for loads, another process"
     else:
         name = "raw ZMQ DEALER/ROUTER send/recv_into to another process on loopback"
-    return Baseline(name=name, put=raw.put, get=raw.nixl_get if nixl else raw.get, concurrency=WINDOW, close=close)
+    # in flight as the tier: WINDOW PUTs; GETs of GET_BATCH keys, as many as the server allows
+    gets = max((p.max_inflight for p in tier._client.peers.values() if p.ready), default=16)
+    return Baseline(name=name, put=raw.put, get=raw.nixl_get if nixl else raw.get, concurrency=WINDOW,
+                    load_concurrency=GET_BATCH * min(WINDOW, gets), close=close)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -104,63 +109,112 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 class _RawClient:
-    """One DEALER on the SDK's I/O loop, requests pipelined, replies matched by request id:
-    what a plain asyncio user of pyzmq writes. Chunks are received with ``recv_into`` the
-    caller's buffer (the arena slot)."""
+    """One DEALER owned by a thread of its own (as the tier's client owns its sockets), with
+    coroutine calls for the harness: requests are pipelined and matched to replies by request
+    id; gets made in the same loop turn go out in one request of up to ``GET_BATCH`` keys,
+    answered chunk by chunk (as the tier batches its GETs); each chunk is received straight
+    into the caller's buffer (``recv_into`` the arena slot) by the thread, which hands the
+    finished calls back to the loop in batches. Calls fail if the raw peer's process exits."""
 
-    def __init__(self, endpoint: str, chunk_bytes: int, timeout: float) -> None:
-        self.endpoint = endpoint
-        self.timeout = timeout
-        self.size = str(chunk_bytes).encode()
-        self.ctx: Any = None
-        self.sock: Any = None
-        self.reader: Any = None
-        self.waiting: dict[bytes, tuple[memoryview | None, asyncio.Future]] = {}
-        self.rids = itertools.count(1)
-        self.agent: Any = None
-
-    def _open(self) -> Any:
-        if self.sock is None:
-            import zmq
-            import zmq.asyncio
-
-            self.ctx = zmq.asyncio.Context()
-            self.sock = self.ctx.socket(zmq.DEALER)
-            self.sock.setsockopt(zmq.LINGER, 0)
-            self.sock.connect(self.endpoint)
-            self.reader = asyncio.ensure_future(self._read())
-        return self.sock
-
-    async def _read(self) -> None:
+    def __init__(self, endpoint: str, chunk_bytes: int, proc: subprocess.Popen) -> None:
         import zmq
 
-        s = self.sock
-        while True:
-            rid = await s.recv()
-            entry = self.waiting.pop(rid, None)
-            if entry is None:  # the answer to a request given up on
-                while s.getsockopt(zmq.RCVMORE):
-                    await s.recv()
+        self.proc = proc
+        self.size = str(chunk_bytes).encode()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.outbox: deque[tuple[list[Any], deque]] = deque()  # (frames, [(out, future)] in reply order)
+        self.waiting: dict[bytes, deque[tuple[memoryview | None, asyncio.Future]]] = {}
+        self.batch: list[tuple[bytes, memoryview, asyncio.Future]] = []
+        self.rids = itertools.count(1)
+        self.agent: Any = None
+        self._rfd, self._wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name="kvtiers-p2p-rawbench", daemon=True)
+        self.thread.start()
+
+    # -- the loop side -------------------------------------------------------------------
+    def _send(self, frames: list[Any], calls: deque) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.outbox.append((frames, calls))
+        try:
+            os.write(self._wfd, b"x")
+        except BlockingIOError:
+            pass
+
+    async def _ask(self, frames: list[Any], out: memoryview | None = None) -> Any:
+        fut = asyncio.get_running_loop().create_future()
+        self._send([frames[0], b"%d" % next(self.rids), *frames[1:]], deque([(out, fut)]))
+        return await fut
+
+    def _flush(self) -> None:
+        from .client import GET_BATCH
+
+        batch, self.batch = self.batch, []
+        for i in range(0, len(batch), GET_BATCH):
+            part = batch[i : i + GET_BATCH]
+            self._send([b"mget", b"%d" % next(self.rids), *(k for k, _, _ in part)],
+                       deque((out, fut) for _, out, fut in part))
+
+    @staticmethod
+    def _finish(done: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
+        for fut, got, err in done:
+            if fut.done():
                 continue
-            out, fut = entry
-            try:
-                got = await (s.recv_into(out) if out is not None else s.recv())
-            except Exception as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
+            if err is not None:
+                fut.set_exception(err)
             else:
                 fut.set_result(got)
 
-    async def _ask(self, frames: list[Any], out: memoryview | None = None) -> Any:
-        s = self._open()
-        rid = b"%d" % next(self.rids)
-        fut = asyncio.get_running_loop().create_future()
-        self.waiting[rid] = (out, fut)
-        await s.send_multipart([frames[0], rid, *frames[1:]])
-        try:
-            return await asyncio.wait_for(fut, self.timeout)
-        except TimeoutError:
-            self.waiting.pop(rid, None)
-            raise TimeoutError(f"the raw peer did not answer in {self.timeout:g} s") from None
+    # -- the thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        import zmq
+
+        s = self.sock
+        poller = zmq.Poller()
+        poller.register(s, zmq.POLLIN)
+        poller.register(self._rfd, zmq.POLLIN)
+        check = 0.0
+        while not self._stop:
+            poller.poll(200)
+            try:
+                while os.read(self._rfd, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+            while self.outbox:
+                frames, calls = self.outbox.popleft()
+                self.waiting[frames[1]] = calls
+                s.send_multipart(frames)
+            done: list[tuple[asyncio.Future, Any, BaseException | None]] = []
+            while True:
+                try:
+                    rid = s.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                q = self.waiting.get(rid)
+                if q is None:
+                    while s.getsockopt(zmq.RCVMORE):
+                        s.recv()
+                    continue
+                out, fut = q.popleft()
+                if not q:
+                    del self.waiting[rid]
+                done.append((fut, s.recv_into(out) if out is not None else s.recv(), None))
+            now = time.monotonic()
+            if now > check:
+                check = now + 0.2
+                if self.proc.poll() is not None:  # the raw peer is gone: fail what waits for it
+                    why = RuntimeError(f"the raw peer exited with status {self.proc.returncode}")
+                    done += [(fut, None, why) for q in self.waiting.values() for _, fut in q]
+                    self.waiting.clear()
+            if done and self.loop is not None:
+                self.loop.call_soon_threadsafe(self._finish, done)
+        s.close(0)
+        self.ctx.term()
 
     async def ping(self) -> None:
         if await self._ask([b"ping", self.size]) != b"ok":
@@ -171,7 +225,11 @@ class _RawClient:
             raise RuntimeError("raw peer refused a put")
 
     async def get(self, key: bytes, out: memoryview) -> None:
-        n = await self._ask([b"get", key], out)
+        fut = asyncio.get_running_loop().create_future()
+        self.batch.append((key, out, fut))
+        if len(self.batch) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+        n = await fut
         if n != len(out):
             raise RuntimeError(f"raw peer sent {n} bytes for a chunk of {len(out)}")
 
@@ -190,11 +248,11 @@ class _RawClient:
             raise RuntimeError("raw NIXL write failed")
 
     async def close(self) -> None:
-        if self.reader is not None:
-            self.reader.cancel()
-        if self.sock is not None:
-            self.sock.close(0)
-            self.ctx.term()
+        self._stop = True
+        os.write(self._wfd, b"x")
+        await asyncio.get_running_loop().run_in_executor(None, self.thread.join, 10)
+        os.close(self._rfd)
+        os.close(self._wfd)
         if self.agent is not None:
             self.agent.deregister_memory(self.reg, ["UCX"])
             self.agent = None

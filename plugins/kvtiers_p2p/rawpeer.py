@@ -5,8 +5,8 @@ window or deadlines). Each request carries a request id ``rid`` its reply echoes
 - ``[b"put", rid, size, key, data]``: ``data`` received with ``recv_into`` a buffer of a
   pre-faulted pool (as a peer cache must keep what it is sent, and as the server does),
   kept under ``key`` (oldest first out past the capacity), answered ``[rid, b"ok"]``.
-- ``[b"get", rid, key]``: ``[rid, the bytes kept under key]``, sent zero-copy (as the
-  server does); an empty frame when it has none.
+- ``[b"mget", rid, key, ...]``: per key ``[rid, the bytes kept under key]``, sent
+  zero-copy (as the server does); an empty frame for a key it does not hold.
 - ``[b"ping", rid, size]``: map the pool's buffers of ``size`` up to the capacity, answer
   ``[rid, b"ok"]`` (the bench connects, and the raw peer faults its memory in, before
   anything is measured).
@@ -167,9 +167,10 @@ def main(argv: list[str]) -> None:
             s.recv_into(buf)
             pool.put(key, buf)
             s.send_multipart([ident, rid, b"ok"])
-        elif op == b"get":
-            buf = pool.keep.get(s.recv())
-            s.send_multipart([ident, rid, b"" if buf is None else buf], copy=False)
+        elif op == b"mget":
+            while s.getsockopt(zmq.RCVMORE):
+                buf = pool.keep.get(s.recv())
+                s.send_multipart([ident, rid, b"" if buf is None else buf], copy=False)
         elif op == b"ping":
             pool.prefault(int(s.recv()))
             s.send_multipart([ident, rid, b"ok"])
