@@ -179,7 +179,12 @@ class _RawClient:
         poller.register(self._rfd, zmq.POLLIN)
         check = 0.0
         while not self._stop:
-            poller.poll(200)
+            # NIXL agents run without a progress thread: the target progresses UCX while it
+            # waits for writes, as the tier's client does
+            nixl = self.agent is not None and bool(self.waiting)
+            poller.poll(1 if nixl else 200)
+            if nixl:
+                self.agent.get_new_notifs()
             try:
                 while os.read(self._rfd, 4096):
                     pass

@@ -223,6 +223,12 @@ class PeerClient:
                 tick()
         for peer in list(self.peers.values()):
             self._pump(peer)
+        if self.nx is not None and self._loading():
+            self.nx.progress()
+
+    def _loading(self) -> bool:
+        """Whether a GETN is in flight or fenced (the server may be writing into our slots)."""
+        return bool(self.fencing) or any(p.gets for p in self.peers.values())
 
     def _drain_fences(self, limit: float = 5.0) -> None:
         """Closing: fail what is queued, cancel the GETNs in flight and give their servers up
@@ -244,6 +250,8 @@ class PeerClient:
     def _poll_timeout(self) -> int:
         if self._commands:
             return 0
+        if self.nx is not None and self._loading():
+            return 1  # UCX is progressed from this loop while writes may be arriving
         now = time.monotonic()
         nearest = now + 0.1
         for r in self.fencing.values():
