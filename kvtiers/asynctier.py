@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .hookspecs import hookimpl
+from .misscache import MissCache
 from .types import Job, JobResult, Lookup, TierContext, accept_job, check_keys, drain
 
 STORE, LOAD, PROBE = 0, 1, 2
@@ -128,9 +129,7 @@ class AsyncTier:
         self._loop = ctx.loop
         self._lock = threading.Lock()
         self._present: set[bytes] = set()
-        self._absent: dict[bytes, float] = {}  # key -> when the MISS expires
-        self._probing: set[bytes] = set()
-        self._unanswered: set[bytes] = set()  # probed MISSes not yet answered (negative_ttl 0)
+        self._misses = MissCache()
         self._finished: deque[JobResult] = deque()
         self._inflight = 0  # jobs accepted, not reported
         self._active: set[_Run] = set()  # runs that an eviction must see (under _lock)
@@ -183,7 +182,7 @@ class AsyncTier:
         with self._lock:
             for k in keys:
                 self._present.discard(k)
-                self._absent.pop(k, None)
+                self._misses.present(k)  # neither: the next lookup probes it
 
     def evicted(self, keys: Iterable[bytes], reason: str = "evicted") -> None:
         """Report ``keys`` as removed by the tier itself (eviction, corruption, gc).
@@ -199,11 +198,10 @@ class AsyncTier:
         gone = set(keys)
         expiry = time.monotonic() + self.negative_ttl
         with self._lock:
-            present, absent, unanswered = self._present, self._absent, self._unanswered
+            present, misses = self._present, self._misses
             for k in keys:
                 present.discard(k)
-                absent[k] = expiry
-                unanswered.add(k)
+                misses.missing(k, expiry)
             for run in self._active:
                 if run.keyset is None:
                     run.keyset = frozenset(run.keys)
@@ -221,23 +219,9 @@ class AsyncTier:
     def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
         keys = check_keys(keys)
         now = time.monotonic()
-        out: list[Lookup] = []
-        probe: list[bytes] = []
         run = None
         with self._lock:
-            for k in keys:
-                if k in self._present:
-                    out.append(Lookup.HIT)
-                    continue
-                expiry = self._absent.get(k)
-                if expiry is not None and (expiry > now or k in self._unanswered):
-                    self._unanswered.discard(k)  # a probe's MISS is answered at least once
-                    out.append(Lookup.MISS)
-                    continue
-                if k not in self._probing:
-                    self._probing.add(k)
-                    probe.append(k)
-                out.append(Lookup.RETRY)
+            out, probe = self._misses.answer(keys, self._present.__contains__, now)
             if probe and not self._closed:
                 run = _Run(-1, PROBE, tuple(probe), (), 1, 0.0, now + self.probe_timeout, "probe timed out")
                 self._active.add(run)
@@ -450,21 +434,23 @@ class AsyncTier:
             self._active.discard(run)
             gone = run.gone
             if run.kind == PROBE:
-                now = time.monotonic()
+                until = time.monotonic() + self.negative_ttl
+                misses = self._misses
                 for k in keys:
-                    self._probing.discard(k)
-                    if k in run.found and not (gone and k in gone):
+                    misses.probing.discard(k)
+                    if gone and k in gone:
+                        continue
+                    if k in run.found:
                         self._present.add(k)
-                        self._absent.pop(k, None)
-                    elif not (gone and k in gone):
-                        self._absent[k] = now + self.negative_ttl
-                        self._unanswered.add(k)
+                        misses.present(k)
+                    else:
+                        misses.missing(k, until)
                 return
             ok = [k for k in keys if k not in failed] if failed else keys
             if gone:  # an eviction during the job wins over what the job learnt
                 ok = [k for k in ok if k not in gone]
             self._present.update(ok)
-            absent = self._absent
+            absent = self._misses.absent
             if absent:
                 for k in ok:
                     absent.pop(k, None)

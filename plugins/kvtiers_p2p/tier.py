@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtiers import ConfigError, TierError, hookimpl
+from kvtiers.misscache import MissCache
 from kvtiers.types import Job, JobResult, Lookup, TierContext, accept_job, check_keys, drain
 
 from . import protocol as P
@@ -115,9 +116,7 @@ class P2PTier:
         curve = _load_curve(curve_server_key, curve_secret_file)
         self._lock = threading.Lock()
         self._present: dict[bytes, tuple[str, float]] = {}  # key -> (peer, expiry)
-        self._absent: dict[bytes, float] = {}
-        self._unanswered: set[bytes] = set()
-        self._probing: set[bytes] = set()
+        self._misses = MissCache()
         self._finished: deque[JobResult] = deque()
         self._pending = 0
         self._closed = False
@@ -226,22 +225,21 @@ class P2PTier:
     def _on_found(self, keys: list[bytes], found: dict[bytes, list[str]]) -> None:
         now = time.monotonic()
         with self._lock:
+            misses = self._misses
             for k in keys:
-                self._probing.discard(k)
+                misses.probing.discard(k)
                 where = found.get(k)
                 if where:
                     self._present[k] = (where[0], now + self.positive_ttl)
-                    self._absent.pop(k, None)
+                    misses.present(k)
                 else:
                     self._present.pop(k, None)
-                    self._absent[k] = now + self.negative_ttl
-                    self._unanswered.add(k)
+                    misses.missing(k, now + self.negative_ttl)
 
     def _on_stored(self, key: bytes, url: str) -> None:
         with self._lock:
             self._present[key] = (url, time.monotonic() + self.positive_ttl)
-            self._absent.pop(key, None)
-            self._unanswered.discard(key)
+            self._misses.present(key)
 
     def _on_missing(self, key: bytes, url: str) -> None:
         with self._lock:
@@ -264,23 +262,14 @@ class P2PTier:
     def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
         keys = check_keys(keys)
         now = time.monotonic()
-        out: list[Lookup] = []
-        probe: list[bytes] = []
+        present = self._present
+
+        def hit(k: bytes) -> bool:  # p2p HITs expire: a peer may have evicted the key meanwhile
+            h = present.get(k)
+            return h is not None and h[1] > now
+
         with self._lock:
-            for k in keys:
-                hit = self._present.get(k)
-                if hit is not None and hit[1] > now:
-                    out.append(Lookup.HIT)
-                    continue
-                expiry = self._absent.get(k)
-                if expiry is not None and (expiry > now or k in self._unanswered):
-                    self._unanswered.discard(k)  # a probe's MISS is answered at least once
-                    out.append(Lookup.MISS)
-                    continue
-                if k not in self._probing:
-                    self._probing.add(k)
-                    probe.append(k)
-                out.append(Lookup.RETRY)
+            out, probe = self._misses.answer(keys, hit, now)
         if probe and not self._closed:
             self._client.call(lambda: self._client.probe(probe))
         return out
