@@ -8,8 +8,9 @@ import asyncio
 import time
 
 import pytest
+from tier_helpers import wait_job as result
 
-from kvtiers import Arena, AsyncTier, Job, JobResult, TierContext
+from kvtiers import Arena, AsyncTier, Job, TierContext
 
 SLOT = 4096
 
@@ -90,16 +91,6 @@ def fill(ctx, n: int) -> list[bytes]:
         ctx.arena[s][:] = data
         out.append(data)
     return out
-
-
-def result(t, job_id: int, timeout: float = 20.0) -> JobResult:
-    deadline = time.monotonic() + timeout
-    while True:
-        for r in t.get_finished_jobs():
-            assert r.job_id == job_id
-            return r
-        assert time.monotonic() < deadline, f"job {job_id} not reported within {timeout} s"
-        time.sleep(0.002)
 
 
 def keys_of(n: int, tag: bytes = b"k") -> tuple[bytes, ...]:

@@ -10,9 +10,11 @@ import time
 from collections import OrderedDict
 
 import pytest
+from tier_helpers import resolve_lookup as settle
+from tier_helpers import wait_job as result
 
 import kvtiers
-from kvtiers import Arena, AsyncTier, Job, JobResult, Lookup, TierContext
+from kvtiers import Arena, AsyncTier, Job, Lookup, TierContext
 
 SLOT = 4096
 BOUND = 16  # chunks
@@ -78,24 +80,6 @@ def make(cls=CappedTier, slots: int = 64):
     for s in range(slots):
         ctx.arena[s][:] = bytes([s]) * 8 + bytes(SLOT - 8)
     return cls(ctx), ctx, removed
-
-
-def result(t, job_id: int, timeout: float = 20.0) -> JobResult:
-    deadline = time.monotonic() + timeout
-    while True:
-        for r in t.get_finished_jobs():
-            assert r.job_id == job_id
-            return r
-        assert time.monotonic() < deadline, f"job {job_id} not reported"
-        time.sleep(0.002)
-
-
-def settle(t, keys, timeout: float = 10.0) -> list[Lookup]:
-    deadline = time.monotonic() + timeout
-    while Lookup.RETRY in (a := t.lookup(keys)):
-        assert time.monotonic() < deadline
-        time.sleep(0.002)
-    return a
 
 
 def check_bound_holds(t, ctx, removed: Removals, keys: list[bytes]) -> None:

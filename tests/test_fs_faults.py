@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 from kvtiers_fs import layout
 from test_fs_helpers import SLOT, Env, chunk_files, resolve, wait_for
+from tier_helpers import mounted_tmpfs
 
 from kvtiers import Lookup
 from kvtiers.cli import cli
@@ -108,17 +109,8 @@ def test_permission_denied_is_a_failed_key(env, monkeypatch):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    d = tmp_path / "small"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(d)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
-    try:
-        yield str(d)
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)
+    with mounted_tmpfs(tmp_path / "small", "4m") as d:
+        yield d
 
 
 def test_disk_full_fails_cleanly_and_recovers_after_gc(small_disk):

@@ -17,6 +17,7 @@ import pytest
 import xxhash
 from kvtiers_fs import FsTier, layout
 from test_fs_helpers import NS, SLOT, Env, chunk_files, resolve, wait_for
+from tier_helpers import mounted_tmpfs
 
 from kvtiers import Job, Lookup, Namespace
 
@@ -205,17 +206,8 @@ def test_read_only_option_loads_and_never_writes(env, tmp_path):
 
 @pytest.fixture
 def ro_tmpfs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    d = tmp_path / "ro"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(d)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
-    try:
-        yield str(d)
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)
+    with mounted_tmpfs(tmp_path / "ro", "8m") as d:
+        yield d
 
 
 def test_read_only_mount_opens_with_default_direct_loads_and_fails_stores(ro_tmpfs, monkeypatch):

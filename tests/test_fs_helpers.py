@@ -7,7 +7,7 @@ import threading
 import time
 
 from kvtiers_fs import FsTier
-from tier_helpers import wait_job  # the test_fs_* files import it from here
+from tier_helpers import resolve_lookup, wait_job  # the test_fs_* files import wait_job from here
 
 from kvtiers import Arena, Job, JobResult, Lookup, Namespace, TierContext
 from kvtiers.ioloop import is_io_thread
@@ -84,12 +84,7 @@ class Env:
 
 def resolve(tier, keys, timeout: float = 5.0) -> list[Lookup]:
     """Ask until no key answers RETRY (rule 1's bound)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        ans = tier.lookup(list(keys))
-        if Lookup.RETRY not in ans or time.monotonic() > deadline:
-            return ans
-        time.sleep(0.002)
+    return resolve_lookup(tier, keys, timeout)
 
 
 def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from kvtiers_p2p import protocol as P  # noqa: E402
 from kvtiers_p2p.spawn import start_server  # noqa: E402
+from tier_helpers import resolve_lookup as resolve  # noqa: E402
 from tier_helpers import wait_job as wait  # noqa: E402
 
 from kvtiers import Arena, Job, Lookup, Namespace, TierContext, open_tier  # noqa: E402
@@ -44,15 +45,6 @@ def tier(server, arena: Arena, **opts):
     config = {"host": "127.0.0.1", "port": server.port, "backend": server.backend, **opts}
     return open_tier("p2p", config, TierContext(arena, NS))
 
-
-
-def resolve(h, keys, timeout: float = 15.0) -> list[Lookup]:
-    deadline = time.monotonic() + timeout
-    while True:
-        ans = h.lookup(keys)
-        if Lookup.RETRY not in ans or time.monotonic() > deadline:
-            return ans
-        time.sleep(0.02)
 
 
 def store(h, keys, slots, job_id):

@@ -17,6 +17,7 @@ from kvtiers_p2p.server import AuthConfigError, PeerServer  # noqa: E402
 from kvtiers_p2p.spawn import start_server  # noqa: E402
 from kvtiers_p2p.store import MemoryStore  # noqa: E402
 from kvtiers_p2p.tier import peer_urls  # noqa: E402
+from tier_helpers import resolve_lookup as resolve  # noqa: E402
 from tier_helpers import wait_job as wait  # noqa: E402
 
 from kvtiers import Arena, ConfigError, Job, Lookup, Namespace, TierContext, open_tier  # noqa: E402
@@ -28,15 +29,6 @@ NS = Namespace({"test": "p2p-tier"})
 def tier(arena: Arena, ns: Namespace = NS, **opts):
     return open_tier("p2p", opts, TierContext(arena, ns))
 
-
-
-def resolve(h, keys, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        ans = h.lookup(keys)
-        if Lookup.RETRY not in ans or time.monotonic() > deadline:
-            return ans
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")

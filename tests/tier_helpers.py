@@ -1,11 +1,17 @@
-"""Helpers shared by tests of any tier or manager (fs, p2p, KV events, metrics)."""
+"""Helpers shared by tests of any tier or manager (fs, p2p, AsyncTier, KV events, metrics)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
-from kvtiers import JobResult
+import pytest
+
+from kvtiers import JobResult, Lookup
 
 
 def wait_job(tier: Any, job_id: int, timeout: float = 30.0) -> JobResult:
@@ -18,6 +24,34 @@ def wait_job(tier: Any, job_id: int, timeout: float = 30.0) -> JobResult:
             raise AssertionError(f"unexpected result {r}")
         time.sleep(0.001)
     raise AssertionError(f"job {job_id} did not finish within {timeout} s")
+
+
+def resolve_lookup(tier: Any, keys: Sequence[bytes], timeout: float = 15.0) -> list[Lookup]:
+    """Ask ``lookup`` until no key answers ``RETRY`` (rule 1's bound); after ``timeout`` the
+    last answers, RETRYs and all, for the caller's assert to show."""
+    deadline = time.monotonic() + timeout
+    while True:
+        answers = tier.lookup(list(keys))
+        if Lookup.RETRY not in answers or time.monotonic() > deadline:
+            return answers
+        time.sleep(0.002)
+
+
+@contextmanager
+def mounted_tmpfs(path: Any, size: str) -> Iterator[str]:
+    """A tmpfs of ``size`` (e.g. ``"4m"``) mounted at the new directory ``path``, unmounted
+    after; skips the test when not root or when the mount fails."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    os.mkdir(path)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                       capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
+    try:
+        yield str(path)
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 class CopyDma:

@@ -4,22 +4,13 @@ get_many_into), and reports per-key outcomes exactly inside it."""
 from __future__ import annotations
 
 import sqlite3
-import time
 from pathlib import Path
 
-from kvtiers import Arena, Job, JobResult, Lookup, Namespace, TierContext, open_tier
+from test_kvtiers_sqlite import wait
+
+from kvtiers import Arena, Job, Lookup, Namespace, TierContext, open_tier
 
 SLOT = 4096
-
-
-def wait(h, job_id: int, timeout: float = 20.0) -> JobResult:
-    deadline = time.monotonic() + timeout
-    while True:
-        for r in h.get_finished_jobs():
-            assert r.job_id == job_id
-            return r
-        assert time.monotonic() < deadline, f"job {job_id} not reported"
-        time.sleep(0.002)
 
 
 def test_a_job_is_one_transaction_with_exact_per_key_results(tmp_path: Path) -> None:
