@@ -63,10 +63,7 @@ class Index:
         marked used, others are foreign until the next scan."""
         with self.lock:
             if key in self.entries:
-                self.entries.move_to_end(key)
-                self.last_use[key] = time.time()
-                if self.changed_during_scan is not None:
-                    self.changed_during_scan.add(key)
+                self._used(key)
             else:
                 self.foreign[key] = nbytes
                 if self.found_during_scan is not None:
@@ -91,12 +88,16 @@ class Index:
         """Mark ``key`` most recently used; False if unknown."""
         with self.lock:
             if key in self.entries:
-                self.entries.move_to_end(key)
-                self.last_use[key] = time.time()
-                if self.changed_during_scan is not None:
-                    self.changed_during_scan.add(key)
+                self._used(key)
                 return True
             return False
+
+    def _used(self, key: bytes) -> None:
+        """A known ``key`` was used: most recent in LRU order, and kept through a running scan."""
+        self.entries.move_to_end(key)
+        self.last_use[key] = time.time()
+        if self.changed_during_scan is not None:
+            self.changed_during_scan.add(key)
 
     def drop(self, key: bytes, *, absent: bool = True) -> bool:
         """Forget ``key`` (gone from disk); True if it was known."""
