@@ -451,32 +451,15 @@ class PeerClient:
     def _answer(self, peer: Peer, hdr: list) -> None:
         op, rid = hdr[0], hdr[1]
         req = peer.inflight.get(rid)
-        if req is None:
+        fenced = req is None
+        if fenced:  # a GETN given up on: what landed still counts; DONE or ERR settles it
             req = self.fencing.get(rid)
             if req is None or req.peer is not peer:
                 return  # a late answer to a request that timed out or was cancelled
-            self._answer_fenced(req, op, hdr)
-            return
+            if op not in (P.CHUNK, P.MISSING, P.DONE, P.ERR):
+                raise P.ProtocolError(f"unexpected reply op {op} to a cancelled GETN")
         if op == P.CHUNK:
-            P.expect_len(hdr, 4, "CHUNK")
-            idx, digest = hdr[2], P.check_hash(hdr[3])
-            if req.kind not in ("get", "getn") or type(idx) is not int or not 0 <= idx < len(req.items) \
-                    or idx in req.answered:
-                raise P.ProtocolError("CHUNK for no asked key")
-            req.answered.add(idx)
-            it = req.items[idx]
-            if req.kind == "getn":
-                return self._landed(peer, req.items[idx], digest)
-            if it.done or not peer.sock.getsockopt(zmq.RCVMORE):
-                return
-            out = self.arena[it.slot]
-            n = peer.sock.recv_into(out)
-            if n != len(out):
-                self._retry(it, f"peer {peer.url} sent {n} bytes for a chunk of {len(out)}")
-            elif P.checksum(out) != digest:
-                self._retry(it, f"xxh3 mismatch on a chunk from {peer.url}")
-            else:
-                self._finish(it, True, None, len(out))
+            self._chunk(peer, req, hdr)
         elif op == P.MISSING:
             P.expect_len(hdr, 3, "MISSING")
             idx = hdr[2]
@@ -485,7 +468,9 @@ class PeerClient:
             req.answered.add(idx)
             it = req.items[idx]
             self.cb["on_missing"](it.key, peer.url)
-            self._retry(it, "not found on any peer")
+            self._retry(it, "not found on any peer")  # the server will not write its slot
+        elif fenced:
+            return self._settle(req)
         elif op == P.DONE:
             self._end(peer, req)
             for i, it in enumerate(req.items):
@@ -502,32 +487,32 @@ class PeerClient:
             self._refused(peer, req, code, msg)
         else:
             raise P.ProtocolError(f"unknown reply op {op}")
+        if fenced and len(req.answered) == len(req.items):
+            self._settle(req)
 
-    def _landed(self, peer: Peer, it: Item, digest: int) -> None:
-        """A GETN chunk was written into its slot: check it there."""
+    def _chunk(self, peer: Peer, req: Request, hdr: list) -> None:
+        """A CHUNK: on GET its bytes follow and are received into the slot; on GETN they
+        were written there already. Either way they are checked in the slot."""
+        P.expect_len(hdr, 4, "CHUNK")
+        idx, digest = hdr[2], P.check_hash(hdr[3])
+        if req.kind not in ("get", "getn") or type(idx) is not int or not 0 <= idx < len(req.items) \
+                or idx in req.answered:
+            raise P.ProtocolError("CHUNK for no asked key")
+        req.answered.add(idx)
+        it = req.items[idx]
         if it.done:
             return
         out = self.arena[it.slot]
-        if P.checksum(out) != digest:
-            return self._retry(it, f"xxh3 mismatch on a chunk from {peer.url} (nixl)")
-        self._finish(it, True, None, len(out))
-
-    def _answer_fenced(self, req: Request, op: int, hdr: list) -> None:
-        """An answer for a GETN being fenced: chunks that landed still count; the server's
-        DONE or ERR (nothing more will be written) settles it."""
-        if op in (P.CHUNK, P.MISSING):
-            P.expect_len(hdr, 4 if op == P.CHUNK else 3, "CHUNK" if op == P.CHUNK else "MISSING")
-            idx = hdr[2]
-            if type(idx) is not int or not 0 <= idx < len(req.items) or idx in req.answered:
-                raise P.ProtocolError("CHUNK or MISSING for no asked key")
-            req.answered.add(idx)
-            if op == P.CHUNK:
-                self._landed(req.peer, req.items[idx], P.check_hash(hdr[3]))
-            if len(req.answered) < len(req.items):
+        if req.kind == "get":
+            if not peer.sock.getsockopt(zmq.RCVMORE):
                 return
-        elif op not in (P.DONE, P.ERR):
-            raise P.ProtocolError(f"unexpected reply op {op} to a cancelled GETN")
-        self._settle(req)
+            n = peer.sock.recv_into(out)
+            if n != len(out):
+                return self._retry(it, f"peer {peer.url} sent {n} bytes for a chunk of {len(out)}")
+        if P.checksum(out) != digest:
+            via = " (nixl)" if req.kind == "getn" else ""
+            return self._retry(it, f"xxh3 mismatch on a chunk from {peer.url}{via}")
+        self._finish(it, True, None, len(out))
 
     def _fence(self, req: Request, why: str) -> None:
         """A sent GETN failed: hold its unanswered keys until the server settles their slots."""
