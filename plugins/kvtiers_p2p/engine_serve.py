@@ -48,7 +48,6 @@ class ArenaServer(PeerServer):
                          nixl=nixl)
         if self.nixl is not None:
             self.nixl.register(self.arena.buffer)
-        self.served = 0
         self._thread = threading.Thread(target=self._run, name="kvtiers-p2p-serve", daemon=True)
         self._thread.start()
 
@@ -103,7 +102,6 @@ class ArenaServer(PeerServer):
         slot = st.held.pop(p, None)
         if slot is not None:
             self.to_engine.append(("unpin", slot))
-            self.served += 1
 
     def _chunk(self, st: Stream) -> bool | None:
         slots = st.slots
@@ -128,8 +126,13 @@ class ArenaServer(PeerServer):
             self._gone.add(st.session.ident)
         self.to_engine.append(("unpin", slot))
         slots[st.pos] = None
-        self.served += 1
+        self.stats["chunks_sent"] += 1
         return True
+
+    @property
+    def served(self) -> int:
+        """Chunks sent to peers (over ZMQ, or written with NIXL and announced)."""
+        return self.stats["chunks_sent"]
 
     # -- engine thread -------------------------------------------------------------------
     def poll(self) -> None:
