@@ -1,0 +1,138 @@
+"""A small causal language model made on this machine, for the tests and demos that need a real
+model where no hub can be reached: random weights saved as safetensors, and a byte-level BPE
+tokenizer trained with ``tokenizers`` on a generated corpus.
+
+The directory is a normal Hugging Face model directory (``config.json``, ``model.safetensors``,
+``tokenizer.json``, ...), so transformers' ``from_pretrained`` and vLLM's model loader read it as
+they read any checkpoint. Models are cached under ``build/models/`` (or ``$KVTIERS_BUILD_DIR``):
+the same arguments give the same directory, made once, atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+__all__ = ["ARCHITECTURES", "build_dir", "make_tiny_model"]
+
+#: the shapes this module makes: ``arch`` -> transformers' class name
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+_DONE = ".kvtiers-tinymodel"  # written last: a directory without it is incomplete
+
+
+def build_dir() -> Path:
+    """The project's build folder: ``$KVTIERS_BUILD_DIR``, else ``build`` in the working directory."""
+    return Path(os.environ.get("KVTIERS_BUILD_DIR", "build")).resolve()
+
+
+def make_tiny_model(
+    out_dir: str | os.PathLike | None = None,
+    *,
+    arch: str = "llama",
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 512,
+    vocab_size: int = 2048,
+    max_position_embeddings: int = 16384,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+) -> Path:
+    """Make (or find in the cache) a ``arch``-shaped causal LM and return its directory.
+
+    ``num_kv_heads < num_heads`` gives grouped-query attention. ``dtype`` is the dtype of the
+    saved weights (``bfloat16``, ``float16`` or ``float32``). The weights are random but fixed by
+    ``seed``; the tokenizer has ``vocab_size`` tokens. With ``out_dir`` None the model goes to
+    ``build_dir()/models/tiny-<arch>-<digest of the arguments>``.
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"make_tiny_model: arch {arch!r} is not one of {sorted(ARCHITECTURES)}")
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"make_tiny_model: dtype {dtype!r} is not bfloat16, float16 or float32")
+    if num_heads % num_kv_heads or hidden_size % num_heads:
+        raise ValueError(
+            f"make_tiny_model: hidden_size {hidden_size}, num_heads {num_heads} and num_kv_heads "
+            f"{num_kv_heads} must divide evenly"
+        )
+    params = dict(arch=arch, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                  num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, vocab_size=vocab_size,
+                  max_position_embeddings=max_position_embeddings, dtype=dtype, seed=seed, version=1)
+    if out_dir is None:
+        digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
+        out = build_dir() / "models" / f"tiny-{arch}-{digest}"
+    else:
+        out = Path(out_dir).resolve()
+    if (out / _DONE).exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tokenizer = _train_tokenizer(vocab_size, seed)
+        tokenizer.save_pretrained(tmp)
+        _save_model(tmp, params, len(tokenizer))
+        (tmp / _DONE).write_text(json.dumps(params, sort_keys=True) + "\n")
+        try:
+            tmp.rename(out)
+        except OSError:  # another process made it first (or out_dir exists): keep theirs if complete
+            if not (out / _DONE).exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _corpus(seed: int, lines: int = 4000) -> list[str]:
+    """Deterministic English-like text: enough distinct words for a few thousand BPE merges."""
+    rng = random.Random(seed)
+    syllables = ["ka", "to", "ri", "mo", "se", "la", "vi", "nu", "pe", "do", "qua", "zen", "tor", "ish",
+                 "ar", "en", "ol", "ux", "ber", "cal", "fin", "gor", "hul", "jes", "kim", "lor"]
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
+    words += ["the", "a", "of", "and", "to", "in", "is", "you", "that", "it", "system", "user", "assistant"]
+    out = []
+    for _ in range(lines):
+        n = rng.randint(5, 20)
+        out.append(" ".join(rng.choice(words) for _ in range(n)) + rng.choice([".", "?", "!", ","]))
+    return out
+
+
+def _train_tokenizer(vocab_size: int, seed: int):
+    """A byte-level BPE tokenizer (every string encodes) as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   model_max_length=1 << 20)
+
+
+def _save_model(path: Path, p: dict, vocab: int) -> None:
+    import torch
+    import transformers
+
+    config_cls = getattr(transformers, ARCHITECTURES[p["arch"]].replace("ForCausalLM", "Config"))
+    config = config_cls(
+        vocab_size=vocab, hidden_size=p["hidden_size"], intermediate_size=p["intermediate_size"],
+        num_hidden_layers=p["num_layers"], num_attention_heads=p["num_heads"],
+        num_key_value_heads=p["num_kv_heads"], max_position_embeddings=p["max_position_embeddings"],
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    config.architectures = [ARCHITECTURES[p["arch"]]]
+    model_cls = getattr(transformers, ARCHITECTURES[p["arch"]])
+    with torch.random.fork_rng():
+        torch.manual_seed(p["seed"])
+        model = model_cls(config)
+    model = model.to(getattr(torch, p["dtype"]))
+    model.save_pretrained(path, safe_serialization=True)
