@@ -4,6 +4,10 @@
 the registered kvtiers tier ``name``, made on first access, so vLLM's
 ``getattr(import_module("kvtiers.integrations.vllm"), type)`` finds it by the same name the
 entry point registers; ``kvtiers`` is ``KvtiersTier`` itself (name the tier with ``tier``).
+
+``KvtiersOffloadingSpec`` (``"spec_name": "KvtiersOffloadingSpec", "spec_module_path":
+"kvtiers.integrations.vllm"``) is vLLM's tiering spec with a worker on vLLM's CPU platform as
+well; it is imported on first access, as it pulls in vLLM's worker side.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ def tier_class(name: str) -> type[KvtiersTier]:
 def __getattr__(attr: str) -> Any:
     if attr == GENERIC:
         return KvtiersTier
+    if attr == "KvtiersOffloadingSpec":
+        from .spec import KvtiersOffloadingSpec
+
+        return KvtiersOffloadingSpec
     if attr.startswith(PREFIX) and len(attr) > len(PREFIX):
         from ...registry import get_registry
 
@@ -43,4 +51,4 @@ def __getattr__(attr: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
-__all__ = ["KvtiersTier", "primary_arena", "register", "tier_class"]
+__all__ = ["KvtiersOffloadingSpec", "KvtiersTier", "primary_arena", "register", "tier_class"]

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm.v1.kv_offload.base import (
-    ConfigInfoMapping,
     Locality,
     LookupResult,
     Medium,
@@ -54,6 +53,7 @@ from ...registry import TierHandle, open_tier
 from ...types import PAGE, Arena, Job, Lookup, Namespace, TierContext
 from ...types import JobResult as TierResult
 from ..keys import tier_key
+from .compat import HAS_CONFIG_INFO, ConfigInfoMapping
 from .metrics import TierStats, metric_definitions
 from .namespace import namespace_fields
 
@@ -150,6 +150,9 @@ class KvtiersTier(SecondaryTierManager):
         self.kvtiers_name = name
         log.info("vLLM secondary tier %r: kvtiers tier %r, namespace %s, %d chunks of %d bytes",
                  tier_type, name, self.namespace.digest, len(self.arena), self.arena.slot_bytes)
+        if not HAS_CONFIG_INFO:
+            log.info("vLLM secondary tier %r: this vLLM has no config_info hooks; kvtiers_tier and "
+                     "kvtiers_namespace are not added to vllm:kv_offload_config_info", tier_type)
 
     def _tier_name(self, tier_type: str, tier: str | None) -> str:
         fixed = type(self).kvtiers_tier
@@ -304,6 +307,7 @@ class KvtiersTier(SecondaryTierManager):
             backlog = len(self._jobs)
         return self._stats.take(backlog)
 
+    # vLLM 0.33's info-metric hooks; vLLM 0.32 has none and never calls them (see compat.py)
     @classmethod
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
         return ("kvtiers_tier", "kvtiers_namespace")

@@ -1,0 +1,72 @@
+"""KvtiersOffloadingSpec: vLLM's tiering offload, with a worker on vLLM's CPU platform too.
+
+Loaded by vLLM's ``OffloadingConnector`` from ``kv_connector_extra_config``::
+
+    "spec_name": "KvtiersOffloadingSpec",
+    "spec_module_path": "kvtiers.integrations.vllm"
+
+It is vLLM's ``TieringOffloadingSpec`` unchanged on the scheduler side (the tiering manager,
+the CPU primary tier in the shared offload region, the secondary tiers: any kvtiers tier as
+``kvtiers_<name>`` and vLLM's own ``fs``, ``obj``, ``p2p``). On CUDA-alike and XPU platforms
+the worker is vLLM's own. On vLLM's CPU platform, where vLLM refuses to offload, the worker is
+:class:`~.cpu_worker.KvtiersCPUWorker`: the same rows of the same region, filled and read by
+kvtiers' DMA engine. See docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.platforms import current_platform
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from .cpu_worker import KvtiersCPUWorker
+
+log = logging.getLogger("kvtiers.integrations.vllm")
+
+
+def vllm_offloads_here() -> bool:
+    """Whether vLLM's own offloading worker runs on this platform (CUDA-alike or XPU)."""
+    return bool(current_platform.is_cuda_alike() or current_platform.is_xpu())
+
+
+class KvtiersOffloadingSpec(TieringOffloadingSpec):
+    """``TieringOffloadingSpec`` that also offloads on vLLM's CPU platform (see the module)."""
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if vllm_offloads_here():
+            return super().get_worker(kv_caches)
+        if getattr(self, "_worker", None) is None:
+            self._worker = self._cpu_worker(kv_caches)
+        return self._worker
+
+    def _cpu_worker(self, kv_caches: CanonicalKVCaches) -> KvtiersCPUWorker:
+        par = self.config.parallel
+        if par.world_size != 1:
+            raise NotImplementedError(
+                f"KvtiersOffloadingSpec on CPU runs one worker; this engine has {par.world_size} "
+                f"(tensor/pipeline parallel): run it with TP=PP=1")
+        if self.config.canonical_layout:
+            raise NotImplementedError("KvtiersOffloadingSpec on CPU does not write the canonical layout: "
+                                      "remove canonical_layout from kv_connector_extra_config")
+        region = SharedOffloadRegion(
+            engine_id=getattr(self, "_engine_id", self.config.engine_id),
+            num_chunks=self.num_chunks,
+            rank=0,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        try:
+            worker = KvtiersCPUWorker(kv_caches, self.blocks_per_chunk, region)
+        except Exception:
+            region.cleanup()
+            raise
+        log.info("KvtiersOffloadingSpec: vLLM offloads only on GPUs here (%s); kvtiers' CPU worker copies "
+                 "%d chunks of %d blocks", type(current_platform).__name__, self.num_chunks, self.blocks_per_chunk)
+        return worker
+
+
+__all__: list[Any] = ["KvtiersOffloadingSpec", "vllm_offloads_here"]
