@@ -18,10 +18,11 @@ checksums chunks as it does for KV.
 - ``publish()`` / :meth:`ModelWeights.fork`: another process fills its model from the tiers
   instead of parsing the checkpoint.
 
-Memory is freed by resizing each storage to zero bytes (a storage that cannot be resized, such
-as one mapped from a safetensors file, is first swapped for a fresh one under every tensor that
-uses it); on CPU the freed memory goes back to the system (``malloc_trim``), on an accelerator
-the allocator's cache is emptied.
+Memory is freed by resizing each storage to zero bytes (:mod:`.weights_memory`; a storage that
+cannot be resized, such as one mapped from a safetensors file, is first swapped for a fresh one
+under every tensor that uses it); on CPU the freed memory goes back to the system
+(``malloc_trim``) and a wake gives large storages huge-page mappings of their own, on an
+accelerator the allocator's cache is emptied.
 
 One namespace per model identity (:class:`WeightsIdentity`: name, revision or content digest,
 parallel rank, chunk size); dtypes, shapes and strides are checked tensor by tensor against the
@@ -30,10 +31,7 @@ manifest stored with the chunks, so a mismatch names the tensor.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import hashlib
-import mmap
 import time
 from collections import Counter, deque
 from collections.abc import Mapping
@@ -44,24 +42,13 @@ import numpy as np
 
 from ..types import PAGE, Lookup, Namespace
 from .weights_chunks import WeightCopier, WeightPlan, manifest_bytes, manifest_length, parse_manifest, uint8_view
+from .weights_memory import advise_huge, free_storages, give_back_memory, restore_storages, rss_bytes
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ModelWeights", "WeightsIdentity", "WeightsStep", "rss_bytes"]
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 _MANIFEST_KEY = b"manifest/%d"
 _CHUNK_KEY = b"weights/%d"
-
-
-def rss_bytes() -> int:
-    """This process's resident set size in bytes (``VmRSS``), 0 where unknown."""
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 @dataclass(frozen=True)
@@ -158,7 +145,7 @@ class ModelWeights:
                                device_chunk_capacity=self.plan.num_chunks + manifest_chunks)
         self.host = create_host_arena(num_slots, chunk_bytes, pin=pin, elastic=self.cfg.elastic,
                                       elastic_reserve_bytes=self.cfg.elastic_reserve_bytes)
-        _advise_huge(self.host.address, self.host.nbytes)
+        advise_huge(self.host.address, self.host.nbytes)
         self.copier = WeightCopier(self.host, self.plan)
         self.manager = TieringManager(arena=self.host.arena, dma=self.copier, chunk_bytes=chunk_bytes,
                                       eviction_policy=self.cfg.eviction_policy, offload_prompt_only=False,
@@ -201,6 +188,7 @@ class ModelWeights:
                              f"raise host_bytes, or sleep(2) through the tiers")
         if level == 2 and not self.cfg.tiers:
             raise ValueError("weights: sleep(2) needs a tier in the config ('tiers')")
+        give_back_memory({"cpu"})  # RSS before and after both after a trim: the drop is the model's
         rss0, t0 = rss_bytes(), time.perf_counter()
         if level == 2:
             self._publish()
@@ -210,7 +198,7 @@ class ModelWeights:
             self._store(list(enumerate(self._data_keys())), batch=n)
         self.copier.regions = []
         seconds = time.perf_counter() - t0
-        self._free()
+        free_storages(self.plan.storages)
         if level == 2:
             self._drop_host(self._data_keys() + self._manifest_keys(), release=True)
         self.asleep = level
@@ -224,11 +212,7 @@ class ModelWeights:
             raise RuntimeError("weights: the model is awake")
         self.plan.check_current()
         rss0, t0 = rss_bytes(), time.perf_counter()
-        for s in self.plan.storages:
-            if s.device == "cpu" and s.nbytes >= _HUGE:
-                _swap_storage(s.tensors, huge_host_storage(s.nbytes))
-            else:
-                s.tensors[0].untyped_storage().resize_(s.nbytes)
+        restore_storages(self.plan.storages)
         sources = self._fill()
         self.asleep = 0
         step = WeightsStep("wake", self.plan.total_bytes, time.perf_counter() - t0, sources, rss0, rss_bytes())
@@ -266,9 +250,7 @@ class ModelWeights:
             t0 = time.perf_counter()
             rss0 = rss_bytes()
             self._open_tiers()
-            for s in self.plan.storages:  # fresh memory in huge pages, as wake gives it
-                if s.device == "cpu" and s.nbytes >= _HUGE:
-                    _swap_storage(s.tensors, huge_host_storage(s.nbytes))
+            restore_storages(self.plan.storages, swap=True)  # fresh memory in huge pages, as wake gives it
             self.plan.check_manifest(self._read_manifest(), str(ident))
             sources = self._fill()
             self.last_step = WeightsStep("fork", self.plan.total_bytes, time.perf_counter() - t0, sources,
@@ -454,85 +436,3 @@ class ModelWeights:
                 freed.append(slot)
         if release and freed and self.host.elastic:
             self.host.release(freed)
-
-    def _free(self) -> None:
-        """Free the memory of every storage (the tensor objects stay, with no bytes)."""
-        import torch
-
-        for s in self.plan.storages:
-            st = s.tensors[0].untyped_storage()
-            if not st.resizable():  # mapped from a file, or by wake: swap in a fresh storage first
-                st = torch.UntypedStorage(s.nbytes, device=st.device)
-                _swap_storage(s.tensors, st)
-            st.resize_(0)
-        _give_back_memory({s.device for s in self.plan.storages})
-
-
-_HUGE = 2 << 20
-MADV_HUGEPAGE = 14  # Linux
-
-
-def _advise_huge(addr: int, nbytes: int) -> None:
-    """Ask for transparent huge pages on the 2 MiB-aligned inside of ``[addr, addr + nbytes)``
-    (host memory about to be filled: one fault per 2 MiB instead of per 4 KiB, as numpy does for
-    its large arrays). Best effort: nothing happens where the system says no."""
-    lo, hi = -(-addr // _HUGE) * _HUGE, (addr + nbytes) // _HUGE * _HUGE
-    if hi <= lo:
-        return
-    try:
-        libc = _libc()
-        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_HUGEPAGE)
-    except (OSError, AttributeError):
-        pass
-
-
-def huge_host_storage(nbytes: int) -> Any:
-    """A CPU ``UntypedStorage`` of ``nbytes`` in an anonymous mapping of its own, 2 MiB-aligned,
-    advised to use transparent huge pages (one fault per 2 MiB when filled, where torch's
-    allocator gives 4 KiB pages); unmapped when the storage goes."""
-    import torch
-
-    m = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    base = np.frombuffer(m, dtype=np.uint8).ctypes.data
-    skew = (-base) % _HUGE
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE, skew, nbytes // _HUGE * _HUGE or PAGE)
-    return torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=skew).untyped_storage()
-
-
-def _swap_storage(tensors: list[Any], storage: Any) -> None:
-    """Point every tensor of one storage at ``storage`` instead (same offsets, sizes, strides)."""
-    import torch
-
-    with torch.no_grad():
-        for t in tensors:
-            t.set_(storage, t.storage_offset(), t.size(), t.stride())
-
-
-_LIBC: Any = None
-
-
-def _libc() -> Any:
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return _LIBC
-
-
-def _give_back_memory(devices: set[str]) -> None:
-    """Return freed memory to the system: ``malloc_trim`` for CPU memory, the allocator's
-    cache for accelerators."""
-    if any(d == "cpu" for d in devices):
-        try:
-            _libc().malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-    if any(d != "cpu" for d in devices):
-        import torch
-
-        empty = getattr(getattr(torch, "accelerator", None), "empty_cache", None)
-        if empty is not None:
-            empty()
-        elif torch.cuda.is_available():
-            torch.cuda.empty_cache()
