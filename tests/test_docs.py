@@ -169,3 +169,9 @@ def test_output_matching() -> None:
     assert not output_matches(["took ... s"], ["took 1.5 ms"])
     assert not output_matches(["a", "b"], ["a"])
     assert not output_matches(["a"], ["a", "b"])
+    # "..." attached to a word is literal: click's cut of a help line must be the same cut
+    assert output_matches(["  events  KV events: watch a..."], ["  events    KV events: watch a..."])
+    assert not output_matches(["  events  KV events: watch a..."], ["  events  KV events: tail a..."])
+    assert not output_matches(["  events  Watch a..."], ["  events  Watch a stream of KV events."])
+    assert output_matches(["Usage: kvtiers [OPTIONS] ..."], ["Usage: kvtiers [OPTIONS] COMMAND [ARGS]..."])
+    assert output_matches(["op  chunk ...atio"], ["op  chunk  size  ratio"])
