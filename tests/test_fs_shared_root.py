@@ -252,9 +252,10 @@ def test_a_rescan_learns_the_others_files_and_removals(tmp_path):
                  >= 2, timeout=10, what="the rescan to evict and report")
         assert sorted(k for k, why in a.removed if why == "evicted") == theirs[:2]
         assert all(os.path.exists(ta.path(k)) for k in theirs[2:] + mine)
-        os.unlink(ta.path(theirs[2]))  # removed under a, e.g. by gc
-        wait_for(lambda: (theirs[2], "missing") in a.removed, timeout=10, what="the rescan to notice")
-        assert theirs[2] not in ta.index.entries and ta.index.used == 7 * file_bytes
+        os.unlink(ta.path(theirs[2]))  # removed under a, e.g. by gc: its directory's mtime changes
+        wait_for(lambda: theirs[2] not in ta.index and ta.index.used == 7 * file_bytes, timeout=10,
+                 what="the rescan to notice")
+        assert resolve(ta, [theirs[2]]) == [Lookup.MISS]
     finally:
         a.close()
         b.close()
@@ -262,16 +263,21 @@ def test_a_rescan_learns_the_others_files_and_removals(tmp_path):
 
 def test_merge_scan_orders_by_mtime_or_own_use_and_keeps_what_changed_meanwhile():
     from kvtiers_fs.index import Index
+    from kvtiers_fs.keytable import dir_of, fingerprint, fingerprints
 
-    idx = Index(negative_ttl=1.0)
+    idx = Index(negative_ttl=1.0, file_bytes=10)
     now = time.time()
-    idx.add(b"used-here", 10)  # this instance's use is newer than the file's mtime
-    idx.add(b"gone", 10)
-    idx.begin_scan()
-    idx.add(b"stored-meanwhile", 10)
-    gone = idx.merge_scan([(now - 300, b"used-here", 10), (now - 200, b"old", 10), (now - 100, b"newer", 10)])
-    assert list(idx.entries) == [b"old", b"newer", b"used-here", b"stored-meanwhile"]
-    assert gone == [b"gone"] and idx.used == 40
+    idx.add(b"used-here")  # this instance's use is newer than the file's mtime
+    idx.add(b"gone")
+    started = time.time()
+    idx.add(b"stored-meanwhile")
+    listed = [b"used-here", b"old", b"newer"]
+    fps = fingerprints(listed)
+    dirs = {dir_of(int(f)) for f in fingerprints(listed + [b"gone", b"stored-meanwhile"])}
+    gone = idx.merge_listing(dirs, fps, [now - 300, now - 200, now - 100], started)
+    order = [b"old", b"newer", b"used-here", b"stored-meanwhile"]
+    assert [fp for fp, _ in idx.victims(4)] == [fingerprint(k) for k in order]
+    assert gone == 1 and b"gone" not in idx and idx.used == 40
 
 
 def test_probes_and_loads_of_the_others_chunks_never_make_an_instance_evict_them(tmp_path):
@@ -297,8 +303,7 @@ def test_probes_and_loads_of_the_others_chunks_never_make_an_instance_evict_them
         assert all(os.path.exists(tb.path(k)) for k in fresh + mine), "B evicted chunks it had just read"
         assert [k for k, why in b.removed if why == "evicted"] == []
         # B's rescan learns the whole namespace (24 chunks, bound 13): the 11 oldest go, A's old first
-        tb.index.begin_scan()
-        tb._scan_once(clean=False)
+        tb._scan_once(clean=False, full=False)  # the directories that changed: all of them
         left = sorted(os.path.basename(p) for p in chunk_files(str(tmp_path)))
         evicted = [k for k, why in b.removed if why == "evicted"]
         assert len(evicted) == 11 and set(evicted[:10]) == set(old)  # oldest first

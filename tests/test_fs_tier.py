@@ -287,11 +287,15 @@ def test_fsync_option_round_trips(env):
 
 def test_scan_never_brings_back_a_key_removed_while_it_ran():
     from kvtiers_fs.index import Index
+    from kvtiers_fs.keytable import dir_of, fingerprint, fingerprints
 
-    idx = Index(negative_ttl=1.0)
-    idx.begin_scan()
-    idx.add(b"stored-meanwhile", 10)
+    idx = Index(negative_ttl=1.0, file_bytes=10)
+    started = time.time()  # the listing begins
+    idx.add(b"stored-meanwhile")
     idx.drop(b"listed-then-removed")
-    idx.merge_scan([(1.0, b"listed-then-removed", 10), (2.0, b"listed", 10), (3.0, b"stored-meanwhile", 10)])
-    assert list(idx.entries) == [b"listed", b"stored-meanwhile"] and idx.used == 20
+    keys = [b"listed-then-removed", b"listed", b"stored-meanwhile"]
+    fps = fingerprints(keys)
+    idx.merge_listing({dir_of(int(f)) for f in fps}, fps, [1.0, 2.0, 3.0], started)
+    assert [k in idx for k in keys] == [False, True, True] and idx.used == 20
+    assert [fp for fp, _ in idx.victims(2)] == [fingerprint(b"listed"), fingerprint(b"stored-meanwhile")]
     assert b"listed-then-removed" in idx.absent

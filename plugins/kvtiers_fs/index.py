@@ -1,19 +1,23 @@
 """The fs tier's in-memory view of its namespace directory.
 
-An :class:`Index` maps key -> on-disk bytes in least-recently-used order and counts the
-total. It is filled by a background scan at open (in file mtime order, so the LRU order
-survives a restart: loads touch their file's mtime), by the tier's own stores, evictions
-and loads, and by batched ``stat`` probes of keys it does not know, which is how files
-written by other instances are found. A probe that finds nothing is remembered for
-``negative_ttl`` seconds. ``lookup`` only reads dictionaries: no I/O, no lock.
+An :class:`Index` is a compact set of the chunk keys on disk (:class:`~kvtiers_fs.keytable.
+KeyTable`: a 64-bit fingerprint and an LRU clock per key, 21-32 bytes each, numpy arrays),
+plus small dictionaries for what is in motion: the negative cache of probed misses, the pins
+of keys being read, the keys being stored. Only regular files of the instance's chunk size
+are chunks, so a key's size is the tier's file size and ``used`` is a count times that.
 
-A rescan (:meth:`Index.merge_scan` after :meth:`Index.begin_scan`) replaces the view with
-what is on disk: every instance's files, ordered by the later of their mtime and this
-instance's last use, so ``max_bytes`` bounds the namespace directory as a whole. Only
-regular files of the instance's chunk size count (:func:`scan` skips anything else).
-Between rescans, files another instance wrote that this one finds by a probe or a load are
-*foreign*: they answer HIT but are neither counted nor evicted until a rescan puts them in
-the order, because their age among the files this instance does not know is unknown.
+It is filled by listings of the namespace's directories (:meth:`Index.merge_listing`, at
+open and, for the instance that holds the cleaner's lease, every ``rescan_seconds`` for the
+directories that changed), by an index snapshot (:mod:`kvtiers_fs.snapshot`), by the tier's
+own stores, loads and evictions, and by batched ``stat`` probes of keys it does not know,
+which is how files written by other instances are found. A probe that finds nothing is
+remembered for ``negative_ttl`` seconds. ``lookup`` only reads arrays and dictionaries: no
+I/O, no lock.
+
+A key found by a probe or a load that no listing has placed yet is *foreign* (a negative
+clock): it answers HIT but is neither counted nor evicted until a listing of its directory
+puts it in the LRU order by its mtime, because its age among the files this instance does
+not know is unknown.
 """
 
 from __future__ import annotations
@@ -23,225 +27,224 @@ import os
 import stat as _stat
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
+import numpy as np
+
 from . import layout
+from .keytable import KeyTable, fingerprint, fingerprints
 
 log = logging.getLogger("kvtiers.fs")
 
 
 class Index:
-    """Key -> file bytes, LRU first; plus the negative cache and the pin counts of keys
-    being read (never evicted while a load of this instance reads them)."""
+    """The known keys (a :class:`KeyTable`), the LRU clock, the negative cache, the pins
+    of keys being read (never evicted while a load of this instance reads them) and the
+    reservations of stores in flight."""
 
-    def __init__(self, negative_ttl: float) -> None:
+    def __init__(self, negative_ttl: float, file_bytes: int = 0) -> None:
         self.lock = threading.Lock()
-        self.entries: OrderedDict[bytes, int] = OrderedDict()
-        self.foreign: dict[bytes, int] = {}  # others' files found since the last scan: HIT, never victims
-        self.used = 0
+        self.table = KeyTable()
+        self.file_bytes = file_bytes
+        self.placed = 0  # keys with a place in the LRU order (counted against max_bytes)
         self.reserved = 0
         self.absent: dict[bytes, float] = {}  # key -> monotonic time the MISS expires
         self.unread: set[bytes] = set()  # probed absent, not yet answered (so MISS comes even with ttl 0)
         self.negative_ttl = negative_ttl
-        self.reading: dict[bytes, int] = {}
+        self.reading: dict[int, int] = {}  # fingerprint -> loads of this instance reading it
         self.writing: dict[bytes, int] = {}  # keys this instance is storing: counted in `reserved`
-        self.dropped_during_scan: set[bytes] | None = None  # removals the running scan may not see
-        self.changed_during_scan: set[bytes] | None = None  # keys added or used while a scan runs
-        self.found_during_scan: set[bytes] | None = None  # foreign keys found while a scan runs
-        self.last_use: dict[bytes, float] = {}  # key -> wall time this instance last stored/read/touched it
+        self._writing_fp: dict[int, int] = {}
+        self.dropped: dict[int, float] = {}  # fingerprint -> wall time it was dropped (for listings under way)
+        self._clock = 0.0
+        self._cand: list[tuple[int, float]] = []  # eviction candidates, oldest last
+
+    @property
+    def used(self) -> int:
+        """Bytes of the keys placed in the LRU order."""
+        return self.placed * self.file_bytes
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __contains__(self, key: bytes) -> bool:
+        return self.table.slot(fingerprint(key)) >= 0
+
+    def known(self, keys: Iterable[bytes]) -> list[bool]:
+        """Whether each key is in the index (no lock, no I/O)."""
+        return (self.table.find(fingerprints(keys)) >= 0).tolist()
+
+    def clock_of(self, key: bytes) -> float | None:
+        """The LRU clock of ``key`` (negative: foreign), or None."""
+        return self.table.get(fingerprint(key))
+
+    def _now(self) -> float:
+        t = time.time()
+        if t <= self._clock:  # strictly increasing: the order of this instance's uses is exact
+            t = self._clock + 1e-6
+        self._clock = t
+        return t
+
+    def _set(self, fp: int, clock: float) -> None:
+        old = self.table.put(fp, clock)
+        self.placed += (clock > 0) - (old is not None and old > 0)
+
+    def _remove(self, fp: int) -> float | None:
+        old = self.table.remove(fp)
+        if old is not None and old > 0:
+            self.placed -= 1
+        return old
 
     # -- updates (any thread) --------------------------------------------------------
-    def add(self, key: bytes, nbytes: int) -> None:
-        """``key`` is on disk with ``nbytes``, stored (or refreshed) by this instance: most
-        recently used."""
+    def add(self, key: bytes, nbytes: int | None = None) -> None:
+        """``key`` is on disk, stored (or refreshed) by this instance: most recently used."""
         with self.lock:
-            self._add(key, nbytes)
-
-    def add_found(self, key: bytes, nbytes: int) -> None:
-        """``key`` is on disk with ``nbytes``, found by a probe or a load: known keys are
-        marked used, others are foreign until the next scan."""
-        with self.lock:
-            if key in self.entries:
-                self._used(key)
-            else:
-                self.foreign[key] = nbytes
-                if self.found_during_scan is not None:
-                    self.found_during_scan.add(key)
+            self._set(fingerprint(key), self._now())
             self.absent.pop(key, None)
             self.unread.discard(key)
 
-    def _add(self, key: bytes, nbytes: int) -> None:
-        self.foreign.pop(key, None)
-        old = self.entries.pop(key, None)
-        if old is not None:
-            self.used -= old
-        self.entries[key] = nbytes
-        self.used += nbytes
-        self.absent.pop(key, None)
-        self.unread.discard(key)
-        self.last_use[key] = time.time()
-        if self.changed_during_scan is not None:
-            self.changed_during_scan.add(key)
+    def add_found(self, key: bytes, nbytes: int | None = None) -> None:
+        """``key`` is on disk, found by a probe or a load: a known key is marked used, an
+        unknown one is foreign until a listing places it."""
+        fp = fingerprint(key)
+        with self.lock:
+            old = self.table.get(fp)
+            now = self._now()
+            self._set(fp, now if old is not None and old > 0 else -now)
+            self.absent.pop(key, None)
+            self.unread.discard(key)
 
     def touch(self, key: bytes) -> bool:
         """Mark ``key`` most recently used; False if unknown."""
+        fp = fingerprint(key)
         with self.lock:
-            if key in self.entries:
-                self._used(key)
-                return True
-            return False
-
-    def _used(self, key: bytes) -> None:
-        """A known ``key`` was used: most recent in LRU order, and kept through a running scan."""
-        self.entries.move_to_end(key)
-        self.last_use[key] = time.time()
-        if self.changed_during_scan is not None:
-            self.changed_during_scan.add(key)
+            old = self.table.get(fp)
+            if old is None:
+                return False
+            now = self._now()
+            self._set(fp, now if old > 0 else -now)
+            return True
 
     def drop(self, key: bytes, *, absent: bool = True) -> bool:
         """Forget ``key`` (gone from disk); True if it was known."""
+        fp = fingerprint(key)
         with self.lock:
-            n = self.entries.pop(key, None)
-            if n is not None:
-                self.used -= n
-            elif self.foreign.pop(key, None) is not None:
-                n = 0
-            self.last_use.pop(key, None)
-            if self.dropped_during_scan is not None:
-                self.dropped_during_scan.add(key)
+            old = self._remove(fp)
+            self._dropped(fp)
             if absent:
                 self.absent[key] = time.monotonic() + self.negative_ttl
-            return n is not None
+            return old is not None
+
+    def _dropped(self, fp: int) -> None:
+        self.dropped[fp] = time.time()
+        if len(self.dropped) > 65536:
+            horizon = time.time() - 3600
+            self.dropped = {f: t for f, t in self.dropped.items() if t > horizon}
 
     def mark_absent(self, keys: Iterable[bytes]) -> None:
         until = time.monotonic() + self.negative_ttl
+        keys = list(keys)
         with self.lock:
-            for k in keys:
-                if k not in self.entries and k not in self.foreign:
+            for k, known in zip(keys, self.known(keys), strict=True):
+                if not known:
                     self.absent[k] = until
                     self.unread.add(k)
             if len(self.absent) > 65536:
                 now = time.monotonic()
                 self.absent = {k: t for k, t in self.absent.items() if t > now or k in self.unread}
 
-    def begin_scan(self) -> None:
-        """Start remembering removals and uses, so a scan that listed a file before it was
-        removed does not bring it back, and what changed meanwhile stays most recent."""
+    # -- listings --------------------------------------------------------------------
+    def merge_listing(self, dirs: Iterable[int], fps: np.ndarray, mtimes: np.ndarray, started: float) -> int:
+        """Make the view of directories ``dirs`` (numbers 0-65535) what a listing that began
+        at wall time ``started`` found there: chunk files with fingerprints ``fps`` and
+        mtimes ``mtimes``. A listed key takes the later of its mtime and this instance's use
+        as its clock; a known key of those directories that was not listed is forgotten,
+        unless it was stored or used since ``started`` (what this instance did meanwhile
+        wins); a key dropped since ``started`` is not brought back. Returns how many keys
+        were forgotten."""
+        lut = np.zeros(65536, bool)
+        lut[list(dirs)] = True
+        fps = np.asarray(fps, np.uint64)
+        mtimes = np.asarray(mtimes, np.float64)
         with self.lock:
-            self.dropped_during_scan = set()
-            self.changed_during_scan = set()
-            self.found_during_scan = set()
-
-    def merge_scan(self, found: list[tuple[float, bytes, int]]) -> list[bytes]:
-        """Make the view what a scan found: files (mtime, key, bytes), oldest first by the
-        later of their mtime and this instance's last use, then what was added or used while
-        the scan ran. Returns the keys known before that the scan did not find (removed
-        under this instance, e.g. by another instance's eviction or by gc). The sort runs
-        outside the lock: stores and probes are not held up by a large rescan."""
-        last_use = dict(self.last_use)
-        ordered = sorted((max(t, last_use.get(k, 0.0)), k, n) for t, k, n in found)
-        merged: OrderedDict[bytes, int] = OrderedDict()
-        used = 0
-        for _, k, n in ordered:
-            if k not in merged:
-                merged[k] = n
-                used += n
-        del ordered, last_use
-        with self.lock:
-            dropped = self.dropped_during_scan or set()
-            changed = self.changed_during_scan or set()
-            found_meanwhile = self.found_during_scan or set()
-            self.dropped_during_scan = self.changed_during_scan = self.found_during_scan = None
-            # removed, used or stored while the scan ran: what this instance knows wins; a key
-            # being stored is already counted in `reserved`, its store adds it
-            for k in (*dropped, *changed, *self.writing):
-                n = merged.pop(k, None)
-                if n is not None:
-                    used -= n
-            for k in found_meanwhile:  # probed or read while the scan ran: recent, whatever mtime it saw
-                if k in merged:
-                    merged.move_to_end(k)
-            for k in sorted(changed, key=lambda k: self.last_use.get(k, 0.0)):  # most recent, after every scanned file
-                n = self.entries.get(k)
-                if n is not None:
-                    merged[k] = n
-                    used += n
-            gone = [k for k in self.entries if k not in merged]
-            # foreign keys are now in the order, or gone; those found while it ran stay foreign
-            foreign = {}
-            for k, n in self.foreign.items():
-                if k in merged:
-                    continue
-                if k in found_meanwhile:
-                    foreign[k] = n
-                else:
-                    gone.append(k)
-            self.foreign = foreign
-            for k in gone:
-                self.last_use.pop(k, None)
-            self.entries = merged
-            self.used = used
-            for k in [k for k in self.absent if k in merged]:
+            if self.dropped and len(fps):
+                recent = [f for f, t in self.dropped.items() if t >= started]
+                if recent:
+                    keep = ~np.isin(fps, np.array(recent, np.uint64))
+                    fps, mtimes = fps[keep], mtimes[keep]
+            t = self.table
+            slots = t.find(fps)
+            have = slots >= 0
+            if have.any():
+                s = slots[have]
+                t.clock[s] = np.maximum(mtimes[have], np.abs(t.clock[s]))
+            t.put_many(fps[~have], mtimes[~have])
+            t = self.table  # (may have grown)
+            cand = t.in_dirs(lut)
+            gone = cand[~np.isin(t.fp[cand], fps) & (np.abs(t.clock[cand]) < started)]
+            if len(gone) and self._writing_fp:
+                gone = gone[~np.isin(t.fp[gone], np.array(list(self._writing_fp), np.uint64))]
+            t.remove_slots(gone)
+            self.placed = t.placed_count()
+            self._cand = []
+            for k in [k for k in self.absent if k in self]:
                 del self.absent[k]
                 self.unread.discard(k)
-            return gone
+            return len(gone)
+
+    def load_table(self, table: KeyTable) -> None:
+        """Start from ``table`` (a snapshot); what this instance did since it opened is kept."""
+        with self.lock:
+            mine = self.table
+            live = np.flatnonzero(mine.fp > 1)
+            if len(live):
+                table.put_many(mine.fp[live], mine.clock[live])
+            self.table = table
+            self.placed = table.placed_count()
+            self._cand = []
 
     # -- pins --------------------------------------------------------------------------
     def pin(self, key: bytes) -> None:
+        fp = fingerprint(key)
         with self.lock:
-            self.reading[key] = self.reading.get(key, 0) + 1
+            self.reading[fp] = self.reading.get(fp, 0) + 1
 
     def unpin(self, key: bytes) -> None:
+        fp = fingerprint(key)
         with self.lock:
-            n = self.reading[key] - 1
+            n = self.reading[fp] - 1
             if n:
-                self.reading[key] = n
+                self.reading[fp] = n
             else:
-                del self.reading[key]
+                del self.reading[fp]
 
     # -- capacity ----------------------------------------------------------------------
-    def reserve(self, nbytes: int, max_bytes: int | None, key: bytes | None = None) -> list[bytes]:
-        """Reserve room for a file of ``nbytes``; return the LRU keys to evict for it
-        (already dropped from the index; the caller unlinks them). ``key``: the chunk being
-        stored, until :meth:`commit` or :meth:`unreserve`; keys being stored or read are
-        never chosen as victims."""
-        victims: list[bytes] = []
+    def reserve(self, nbytes: int, max_bytes: int | None, key: bytes | None = None) -> int:
+        """Reserve room for a file of ``nbytes`` (``key``: the chunk being stored, until
+        :meth:`commit` or :meth:`unreserve`); return the bytes over ``max_bytes``."""
         with self.lock:
             self.reserved += nbytes
             if key is not None:
                 self.writing[key] = self.writing.get(key, 0) + 1
-            if max_bytes is None:
-                return victims
-            excess = self.used + self.reserved - max_bytes
-            if excess <= 0:
-                return victims
-            until = time.monotonic() + self.negative_ttl
-            for k in list(self.entries):
-                if excess <= 0:
-                    break
-                if k in self.reading or k in self.writing:
-                    continue
-                n = self.entries.pop(k)
-                self.last_use.pop(k, None)
-                self.used -= n
-                excess -= n
-                if self.dropped_during_scan is not None:
-                    self.dropped_during_scan.add(k)
-                self.absent[k] = until
-                victims.append(k)
-        return victims
+                fp = fingerprint(key)
+                self._writing_fp[fp] = self._writing_fp.get(fp, 0) + 1
+            return 0 if max_bytes is None else max(0, self.used + self.reserved - max_bytes)
+
+    def excess(self, max_bytes: int | None) -> int:
+        """Bytes over ``max_bytes`` (placed keys and reservations)."""
+        return 0 if max_bytes is None else max(0, self.used + self.reserved - max_bytes)
 
     def unreserve(self, nbytes: int, key: bytes | None = None) -> None:
         with self.lock:
             self._unreserve(nbytes, key)
 
-    def commit(self, key: bytes, nbytes: int) -> None:
+    def commit(self, key: bytes, nbytes: int | None = None) -> None:
         """The store of ``key`` reserved with :meth:`reserve` is on disk: index it and
         release the reservation in one step (no window in which it counts twice)."""
         with self.lock:
-            self._unreserve(nbytes, key)
-            self._add(key, nbytes)
+            self._unreserve(self.file_bytes if nbytes is None else nbytes, key)
+            self._set(fingerprint(key), self._now())
+            self.absent.pop(key, None)
+            self.unread.discard(key)
 
     def _unreserve(self, nbytes: int, key: bytes | None) -> None:
         self.reserved -= nbytes
@@ -249,6 +252,56 @@ class Index:
             n = self.writing.pop(key) - 1
             if n:
                 self.writing[key] = n
+            fp = fingerprint(key)
+            n = self._writing_fp.pop(fp) - 1
+            if n:
+                self._writing_fp[fp] = n
+
+    # -- eviction ----------------------------------------------------------------------
+    def victims(self, n: int) -> list[tuple[int, float]]:
+        """Up to ``n`` eviction candidates ``(fingerprint, clock)``, least recently used
+        first, none being read or stored; still in the index until :meth:`evicted`."""
+        out: list[tuple[int, float]] = []
+        with self.lock:
+            for _ in range(2):
+                while self._cand and len(out) < n:
+                    fp, clock = self._cand.pop()
+                    if fp in self.reading or fp in self._writing_fp or self.table.get(fp) != clock:
+                        continue  # pinned, being stored, used since or gone
+                    out.append((fp, clock))
+                if len(out) >= n:
+                    break
+                fps, clocks = self.table.oldest(max(4 * n, 256))
+                taken = {f for f, _ in out}
+                self._cand = [(f, c) for f, c in zip(fps.tolist()[::-1], clocks.tolist()[::-1], strict=True)
+                              if f not in taken]
+                if not self._cand:
+                    break
+        return out
+
+    def evicted(self, fp: int, clock: float, key: bytes) -> bool:
+        """Drop victim ``key`` if it is still as :meth:`victims` gave it (not used, read or
+        stored since); True if the caller may now delete its file."""
+        with self.lock:
+            if self.table.get(fp) != clock or fp in self.reading or fp in self._writing_fp:
+                return False
+            self._remove(fp)
+            self._dropped(fp)
+            self.absent[key] = time.monotonic() + self.negative_ttl
+            return True
+
+    def refresh(self, fp: int, clock: float, mtime: float) -> None:
+        """Victim ``fp``'s file was used elsewhere (mtime newer than its clock): move it up."""
+        with self.lock:
+            if self.table.get(fp) == clock:
+                self._set(fp, mtime)
+
+    def forget(self, fp: int, clock: float) -> None:
+        """Victim ``fp``'s file is gone (removed by someone else): forget it."""
+        with self.lock:
+            if self.table.get(fp) == clock:
+                self._remove(fp)
+                self._dropped(fp)
 
 
 class Prober:

@@ -33,8 +33,12 @@ from kvtiers.types import accept_job, check_keys, drain
 
 from . import direct as _direct
 from . import layout
-from .index import Index, Prober, scan
+from . import snapshot as _snapshot
+from .index import Index, Prober
+from .keytable import dir_of
+from .lease import Lease
 from .pool import Pool
+from .walker import Walker
 
 log = logging.getLogger("kvtiers.fs")
 
@@ -84,8 +88,9 @@ class FsTier:
     Options:
         root_dir: the directory (created if missing); may be shared by many instances.
         max_bytes: bound on the namespace directory's chunk bytes, every instance's files
-            together: each instance deletes the least recently used (by file mtime and its own
-            use) and learns the others' files by rescanning every ``rescan_seconds``.
+            together: the instance holding the cleaner's lease deletes the least recently used
+            (by file mtime and its own use) and lists the directories that changed every
+            ``rescan_seconds``; the others only store and read.
         n_read_threads / n_write_threads: sizes of the load and store pools.
         fsync: fsync each chunk file (and its directory) before publishing it.
         direct: O_DIRECT: ``None`` probes and falls back to buffered I/O, ``True`` requires
@@ -95,8 +100,11 @@ class FsTier:
         stale_temp_seconds: age after which a temporary file whose writer cannot be asked
             counts as abandoned (a writer on another host, or locks unsupported); a writer
             holding its file's lock is never judged abandoned.
-        rescan_seconds: with ``max_bytes``, how often the namespace directory is listed again
-            to learn what other instances stored and removed (``None``: never).
+        rescan_seconds: with ``max_bytes``, how often the cleaner lists again the
+            directories that changed, to learn what other instances stored and removed, and
+            how often the others try to take the cleaner's lease (``None``: never).
+        snapshot_seconds: how often the cleaner writes the index snapshot (also written at
+            close), so that a restart has its full view at once (``None``: only at close).
         close_timeout: the most seconds ``close`` waits for jobs in flight; jobs still stuck
             in I/O then are reported failed ("abandoned on close") and their threads are left
             behind (``None``: wait without bound).
@@ -119,6 +127,7 @@ class FsTier:
         negative_ttl: float = 1.0,
         stale_temp_seconds: float = 3600.0,
         rescan_seconds: float | None = 30.0,
+        snapshot_seconds: float | None = 300.0,
         close_timeout: float | None = 10.0,
         read_only: bool = False,
     ) -> None:
@@ -134,6 +143,8 @@ class FsTier:
             raise ValueError(f"rescan_seconds must be > 0 or null, got {rescan_seconds}")
         if close_timeout is not None and close_timeout < 0:
             raise ValueError(f"close_timeout must be >= 0 or null, got {close_timeout}")
+        if snapshot_seconds is not None and snapshot_seconds <= 0:
+            raise ValueError(f"snapshot_seconds must be > 0 or null, got {snapshot_seconds}")
         self.ctx = ctx
         self.arena = ctx.arena
         self.slot_bytes = ctx.arena.slot_bytes
@@ -142,6 +153,7 @@ class FsTier:
         self.fsync = fsync
         self.stale_temp_seconds = stale_temp_seconds
         self.rescan_seconds = rescan_seconds
+        self.snapshot_seconds = snapshot_seconds
         self.close_timeout = close_timeout
         self.root_dir = os.path.abspath(root_dir)
         self.read_only = read_only
@@ -150,6 +162,10 @@ class FsTier:
         if self._no_write is None and _mounted_read_only(self.root_dir):
             self._no_write = f"{self.root_dir} is on a read-only file system"
             log.info("fs tier: %s; loads only, stores fail", self._no_write)
+        if self._no_write is not None and not os.path.isdir(self.root_dir):
+            # it cannot be created: a typo would look like an empty cache forever
+            raise ValueError(f"fs tier: root_dir {self.root_dir} does not exist and cannot be created "
+                             f"({self._no_write})")
         self.nsdir = layout.ensure_namespace(self.root_dir, ctx.namespace, read_only=self._no_write is not None)
         self._ns = layout.namespace_tag(ctx.namespace.digest)
         self.direct = direct_mode = _direct.choose(
@@ -162,7 +178,7 @@ class FsTier:
         self._wflags = (
             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (_direct.O_DIRECT if direct_mode else 0)
         )
-        self.index = Index(negative_ttl)
+        self.index = Index(negative_ttl, self.file_bytes)
         tag = ctx.namespace.digest[:6]
         self._reads = Pool(f"kvtiers-fs-read-{tag}", n_read_threads)
         self._writes = Pool(f"kvtiers-fs-write-{tag}", n_write_threads)
@@ -175,12 +191,21 @@ class FsTier:
         self._closed = False
         self._stopping = False
         self._wake = threading.Event()  # ends the rescan wait at close
-        self.scanned = threading.Event()
+        self.view_ready = threading.Event()  # the full view is there (a snapshot, or the first listing)
+        self.scanned = threading.Event()  # ... and reconciled with the directory (the first listing done)
+        self.snapshot_loaded = False
+        self._opened_at = time.time()
+        self._snapshot_at = 0.0  # when this instance last wrote the snapshot
+        self._evicting = threading.Lock()
+        self.walker = Walker(self.nsdir, self.index, self.file_bytes)
+        # the cleaner's lease: one bounded instance at a time evicts and lists for everyone
+        self.lease = Lease(self.nsdir)
+        if max_bytes is not None and self._no_write is None:
+            self.lease.try_take()
         self.stale_removed: list[str] = []
         self.scan_problems: list[str] = []  # entries the last scan skipped (unreadable, cannot remove)
         self.last_scan: tuple[float, float] | None = None  # wall-clock start and end of the last scan
         self.abandoned: list[threading.Thread] = []  # threads a timed-out close left behind
-        self.index.begin_scan()
         self._scanner = threading.Thread(target=self._scan_loop, name=f"kvtiers-fs-scan-{tag}", daemon=True)
         self._scanner.start()
 
@@ -219,73 +244,153 @@ class FsTier:
         return layout.chunk_path(self.nsdir, key)
 
     # -- background scan -------------------------------------------------------------------
+    @property
+    def is_cleaner(self) -> bool:
+        """Whether this instance keeps the shared bound: it holds the cleaner's lease (or
+        the file system has no locks, and every bounded instance cleans)."""
+        return self.max_bytes is not None and self._no_write is None and self.lease.held
+
+    @property
+    def listed_entries(self) -> int:
+        """Directory entries this instance has listed since it opened."""
+        return self.walker.listed
+
     def _scan_loop(self) -> None:
         try:
             self._reads.start()  # here, not in the first submit: submits never wait on thread starts
             self._writes.start()
             self._prober.start()
-            self._scan_once(clean=self._no_write is None)
+            self._load_snapshot()
+            self._scan_once(clean=self._no_write is None, full=not self.snapshot_loaded)
         except ValueError:  # closed before this thread got going: the pools are shut down
             return
         finally:
+            self.view_ready.set()
             self.scanned.set()
         every = self.rescan_seconds
         if self.max_bytes is None or every is None or self._no_write is not None:
             return
-        while not self._wake.wait(every):  # learn what the other instances stored and removed
-            self.index.begin_scan()
-            self._scan_once(clean=False)
+        while not self._wake.wait(every):
+            if not self.lease.try_take():
+                continue  # another instance cleans: this one only stores and reads
+            self._scan_once(clean=False, full=False)  # the directories that changed
+            if self.snapshot_seconds is not None and time.time() - self._snapshot_at >= self.snapshot_seconds:
+                self._write_snapshot()
 
-    def _scan_once(self, *, clean: bool) -> None:
+    def _load_snapshot(self) -> None:
+        t0 = time.perf_counter()
+        got = _snapshot.load(self.nsdir, self.file_bytes, self._ns)
+        if got is None:
+            return
+        table, dirs, _written = got
+        self.index.load_table(table)
+        self.walker.dir_mtime = dirs.copy()
+        self.snapshot_loaded = True
+        self.view_ready.set()
+        log.info("fs tier: index snapshot of %d keys loaded in %.2f s", len(table), time.perf_counter() - t0)
+
+    def _write_snapshot(self) -> None:
+        """Write the index snapshot (copies taken under the index lock, written outside it)."""
+        if self._no_write is not None:
+            return
+        try:
+            with self.index.lock:
+                fp, clock = self.index.table.fp.copy(), self.index.table.clock.copy()
+                dirs = self.walker.dir_mtime.copy()
+            at = time.time()
+            _snapshot.remove_stale_temps(self.nsdir)
+            _snapshot.save(self.nsdir, fp, clock, dirs, self.file_bytes, self._ns, at)
+            self._snapshot_at = at
+        except OSError as e:
+            log.warning("fs tier: could not write the index snapshot under %s: %s", self.nsdir, e)
+
+    def _snapshot_due_at_close(self) -> bool:
+        """At close: the cleaner writes it; another instance only if nobody wrote one since it opened."""
+        if self._no_write is not None or not self.scanned.is_set() or self._stopped_mid_scan:
+            return False
+        if self.is_cleaner:
+            return True
+        try:
+            return os.stat(_snapshot.path(self.nsdir)).st_mtime < self._opened_at
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+
+    _stopped_mid_scan = False
+
+    def _scan_once(self, *, clean: bool, full: bool = True) -> None:
         t0 = time.time()
         try:
-            problems: list[str] = []
-            found, removed = scan(
-                self.nsdir, stale_after=self.stale_temp_seconds, stopping=lambda: self._stopping,
-                clean=clean, problems=problems,
-            )
-            self.scan_problems = problems
-            if removed:
-                self.stale_removed = removed
-                log.info("fs tier: removed %d stale temporary file(s) under %s", len(removed), self.nsdir)
-            if not self._stopping:
-                fb = self.file_bytes  # chunks of another slot size are not ours to count or delete
-                gone = self.index.merge_scan([f for f in found if f[2] == fb])
-                if gone:
-                    self.ctx.removed(gone, "missing")
+            self.walker.removed = []
+            self.walker.run(full=full, clean=clean, stale_after=self.stale_temp_seconds,
+                            stopping=lambda: self._stopping)
+            self.scan_problems = self.walker.problems
+            if self.walker.removed:
+                self.stale_removed = self.walker.removed
+                log.info("fs tier: removed %d stale temporary file(s) under %s", len(self.walker.removed), self.nsdir)
+            if self._stopping:
+                self._stopped_mid_scan = True
+            else:
                 self._evict_to_bound()
                 self.last_scan = (t0, time.time())
         except Exception:
             log.exception("fs tier: scan of %s failed", self.nsdir)
-        finally:
-            self.index.dropped_during_scan = self.index.changed_during_scan = None
 
     def _evict_to_bound(self) -> None:
-        victims = self.index.reserve(0, self.max_bytes)
-        self._remove(victims, "evicted")
+        if self.is_cleaner:
+            self._make_room()
 
-    def _remove(self, keys: list[bytes], reason: str) -> None:
-        if not keys or self._no_write is not None:
-            return
-        for k in keys:
-            try:
-                os.unlink(self.path(k))
-            except FileNotFoundError:
-                pass  # another instance removed it first
-            except OSError as e:
-                log.warning("fs tier: could not remove %s: %s", self.path(k), e)
-        # a store of the same key may have found the old file and re-added it meanwhile
-        for k in [k for k in keys if k in self.index.entries]:
-            if not os.path.exists(self.path(k)):
-                self.index.drop(k)
-        self.ctx.removed(keys, reason)
+    def _make_room(self) -> None:
+        """Evict least recently used chunks until the view is within ``max_bytes``. The
+        index knows keys by fingerprint: the victims' names come from listing their
+        directories (one listing per directory, a cost that grows with the evictions)."""
+        fb = self.file_bytes
+        removed: list[tuple[float, bytes]] = []
+        with self._evicting:
+            for _ in range(64):
+                excess = self.index.excess(self.max_bytes)
+                if excess <= 0:
+                    break
+                victims = self.index.victims(-(-excess // fb))
+                if not victims:
+                    break
+                by_dir: dict[int, dict[int, float]] = {}
+                for fp, clock in victims:
+                    by_dir.setdefault(dir_of(fp), {})[fp] = clock
+                for d, wanted in by_dir.items():
+                    found = self.walker.find_in_dir(d, wanted)
+                    for fp, key, path, mtime in found:
+                        clock = wanted.pop(fp)
+                        if mtime > clock + 0.05:  # used by another instance since: not old after all
+                            self.index.refresh(fp, clock, mtime)
+                            continue
+                        if not self.index.evicted(fp, clock, key):
+                            continue  # used, read or stored here meanwhile
+                        try:
+                            os.unlink(path)
+                        except FileNotFoundError:
+                            pass  # another instance removed it first
+                        except OSError as e:
+                            log.warning("fs tier: could not remove %s: %s", path, e)
+                            continue
+                        removed.append((clock, key))
+                    for fp, clock in wanted.items():  # not there any more: removed by someone else
+                        self.index.forget(fp, clock)
+        if removed:
+            keys = [k for _, k in sorted(removed)]  # reported least recently used first
+            # a store of the same key may have found the old file and re-added it meanwhile
+            for k in keys:
+                if k in self.index and not os.path.exists(self.path(k)):
+                    self.index.drop(k)
+            self.ctx.removed(keys, "evicted")
 
     # -- hooks -------------------------------------------------------------------------------
     @hookimpl
     def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
         keys = check_keys(keys)
-        entries, foreign = self.index.entries, self.index.foreign
-        out = [_HIT if k in entries or k in foreign else None for k in keys]
+        index = self.index
+        out = [_HIT if known else None for known in index.known(keys)]
         if None in out:
             absent, unread = self.index.absent, self.index.unread
             now = time.monotonic()
@@ -296,7 +401,7 @@ class FsTier:
                     if exp is not None and (exp > now or k in unread):
                         unread.discard(k)
                         out[i] = _MISS
-                    elif k in self.index.entries or k in self.index.foreign:  # a probe or store landed meanwhile
+                    elif k in index:  # a probe or store landed meanwhile
                         out[i] = _HIT
                     else:
                         out[i] = _RETRY
@@ -372,6 +477,9 @@ class FsTier:
         if self._scanner.is_alive():
             behind.append(self._scanner)
         behind += self._reads.shutdown(left()) + self._writes.shutdown(left())
+        if not behind and self._snapshot_due_at_close():
+            self._write_snapshot()
+        self.lease.release()
         if behind:
             self.abandoned = behind
             log.warning("fs tier: close left %d thread(s) stuck in I/O under %s after %s s: %s",
@@ -453,7 +561,8 @@ class FsTier:
         if self.max_bytes is not None and nbytes > self.max_bytes:
             self._key_done(js, key, 0, f"chunk file of {nbytes} bytes exceeds max_bytes={self.max_bytes}")
             return
-        self._remove(self.index.reserve(nbytes, self.max_bytes, key), "evicted")
+        if self.index.reserve(nbytes, self.max_bytes, key) > 0 and self.is_cleaner:
+            self._make_room()
         try:
             self._write(key, final, self.arena[slot], scratch)
         except BaseException as e:

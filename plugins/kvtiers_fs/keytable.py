@@ -1,0 +1,236 @@
+"""A compact set of chunk keys: 64-bit fingerprints with a clock each, in numpy arrays.
+
+:class:`KeyTable` is an open-addressing hash table (linear probing) of ``fingerprint ->
+clock``: 16 bytes a slot (a ``uint64`` and a ``float64``), kept between half and three
+quarters full, so 21-32 bytes of memory per key whatever the number of keys. The fingerprint
+of a key is its xxh3-64 (:func:`fingerprint`), the same hash that names the key's directory,
+so the table also knows which of the 65536 directories holds each key
+(:func:`dir_of`). Two keys with one fingerprint are one entry (about one pair in 3e6 at 10M
+keys): a lookup may then answer HIT for a key that is not stored, whose load then fails (the
+full key is checked against the chunk file's trailer); it never loads wrong bytes.
+
+The clock is a wall-clock time: positive for a key placed in the LRU order (counted against
+``max_bytes``, a possible eviction victim), negative (minus the time) for a key found by a
+probe or a load that no listing has placed yet.
+
+Readers (:meth:`find`) take no lock: writers replace whole arrays when the table grows, and a
+reader that races with an insert just does not see the new key yet (the tier then probes the
+disk). Writers are serialised by the caller.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+EMPTY = 0
+TOMB = 1
+MIN_CAP = 1024
+_MAX_LOAD = 0.75
+_GROW_TO = 0.5
+_h64 = xxhash.xxh3_64_intdigest
+
+
+def fingerprint(key: bytes) -> int:
+    """The 64-bit fingerprint of ``key``: its xxh3-64, with 0 and 1 (reserved) moved to 2 and 3."""
+    h = _h64(key)
+    return h + 2 if h < 2 else h
+
+
+def fingerprints(keys) -> np.ndarray:
+    """:func:`fingerprint` of each key, as a ``uint64`` array."""
+    a = np.array([_h64(k) for k in keys], dtype=np.uint64)
+    small = a < 2
+    if small.any():
+        a[small] += np.uint64(2)
+    return a
+
+
+def dir_of(fp) -> int:
+    """The directory number (``h1 * 256 + h2``, 0-65535) of a fingerprint (or an array)."""
+    return fp >> 48 if isinstance(fp, int) else (fp >> np.uint64(48)).astype(np.int64)
+
+
+def _home(fps: np.ndarray, cap: int) -> np.ndarray:
+    return (((fps & np.uint64(0xFFFFFFFF)) * np.uint64(cap)) >> np.uint64(32)).astype(np.int64)
+
+
+class KeyTable:
+    """``fingerprint -> clock`` in two numpy arrays (see the module docstring)."""
+
+    def __init__(self, cap: int = MIN_CAP) -> None:
+        self._set_arrays(np.zeros(max(cap, MIN_CAP), np.uint64), np.zeros(max(cap, MIN_CAP), np.float64))
+        self.live = 0
+        self.tombs = 0
+
+    def _set_arrays(self, fp: np.ndarray, clock: np.ndarray) -> None:
+        self.arrays = (fp, clock)  # one attribute: readers see both of one generation
+        self.fp, self.clock = fp, clock
+        self.cap = len(fp)
+
+    @classmethod
+    def from_arrays(cls, fp: np.ndarray, clock: np.ndarray) -> KeyTable:
+        """A table over arrays saved with :attr:`arrays` (a snapshot)."""
+        t = cls.__new__(cls)
+        t._set_arrays(fp, clock)
+        t.live = int(np.count_nonzero(fp > TOMB))
+        t.tombs = int(np.count_nonzero(fp == TOMB))
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return self.fp.nbytes + self.clock.nbytes
+
+    def __len__(self) -> int:
+        return self.live
+
+    # -- reads (any thread, no lock) ------------------------------------------------------------
+    def find(self, fps: np.ndarray) -> np.ndarray:
+        """The slot of each fingerprint, -1 where absent."""
+        fpa, _ = self.arrays
+        cap = len(fpa)
+        out = np.full(len(fps), -1, np.int64)
+        if not len(fps):
+            return out
+        pos = _home(fps, cap)
+        idx = np.arange(len(fps))
+        want = fps
+        while len(idx) > 16:  # vectorised while many keys are still probing, then one by one
+            cur = fpa[pos]
+            hit = cur == want
+            out[idx[hit]] = pos[hit]
+            more = ~hit & (cur != EMPTY)
+            idx, want, pos = idx[more], want[more], pos[more] + 1
+            pos[pos == cap] = 0
+        for j, f, i in zip(idx.tolist(), want.tolist(), pos.tolist(), strict=True):
+            while True:
+                cur = int(fpa[i])
+                if cur == f:
+                    out[j] = i
+                    break
+                if cur == EMPTY:
+                    break
+                i = i + 1 if i + 1 < cap else 0
+        return out
+
+    def slot(self, fp: int) -> int:
+        """The slot of one fingerprint, -1 if absent."""
+        fpa, _ = self.arrays
+        cap = len(fpa)
+        i = ((fp & 0xFFFFFFFF) * cap) >> 32
+        while True:
+            cur = int(fpa[i])
+            if cur == fp:
+                return i
+            if cur == EMPTY:
+                return -1
+            i = i + 1 if i + 1 < cap else 0
+
+    def get(self, fp: int) -> float | None:
+        """The clock of ``fp``, or None."""
+        i = self.slot(fp)
+        return None if i < 0 else float(self.clock[i])
+
+    # -- writes (one writer at a time) ----------------------------------------------------------
+    def put(self, fp: int, clock: float) -> float | None:
+        """Set the clock of ``fp`` (inserting it); return its previous clock, or None."""
+        i = self.slot(fp)
+        if i >= 0:
+            old = float(self.clock[i])
+            self.clock[i] = clock
+            return old
+        self._reserve(1)
+        fpa = self.fp
+        cap = self.cap
+        i = ((fp & 0xFFFFFFFF) * cap) >> 32
+        while int(fpa[i]) > TOMB:
+            i = i + 1 if i + 1 < cap else 0
+        if int(fpa[i]) == TOMB:
+            self.tombs -= 1
+        self.clock[i] = clock  # the clock before the fingerprint: a reader never sees a stale clock
+        fpa[i] = fp
+        self.live += 1
+        return None
+
+    def remove(self, fp: int) -> float | None:
+        """Forget ``fp``; return its clock, or None if it was absent."""
+        i = self.slot(fp)
+        if i < 0:
+            return None
+        old = float(self.clock[i])
+        self.fp[i] = TOMB
+        self.live -= 1
+        self.tombs += 1
+        return old
+
+    def put_many(self, fps: np.ndarray, clocks: np.ndarray) -> None:
+        """Insert or update many fingerprints at once (duplicates: the last wins)."""
+        if not len(fps):
+            return
+        fps, first = np.unique(fps[::-1], return_index=True)
+        clocks = clocks[::-1][first]
+        slots = self.find(fps)
+        have = slots >= 0
+        self.clock[slots[have]] = clocks[have]
+        fps, clocks = fps[~have], clocks[~have]
+        if not len(fps):
+            return
+        self._reserve(len(fps))
+        fpa, cla, cap = self.fp, self.clock, self.cap
+        pos = _home(fps, cap)
+        while len(fps):
+            free = fpa[pos] <= TOMB
+            if free.any():
+                cand = np.flatnonzero(free)
+                _, first = np.unique(pos[cand], return_index=True)  # one new key per free slot
+                take = cand[first]
+                p = pos[take]
+                self.tombs -= int(np.count_nonzero(fpa[p] == TOMB))
+                cla[p] = clocks[take]
+                fpa[p] = fps[take]
+                self.live += len(take)
+                keep = np.ones(len(fps), bool)
+                keep[take] = False
+                fps, clocks, pos = fps[keep], clocks[keep], pos[keep]
+            pos = pos + 1
+            pos[pos == cap] = 0
+
+    def remove_slots(self, slots: np.ndarray) -> None:
+        """Forget the keys at ``slots`` (from :meth:`find`; -1 entries ignored)."""
+        slots = np.unique(slots[slots >= 0])
+        slots = slots[self.fp[slots] > TOMB]
+        self.fp[slots] = TOMB
+        self.live -= len(slots)
+        self.tombs += len(slots)
+
+    def _reserve(self, n: int) -> None:
+        if self.live + self.tombs + n <= _MAX_LOAD * self.cap:
+            return
+        need = self.live + n
+        cap = self.cap if need <= _GROW_TO * self.cap else int(need / _GROW_TO) + 1
+        old_fp, old_clock = self.fp, self.clock
+        keep = old_fp > TOMB
+        fresh = KeyTable(cap)
+        fresh.put_many(old_fp[keep], old_clock[keep])
+        self._set_arrays(fresh.fp, fresh.clock)
+        self.live, self.tombs = fresh.live, 0
+
+    # -- whole-table views ----------------------------------------------------------------------
+    def placed_count(self) -> int:
+        """How many keys have a positive clock (placed in the LRU order)."""
+        return int(np.count_nonzero((self.fp > TOMB) & (self.clock > 0)))
+
+    def oldest(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Fingerprints and clocks of (up to) the ``n`` placed keys of smallest clock, oldest first."""
+        live = np.flatnonzero((self.fp > TOMB) & (self.clock > 0))
+        if not len(live):
+            return np.empty(0, np.uint64), np.empty(0)
+        if n < len(live):
+            live = live[np.argpartition(self.clock[live], n - 1)[:n]]
+        live = live[np.argsort(self.clock[live], kind="stable")]
+        return self.fp[live].copy(), self.clock[live].copy()
+
+    def in_dirs(self, lut: np.ndarray) -> np.ndarray:
+        """Slots of live keys whose directory ``lut`` (bool[65536]) marks."""
+        live = np.flatnonzero(self.fp > TOMB)
+        return live[lut[dir_of(self.fp[live])]]

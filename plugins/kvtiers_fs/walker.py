@@ -1,0 +1,195 @@
+"""Listing a namespace directory into an :class:`~kvtiers_fs.index.Index`, visiting only
+the chunk directories that changed.
+
+A :class:`Walker` remembers the mtime of every ``<h1>`` and ``<h1>/<h2>`` directory at its
+last listing. A pass ``stat``s the directories and lists only those whose mtime changed
+(creating, renaming or deleting a file changes its directory's mtime; reading or touching a
+file does not), so after the first pass its cost grows with the churn, not with the number
+of files. A directory whose mtime is within :data:`RACY_SECONDS` of the listing, or that
+held temporary files, is listed again at the next pass (a change in the same clock tick
+would not show). ``full`` lists everything (the first pass without a snapshot).
+
+It counts what it does (``listed``: directory entries read; ``stats``: directories
+``stat``ed), for ``kvtiers bench fs --scale``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat as _stat
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from . import layout
+from .index import Index
+from .keytable import fingerprint
+
+log = logging.getLogger("kvtiers.fs")
+
+RACY_SECONDS = 1.0
+NEVER = 0  # list at the next pass
+ABSENT = -1  # did not exist at the last pass
+_BATCH = 8192  # directories merged into the index at once
+_HEX = set("0123456789abcdef")
+
+
+def _is_hex(name: str) -> bool:
+    return name[0] in _HEX and name[1] in _HEX
+
+
+class Walker:
+    """The directory mtimes of one namespace directory and the passes over it."""
+
+    def __init__(self, nsdir: str, index: Index, file_bytes: int) -> None:
+        self.nsdir = nsdir
+        self.index = index
+        self.file_bytes = file_bytes
+        self.dir_mtime = np.zeros(65536, np.int64)  # ns; NEVER / ABSENT as above
+        self.h1_mtime: dict[int, int] = {}
+        self.subdirs: dict[int, bytes] = {}  # h1 -> its h2 directories (as bytes 0-255: small)
+        self.listed = 0
+        self.stats = 0
+        self.problems: list[str] = []
+        self.removed: list[str] = []
+
+    def _skip(self, what: str, e: OSError) -> None:
+        if len(self.problems) < 1000:
+            self.problems.append(f"{what}: {e.strerror or e}")
+        if len(self.problems) <= 3:
+            log.warning("fs tier: scan skipped %s: %s", what, e.strerror or e)
+
+    def _scandir(self, path: str) -> list[os.DirEntry]:
+        entries = list(os.scandir(path))
+        self.listed += len(entries)
+        return entries
+
+    def run(self, *, full: bool, clean: bool = False, stale_after: float = 3600.0,
+            stopping: Callable[[], bool] = lambda: False) -> int:
+        """One pass (see the module docstring); returns how many known keys it found gone.
+        ``clean`` removes stale temporary files on the way. One bad entry never stops it."""
+        self.problems = []
+        forgotten = 0
+        try:
+            level1 = sorted(e.name for e in self._scandir(self.nsdir)
+                            if len(e.name) == 2 and e.is_dir(follow_symlinks=False))
+        except FileNotFoundError:
+            return 0
+        except OSError as e:
+            self._skip(self.nsdir, e)
+            return 0
+        batch_dirs: list[int] = []
+        fps: list[int] = []
+        mtimes: list[float] = []
+        started = time.time()
+        for h1 in level1:
+            if stopping():
+                break
+            try:
+                n1 = int(h1, 16)
+                st1 = os.stat(f"{self.nsdir}/{h1}")
+                self.stats += 1
+                level2 = self.subdirs.get(n1)
+                if full or level2 is None or self.h1_mtime.get(n1) != st1.st_mtime_ns:
+                    # its subdirectories were created or removed since (or never listed)
+                    level2 = bytes(sorted(int(e.name, 16) for e in self._scandir(f"{self.nsdir}/{h1}")
+                                          if len(e.name) == 2 and _is_hex(e.name) and e.is_dir(follow_symlinks=False)))
+                    self.subdirs[n1] = level2
+                    racy1 = time.time() - st1.st_mtime < RACY_SECONDS
+                    self.h1_mtime[n1] = NEVER if racy1 else st1.st_mtime_ns
+            except ValueError:
+                continue
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                self._skip(f"{self.nsdir}/{h1}", e)
+                continue
+            for n2 in level2:
+                d = n1 * 256 + n2
+                path = f"{self.nsdir}/{h1}/{n2:02x}"
+                try:
+                    st = os.stat(path)
+                    self.stats += 1
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    self._skip(path, e)
+                    continue
+                if not full and st.st_mtime_ns == self.dir_mtime[d] and st.st_mtime_ns > 0:
+                    continue
+                try:
+                    entries = self._scandir(path)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    self._skip(path, e)
+                    continue
+                racy = time.time() - st.st_mtime < RACY_SECONDS
+                racy |= self._collect(entries, fps, mtimes, clean, stale_after)
+                self.dir_mtime[d] = NEVER if racy else st.st_mtime_ns
+                batch_dirs.append(d)
+                if len(batch_dirs) >= _BATCH:
+                    forgotten += self.index.merge_listing(batch_dirs, np.array(fps, np.uint64),
+                                                          np.array(mtimes), started)
+                    batch_dirs, fps, mtimes, started = [], [], [], time.time()
+        if batch_dirs and not stopping():
+            forgotten += self.index.merge_listing(batch_dirs, np.array(fps, np.uint64), np.array(mtimes), started)
+        if len(self.problems) > 3:
+            log.warning("fs tier: scan of %s skipped %d entries in all", self.nsdir, len(self.problems))
+        return forgotten
+
+    def _collect(self, entries: list[os.DirEntry], fps: list[int], mtimes: list[float], clean: bool,
+                 stale_after: float) -> bool:
+        """Add the chunk files of one directory; True if it holds temporary files."""
+        temps = False
+        now = time.time()
+        fb = self.file_bytes
+        for e in entries:
+            name = e.name
+            try:
+                if name.endswith(layout.CHUNK_SUFFIX):
+                    key = layout.key_of_name(name)
+                    if key is not None:
+                        st = e.stat(follow_symlinks=False)
+                        # a FIFO, directory or link is no chunk; another slot size is not ours
+                        if _stat.S_ISREG(st.st_mode) and st.st_size == fb:
+                            fps.append(fingerprint(key))
+                            mtimes.append(st.st_mtime)
+                elif name.endswith(layout.TEMP_SUFFIX):
+                    temps = True
+                    if clean:
+                        st = e.stat(follow_symlinks=False)
+                        if layout.temp_is_stale(e.path, st.st_mtime, now, stale_after):
+                            os.unlink(e.path)
+                            self.removed.append(e.path)
+            except FileNotFoundError:
+                continue  # another instance removed or published it meanwhile
+            except OSError as err:
+                self._skip(e.path, err)
+        return temps
+
+    def find_in_dir(self, d: int, wanted: dict[int, float]) -> list[tuple[int, bytes, str, float]]:
+        """The files of directory ``d`` whose fingerprints are in ``wanted``:
+        ``(fingerprint, key, path, mtime)`` each (an eviction's lookup of its victims' names)."""
+        path = f"{self.nsdir}/{d >> 8:02x}/{d & 0xFF:02x}"
+        out = []
+        try:
+            entries = self._scandir(path)
+        except OSError:
+            return out
+        fb = self.file_bytes
+        for e in entries:
+            key = layout.key_of_name(e.name)
+            if key is None:
+                continue
+            fp = fingerprint(key)
+            if fp in wanted:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if _stat.S_ISREG(st.st_mode) and st.st_size == fb:
+                    out.append((fp, key, e.path, st.st_mtime))
+        return out
