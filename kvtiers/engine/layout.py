@@ -277,6 +277,35 @@ class KVLayout:
         """JSON-able description, for the namespace fields."""
         return {"groups": [g.describe() for g in self.groups]}
 
+    def explain_chunk_bytes(self, blocks_per_chunk: int) -> str:
+        """How :meth:`chunk_bytes` is made up, for error messages: per group layers x tensors x
+        positions x block bytes (with the block shape and dtype where known)."""
+        parts = []
+        for g in self.groups:
+            what = f"{g.num_layers} layers x {g.tensors_per_layer} tensors x {g.positions(blocks_per_chunk)} " \
+                   f"{'state' if g.is_state else 'blocks'} x {g.block_bytes} bytes"
+            if g.shape is not None:
+                what += f" (block {list(g.shape)}{' ' + g.dtype if g.dtype else ''})"
+            parts.append(f"group {g.name!r}: {what}")
+        return f"{'; '.join(parts)} = {self.chunk_bytes(blocks_per_chunk)} bytes per chunk"
+
+    def check_tokens_per_block(self, tokens_per_block: int) -> None:
+        """Raise ``ValueError`` when an attention group's block shape (known from
+        :meth:`from_tensors`) has no dimension of ``tokens_per_block`` tokens: the tensors are
+        then not ``[num_blocks, *block_shape]`` with one block of ``tokens_per_block`` tokens
+        (e.g. a ``[batch, heads, seq, head_dim]`` tensor taken as one block)."""
+        tpb = operator.index(tokens_per_block)
+        if tpb <= 0:
+            raise ValueError(f"tokens_per_block must be positive, got {tpb}")
+        for g in self.groups:
+            if g.is_state or g.shape is None or tpb in g.shape:
+                continue
+            raise ValueError(
+                f"KV group {g.name!r}: a block of shape {list(g.shape)} ({g.block_bytes} bytes; dim 0 of each tensor "
+                f"is the block index) has no dimension of tokens_per_block={tpb} tokens; KV tensors must be "
+                f"[num_blocks, *block_shape] with {tpb} tokens per block, e.g. [num_blocks, {tpb}, kv_heads, head_dim]"
+            )
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, KVLayout) and other.groups == self.groups
 

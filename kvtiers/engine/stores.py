@@ -4,6 +4,14 @@ A store admits the chunks the host cache does not hold yet (within the request's
 limit and the cache's ``store_threshold``) into new slots and copies them device -> arena.
 Once the copy completes, the chunks are ready in the host cache and each tier that does not
 have them yet gets a store job reading their slots.
+
+A store longer than the arena has free slots for runs in waves, as loads do: each wave
+takes the slots it can get, copies its chunks, cascades them, and the next wave starts once
+slots are free again (when the tiers have stored the previous wave, its slots become
+evictable). A first wave that gets no slot at all (every slot pinned by other transfers)
+skips its chunks; so does a later wave whose previous wave's slots are released without
+freeing one, or that waited ``wave_timeout`` seconds. The store is reported once its last
+wave is on the host: until then the engine keeps its device blocks.
 """
 
 from __future__ import annotations
@@ -21,10 +29,13 @@ from .types import ManagerStats, Request
 
 __all__ = ["StorePath", "chunk_limit"]
 
+WAVE_TIMEOUT = 30.0  # seconds a later store wave waits for a free slot before skipping its chunks
+
 
 class StorePath:
-    """Stores and their cascade to the tiers. Holds no state of its own: a store's slots are
-    pinned by its :class:`~kvtiers.engine.transfers.Transfer` and then by its tier jobs."""
+    """Stores and their cascade to the tiers. A store's slots are pinned by its
+    :class:`~kvtiers.engine.transfers.Transfer` and then by its tier jobs; the only state of its
+    own is the stores waiting for slots for their next wave."""
 
     def __init__(self, cache: HostCache, tiers: TierSet, book: TransferBook, loads: LoadPath, events: EventBus,
                  stats: ManagerStats, chunk_bytes: int) -> None:
@@ -35,13 +46,17 @@ class StorePath:
         self._events = events
         self._stats = stats
         self._chunk_bytes = chunk_bytes
+        self._waiting: dict[int, Transfer] = {}  # stores between waves, by transfer id
+        self._polling = False
+        self.wave_timeout = WAVE_TIMEOUT
 
     def store(self, keys: tuple[bytes, ...], blocks: list[Sequence[int]], request: Request | None,
               limit: int | None, first_chunk: int) -> int:
         """Start the device -> arena copy of the chunks of ``keys`` worth storing; returns
-        the transfer id. ``limit``: the chunk index (in the request) storing stops at."""
+        the transfer id. ``limit``: the chunk index (in the request) storing stops at.
+        Chunks that find no free slot wait for the next wave (see the module docstring)."""
         tr = self._book.start("store", keys, request)
-        todo: list[tuple[bytes, Sequence[int], int]] = []
+        admitted: list[bytes] = []
         for j, key in enumerate(keys):
             if (limit is not None and first_chunk + j >= limit) or key in self._cache:
                 self._cache.touch(key)
@@ -50,26 +65,109 @@ class StorePath:
             if not self._cache.offer(key):
                 tr.skipped.append(key)
                 continue
-            slot = self._cache.allocate(key, STORING)
-            if slot is None:
-                self._stats.host_full += 1
-                tr.skipped.append(key)
-                continue
-            todo.append((key, blocks[j], slot))
+            tr.blocks.setdefault(key, blocks[j])
+            admitted.append(key)
         self._stats.skipped_stores += len(tr.skipped)
-        if todo:
-            try:
-                self._book.copy(tr, [(b, s) for _, b, s in todo])
-            except BaseException:
-                for key, _, slot in todo:
-                    self._cache.unpin(slot)
-                    self._cache.drop(key)
-                raise
-            tr.pins = {key: slot for key, _, slot in todo}
-            self._book.poll_dma()  # a synchronous engine is done already
-        else:
+        tr.deferred = admitted
+        if self._wave(tr, give_up=True) == "done":
             self._book.finish(tr)
         return tr.tid
+
+    def poll(self) -> None:
+        """Start the next wave of every store waiting for free slots (with a synchronous DMA
+        engine, every wave that can start now). Called when a wave reached the host, when a
+        tier store job ended, and by the manager each step (for ``wave_timeout``)."""
+        if self._polling:  # a wave started from here completed synchronously: the loop below goes on
+            return
+        self._polling = True
+        try:
+            self._poll()
+        finally:
+            self._polling = False
+
+    def _poll(self) -> None:
+        for tid in list(self._waiting):
+            while tid in self._waiting:
+                tr = self._waiting.pop(tid)
+                if tr.request is not None and tr.request.cancelled:
+                    self._skip_rest(tr, None)
+                    self._book.finish(tr)
+                    break
+                # while the tiers still read the previous wave's slots, those will come free: wait
+                ours = any(self._cache.slot(k) is not None and self._cache.refs(self._cache.slot(k))
+                           for k in tr.wave_keys)
+                waited = time.monotonic() - tr.wave_t0
+                state = self._wave(tr, give_up=not ours or waited >= self.wave_timeout, waited=waited)
+                if state == "waiting":
+                    self._waiting[tid] = tr
+                    break
+                if state == "done":
+                    self._book.finish(tr)
+                    break
+                # started: a synchronous copy is done already and the store is waiting again
+
+    def pending(self) -> int:
+        """Stores waiting for slots for their next wave."""
+        return len(self._waiting)
+
+    def close(self) -> None:
+        """The manager is closing: stores still waiting for a wave skip their other chunks."""
+        for tr in list(self._waiting.values()):
+            self._skip_rest(tr, f"not stored: the manager closed before a slot was free for "
+                                f"{len(tr.deferred)} chunk(s)")
+            self._book.finish(tr)
+        self._waiting.clear()
+
+    def _wave(self, tr: Transfer, *, give_up: bool, waited: float | None = None) -> str:
+        """Allocate slots for as many of ``tr.deferred`` as possible and start their device
+        copy: ``"started"``. With no slot free: ``"waiting"``, or with ``give_up`` the rest is
+        skipped: ``"done"`` (finish the transfer), as when nothing was left to store."""
+        todo: list[tuple[bytes, Sequence[int], int]] = []
+        rest: list[bytes] = []
+        for key in tr.deferred:
+            if rest:
+                rest.append(key)
+                continue
+            if key in self._cache:  # stored or promoted meanwhile
+                tr.skipped.append(key)
+                self._stats.skipped_stores += 1
+                continue
+            slot = self._cache.allocate(key, STORING)
+            if slot is None:
+                rest.append(key)
+                continue
+            todo.append((key, tr.blocks[key], slot))
+        tr.deferred = rest
+        if not todo:
+            if not rest:
+                return "done"
+            if not give_up:
+                return "waiting"
+            after = "" if waited is None else f" after {waited:.3g} s"
+            self._skip_rest(tr, f"host arena full: {len(rest)} chunk(s) not stored, every one of its "
+                                f"{self._cache.num_slots} slots pinned by other transfers{after}")
+            return "done"
+        try:
+            self._book.copy(tr, [(b, s) for _, b, s in todo])
+        except BaseException:
+            for key, _, slot in todo:
+                self._cache.unpin(slot)
+                self._cache.drop(key)
+            raise
+        tr.pins = {key: slot for key, _, slot in todo}
+        self._book.poll_dma()  # a synchronous engine is done already
+        return "started"
+
+    def _skip_rest(self, tr: Transfer, error: str | None) -> None:
+        """The chunks still deferred are not stored: skipped, counted, and said in ``error``."""
+        if not tr.deferred:
+            return
+        if error is not None:
+            self._stats.host_full += len(tr.deferred)
+            tr.error = error
+        self._stats.skipped_stores += len(tr.deferred)
+        tr.skipped.extend(tr.deferred)
+        tr.deferred = []
 
     # -- handlers the manager registers with the transfer book and the tiers ---------------
     def copied(self, tr: Transfer) -> None:
@@ -82,13 +180,24 @@ class StorePath:
         for key, _ in items:
             self._loads.filled(key, True, "offloaded")
         self._cascade(items)  # pins the slots again for the tier jobs
-        self._book.finish(tr)  # drops the copy's pins
+        if not tr.deferred:
+            self._book.finish(tr)  # drops the copy's pins
+            return
+        tr.wave_keys = [k for k, _ in items]
+        for _, slot in items:  # the wave is on the host: its slots may go once the tiers have them
+            self._cache.unpin(slot)
+        tr.pins = {}
+        tr.wave_t0 = time.monotonic()
+        self._waiting[tr.tid] = tr
+        self.poll()  # with no tier to wait for, the next wave can start now
 
     def tier_stored(self, tj: TierJob, failed: set[bytes]) -> None:
         """A tier store job ended: release its pins, report what the tier now holds."""
         for s in tj.job.slots:
             self._cache.unpin(s)
         self._events.emit("stored", [k for k in tj.job.keys if k not in failed], tj.tier.name, None)
+        if self._waiting:  # slots came free: a store waiting for a wave may go on
+            self.poll()
 
     def _cascade(self, items: list[tuple[bytes, int]]) -> None:
         """Send freshly stored chunks to every tier that does not have them yet."""

@@ -37,8 +37,10 @@ class Transfer:
     failed: set[bytes] = field(default_factory=set)
     skipped: list[bytes] = field(default_factory=list)
     sources: dict[bytes, str] = field(default_factory=dict)
-    deferred: list[bytes] = field(default_factory=list)  # loads: no slot yet, next wave
+    deferred: list[bytes] = field(default_factory=list)  # no slot yet: the next wave
     copied: set[bytes] = field(default_factory=set)  # loads: on the device after earlier waves
+    wave_keys: list[bytes] = field(default_factory=list)  # stores: the previous wave's chunks
+    wave_t0: float = 0.0  # stores: when the previous wave reached the host
     dma_started: float | None = None
     error: str | None = None
 
