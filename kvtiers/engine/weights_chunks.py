@@ -12,7 +12,9 @@ Only what needs torch imports it, when called.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import os
 import struct
 import threading
 from collections.abc import Mapping, Sequence
@@ -20,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from .dma import PARALLEL_MIN_BYTES, _copy_all
 
 if TYPE_CHECKING:
     import torch
@@ -244,12 +248,15 @@ class WeightCopier:
     ``num_chunks + j`` for chunk ``j`` of the manifest buffer. Before each operation the owner
     sets :attr:`regions` (one ``uint8`` view per storage, numpy for CPU storages, a tensor
     otherwise) and :attr:`manifest` (a ``uint8`` numpy array). CPU copies are ``np.copyto`` on
-    the caller's thread and complete at once; accelerator copies run on a side stream of their
+    the caller's thread (a transfer of 4 MiB or more split over ``cpu_threads`` threads, default
+    ``min(2, cpu_count)``) and complete at once; accelerator copies run on a side stream of their
     own, one event per transfer, queried by :meth:`poll`.
     """
 
-    def __init__(self, host: HostArena, plan: WeightPlan) -> None:
+    def __init__(self, host: HostArena, plan: WeightPlan, cpu_threads: int | None = None) -> None:
         self.host = host
+        self.cpu_threads = max(1, cpu_threads if cpu_threads is not None else min(2, os.cpu_count() or 1))
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.plan = plan
         self.regions: list[Any] = []
         self.manifest: np.ndarray = np.zeros(0, dtype=np.uint8)
@@ -286,28 +293,55 @@ class WeightCopier:
 
     def close(self) -> None:
         self.synchronize()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def _copy_cpu(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """The CPU copies of one transfer; from :data:`~.dma.PARALLEL_MIN_BYTES` on, split in two
+        halves by bytes, one on a helper thread (numpy releases the GIL while it copies), as the
+        KV DMA engine does: one core does not saturate memory bandwidth."""
+        total = sum(d.nbytes for d, _ in pairs)
+        if self.cpu_threads < 2 or total < PARALLEL_MIN_BYTES or len(pairs) < 2:
+            _copy_all(pairs)
+            return
+        acc, cut = 0, len(pairs) - 1
+        for i, (d, _) in enumerate(pairs):
+            acc += d.nbytes
+            if 2 * acc >= total:
+                cut = min(i + 1, len(pairs) - 1)
+                break
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self.cpu_threads - 1,
+                                                               thread_name_prefix="kvtiers-weights")
+        fut = self._pool.submit(_copy_all, pairs[cut:])
+        try:
+            _copy_all(pairs[:cut])
+        finally:
+            fut.result()
 
     def _submit(self, tid: int, chunks: Sequence[tuple[Sequence[int], int]], load: bool) -> None:
         rows = self.host.ndarray()
         accel: list[tuple[Any, int, int, int, int]] = []  # region, off, slot, slot_off, length
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []  # CPU copies: (dst, src)
         n = self.plan.num_chunks
         for blocks, slot in chunks:
             (cid,) = blocks
             if cid >= n:
                 j = cid - n
                 lo, hi = j * self.plan.chunk_bytes, min((j + 1) * self.plan.chunk_bytes, len(self.manifest))
-                dst, src = (self.manifest[lo:hi], rows[slot, : hi - lo]) if load else \
-                    (rows[slot, : hi - lo], self.manifest[lo:hi])
-                np.copyto(dst, src)
+                mine, theirs = self.manifest[lo:hi], rows[slot, : hi - lo]
+                pairs.append((mine, theirs) if load else (theirs, mine))
                 continue
             for p in self.plan.pieces(cid):
                 region = self.regions[p.storage]
                 if isinstance(region, np.ndarray):
-                    a = region[p.offset : p.offset + p.length]
-                    b = rows[slot, p.slot_offset : p.slot_offset + p.length]
-                    np.copyto(a, b) if load else np.copyto(b, a)
+                    mine = region[p.offset : p.offset + p.length]
+                    theirs = rows[slot, p.slot_offset : p.slot_offset + p.length]
+                    pairs.append((mine, theirs) if load else (theirs, mine))
                 else:
                     accel.append((region, p.offset, slot, p.slot_offset, p.length))
+        self._copy_cpu(pairs)
         if not accel:
             with self._lock:
                 self._done.append(tid)
