@@ -5,11 +5,11 @@ lease), read at open, so that a restarted instance has its full view at once ins
 listing every directory. The file is the index's two arrays as they are in memory (the
 fingerprints and clocks of :class:`~kvtiers_fs.keytable.KeyTable`, 16 bytes a slot, at most
 32 bytes per key) and the mtime of each of the 65536 chunk directories at its last listing,
-behind a header and followed by an xxh3-64 of everything before it::
+(and of the 256 first-level ones), behind a header and followed by an xxh3-64 of everything before it::
 
     magic "KVTFSIX1" | version u32 | flags u32 | file_bytes u64 | slots u64 |
     namespace tag (8 bytes) | written at (f64) | fingerprints (u64 x slots) |
-    clocks (f64 x slots) | directory mtimes (i64 ns x 65536) | xxh3-64 (u64)
+    clocks (f64 x slots) | directory mtimes (i64 ns x 65536, then 256 for <h1>) | xxh3-64 (u64)
 
 It is a hint, never the truth: at open the tier starts from it and lists again (in the
 background) every directory whose mtime differs from the recorded one, so what changed after
@@ -35,7 +35,7 @@ log = logging.getLogger("kvtiers.fs")
 NAME = "index.snapshot"
 MAGIC = b"KVTFSIX1"
 VERSION = 1
-NDIRS = 65536
+NDIRS = 65536 + 256  # the chunk directories' mtimes, then the 256 first-level ones'
 _HEAD = struct.Struct("<8sIIQQ8sd")
 
 

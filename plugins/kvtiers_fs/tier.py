@@ -284,7 +284,7 @@ class FsTier:
             return
         table, dirs, _written = got
         self.index.load_table(table)
-        self.walker.dir_mtime = dirs.copy()
+        self.walker.restore(dirs)
         self.snapshot_loaded = True
         self.view_ready.set()
         log.info("fs tier: index snapshot of %d keys loaded in %.2f s", len(table), time.perf_counter() - t0)
@@ -296,7 +296,7 @@ class FsTier:
         try:
             with self.index.lock:
                 fp, clock = self.index.table.fp.copy(), self.index.table.clock.copy()
-                dirs = self.walker.dir_mtime.copy()
+                dirs = self.walker.state()
             at = time.time()
             _snapshot.remove_stale_temps(self.nsdir)
             _snapshot.save(self.nsdir, fp, clock, dirs, self.file_bytes, self._ns, at)

@@ -30,8 +30,8 @@ from .keytable import fingerprint
 log = logging.getLogger("kvtiers.fs")
 
 RACY_SECONDS = 1.0
-NEVER = 0  # list at the next pass
-ABSENT = -1  # did not exist at the last pass
+UNKNOWN = 0  # never listed (or absent)
+AGAIN = 1  # list again at the next pass (no real mtime is 1 ns)
 _BATCH = 8192  # directories merged into the index at once
 _HEX = set("0123456789abcdef")
 
@@ -47,13 +47,30 @@ class Walker:
         self.nsdir = nsdir
         self.index = index
         self.file_bytes = file_bytes
-        self.dir_mtime = np.zeros(65536, np.int64)  # ns; NEVER / ABSENT as above
+        self.dir_mtime = np.zeros(65536, np.int64)  # ns at the last listing; UNKNOWN / AGAIN as above
         self.h1_mtime: dict[int, int] = {}
         self.subdirs: dict[int, bytes] = {}  # h1 -> its h2 directories (as bytes 0-255: small)
         self.listed = 0
         self.stats = 0
         self.problems: list[str] = []
         self.removed: list[str] = []
+
+    def state(self) -> np.ndarray:
+        """The directory mtimes, then the 256 ``<h1>`` mtimes (for a snapshot)."""
+        h1 = np.zeros(256, np.int64)
+        for n1, m in self.h1_mtime.items():
+            h1[n1] = m
+        return np.concatenate([self.dir_mtime, h1])
+
+    def restore(self, state: np.ndarray) -> None:
+        """Start from :meth:`state` as a snapshot saved it: the next pass lists only what changed."""
+        self.dir_mtime = state[:65536].copy()
+        known = self.dir_mtime.reshape(256, 256) != UNKNOWN
+        self.h1_mtime, self.subdirs = {}, {}
+        for n1 in range(256):
+            if state[65536 + n1] != UNKNOWN:
+                self.h1_mtime[n1] = int(state[65536 + n1])
+                self.subdirs[n1] = bytes(np.flatnonzero(known[n1]).tolist())
 
     def _skip(self, what: str, e: OSError) -> None:
         if len(self.problems) < 1000:
@@ -98,7 +115,7 @@ class Walker:
                                           if len(e.name) == 2 and _is_hex(e.name) and e.is_dir(follow_symlinks=False)))
                     self.subdirs[n1] = level2
                     racy1 = time.time() - st1.st_mtime < RACY_SECONDS
-                    self.h1_mtime[n1] = NEVER if racy1 else st1.st_mtime_ns
+                    self.h1_mtime[n1] = AGAIN if racy1 else st1.st_mtime_ns
             except ValueError:
                 continue
             except FileNotFoundError:
@@ -112,12 +129,15 @@ class Walker:
                 try:
                     st = os.stat(path)
                     self.stats += 1
-                except FileNotFoundError:
+                except FileNotFoundError:  # removed (e.g. by gc): forget what it held
+                    if self.dir_mtime[d] != UNKNOWN:
+                        self.dir_mtime[d] = UNKNOWN
+                        batch_dirs.append(d)
                     continue
                 except OSError as e:
                     self._skip(path, e)
                     continue
-                if not full and st.st_mtime_ns == self.dir_mtime[d] and st.st_mtime_ns > 0:
+                if not full and st.st_mtime_ns == self.dir_mtime[d]:
                     continue
                 try:
                     entries = self._scandir(path)
@@ -128,7 +148,7 @@ class Walker:
                     continue
                 racy = time.time() - st.st_mtime < RACY_SECONDS
                 racy |= self._collect(entries, fps, mtimes, clean, stale_after)
-                self.dir_mtime[d] = NEVER if racy else st.st_mtime_ns
+                self.dir_mtime[d] = AGAIN if racy else st.st_mtime_ns
                 batch_dirs.append(d)
                 if len(batch_dirs) >= _BATCH:
                     forgotten += self.index.merge_listing(batch_dirs, np.array(fps, np.uint64),
