@@ -153,62 +153,58 @@ def test_bad_input_is_named(model_dir, tmp_path):
 CHILD = textwrap.dedent("""
     import json, sys, torch, transformers
     from kvtiers.engine.weights import ModelWeights
-    cfg_dir, config, identity, ids, out = sys.argv[1:6]
+    cfg_dir, forks, ids, out = sys.argv[1:5]
     mc = transformers.AutoConfig.from_pretrained(cfg_dir)  # config.json only: no checkpoint here
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(mc, dtype=torch.bfloat16)
-    model.to_empty(device="cpu")
-    with ModelWeights.fork(model, json.loads(config), json.loads(identity)) as w:
-        step = w.last_step
-    with torch.no_grad():
-        logits = model(torch.tensor(json.loads(ids))).logits
-    torch.save({"logits": logits, "sources": step.sources, "nbytes": step.nbytes}, out)
+    results = []
+    for config, identity in json.loads(forks):  # one new model per fork
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(mc, dtype=torch.bfloat16)
+        model.to_empty(device="cpu")
+        with ModelWeights.fork(model, config, identity) as w:
+            step = w.last_step
+        with torch.no_grad():
+            results.append({"logits": model(torch.tensor(json.loads(ids))).logits, "sources": step.sources})
+    torch.save(results, out)
 """)
 
 
-def fork_in_child(tmp_path, model_dir, cfg, ident, ids):
+def fork_in_child(tmp_path, model_dir, forks, ids):
+    """Fork the model in one new process once per ``(config, identity)``; what each computed."""
     cfg_dir = tmp_path / "config-only"
     cfg_dir.mkdir(exist_ok=True)
     shutil.copy(model_dir / "config.json", cfg_dir / "config.json")
     out = tmp_path / "child.pt"
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(cfg_dir), json.dumps(cfg), json.dumps(ident.to_dict()),
-                           json.dumps(ids.tolist()), str(out)], capture_output=True, text=True, timeout=300)
+    todo = json.dumps([(cfg, ident.to_dict()) for cfg, ident in forks])
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(cfg_dir), todo, json.dumps(ids.tolist()), str(out)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 
 
-def test_fork_in_a_new_process_through_the_fs_tier(model_dir, tmp_path):
-    model, ids = load(model_dir), prompt_ids(model_dir)
-    before = logits(model, ids)
-    cfg = fs_config(tmp_path / "fs")
-    with ModelWeights(model, cfg, name="tiny", chunk_bytes=CHUNK) as w:
-        ident = w.publish()
-        n = w.plan.num_chunks
-    got = fork_in_child(tmp_path, model_dir, cfg, ident, ids)
-    assert got["sources"] == {"fs": n}
-    assert torch.equal(got["logits"], before)
-
-
-def test_fork_in_a_new_process_through_a_p2p_peer(model_dir, tmp_path):
+def test_fork_in_a_new_process_through_the_fs_tier_and_a_p2p_peer(model_dir, tmp_path):
     pytest.importorskip("zmq")
     from kvtiers_p2p.spawn import start_server
 
+    model, ids = load(model_dir), prompt_ids(model_dir)
+    before = logits(model, ids)
+    fs_cfg = fs_config(tmp_path / "fs")
+    with ModelWeights(model, fs_cfg, name="tiny", chunk_bytes=CHUNK) as w:
+        fs_ident = w.publish()  # revision: the digest of the bytes
+        n = w.plan.num_chunks
     srv = start_server(capacity=128 << 20)
     try:
-        model, ids = load(model_dir), prompt_ids(model_dir)
-        before = logits(model, ids)
-        cfg = {"host_blocks_factor": 1.0, "tiers": [{"type": "p2p", "host": "127.0.0.1", "port": srv.port}]}
-        with ModelWeights(model, cfg, name="tiny", revision="p2p-1", chunk_bytes=CHUNK) as w:
+        p2p_cfg = {"host_blocks_factor": 1.0, "tiers": [{"type": "p2p", "host": "127.0.0.1", "port": srv.port}]}
+        with ModelWeights(model, p2p_cfg, name="tiny", revision="p2p-1", chunk_bytes=CHUNK) as w:
             w.sleep(2)  # published to the peer, and this model's memory freed
-            ident = w.identity
-            n = w.plan.num_chunks
-            got = fork_in_child(tmp_path, model_dir, cfg, ident, ids)
-            assert got["sources"] == {"p2p": n}
-            assert torch.equal(got["logits"], before)
+            p2p_ident = w.identity
+            via_fs, via_p2p = fork_in_child(tmp_path, model_dir, [(fs_cfg, fs_ident), (p2p_cfg, p2p_ident)], ids)
             assert w.wake().sources == {"p2p": n}
         assert torch.equal(logits(model, ids), before)
     finally:
         srv.stop()
+    assert via_fs["sources"] == {"fs": n} and via_p2p["sources"] == {"p2p": n}
+    assert torch.equal(via_fs["logits"], before)
+    assert torch.equal(via_p2p["logits"], before)
 
 
 def test_fork_mismatches_name_the_tensor(model_dir, tmp_path):
