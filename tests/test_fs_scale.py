@@ -244,3 +244,21 @@ def test_a_missing_root_that_cannot_be_created_is_an_error_at_open(tmp_path):
             assert resolve(t, [b"x"]) == [Lookup.MISS]
         finally:
             t.close()
+
+
+def test_bench_fs_scale_prints_the_figures_as_json(tmp_path):
+    kvtiers_cmd = os.path.join(os.path.dirname(sys.executable), "kvtiers")
+    r = subprocess.run([kvtiers_cmd, "bench", "fs", "--scale", "2000", "--dir", str(tmp_path / "root"),
+                        "--instances", "2", "--window", "2", "--rescan-seconds", "0.5", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    report = json.loads(r.stdout)
+    assert report["chunks"] == 2000 and report["open_with_snapshot"]["snapshot"] is True
+    assert report["open_without_snapshot"]["snapshot"] is False
+    assert report["open_with_snapshot"]["first_hit_s"] is not None and report["lookup_keys_per_s"] > 0
+    (steady,) = report["steady"]
+    assert steady["instances"] == 2 and [p["cleaner"] for p in steady["per_instance"]].count(True) == 1
+    assert steady["projected_entries_per_s"] > 0
+    assert "projected at 10,000,000 chunks x 100 instances" in r.stderr

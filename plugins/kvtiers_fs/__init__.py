@@ -22,8 +22,9 @@ def register_tiers(register) -> None:
 @kvtiers.hookimpl
 def register_commands(cli) -> None:
     from .cli import bench_fs, fs
+    from .scale_cli import with_scale
 
     cli.add_command(fs)
     bench = cli.commands.get("bench")
     if bench is not None:
-        bench.add_command(bench_fs, "fs")
+        bench.add_command(with_scale(bench_fs), "fs")  # `kvtiers bench fs --scale N`
