@@ -45,12 +45,12 @@ import asyncio
 import itertools
 import logging
 import os
-import uuid
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
+from kvtiers_nixl import make_agent, teardown
 
 from kvtiers import TierError
 
@@ -115,13 +115,8 @@ class NixlObjPath:
         part_size: int,
     ) -> None:
         check_nixl()
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-
-        if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs INFO lines to stdout
-            logging.getLogger("nixl").setLevel(logging.WARNING)
         self.part_size = part_size
         self.slot_bytes = slot_bytes
-        self.name = f"kvtiers-obj-{uuid.uuid4().hex[:12]}"
         params = {"bucket": bucket, "region": region, "req_checksum": "required"}
         # the plugin's SDK thread pool defaults to half the cores (one here): one thread per
         # operation the tier runs at once, or NIXL serialises them
@@ -134,15 +129,17 @@ class NixlObjPath:
         key_id, secret = credentials
         if key_id is not None and secret is not None:
             params["access_key"], params["secret_key"] = key_id, secret
-        try:
-            self.agent = nixl_agent(self.name, nixl_agent_config(backends=[]))
-            if "OBJ" not in self.agent.get_plugin_list():
-                raise TierError("tier 'obj': this nixl-cu12 has no OBJ plugin; use backend 'aiobotocore'")
-            self.agent.create_backend("OBJ", params)
-        except TierError:
-            raise
+        self._closed = False
+        self._waiting: dict[Any, asyncio.Future] = {}
+        try:  # kvtiers_nixl: the safe environment, no progress thread, torn down in this process at exit
+            self.agent = make_agent("kvtiers-obj", "OBJ", params, owner_close=self._close_at_exit)
+        except RuntimeError as e:
+            if "no OBJ plugin" in str(e):
+                raise TierError("tier 'obj': this nixl-cu12 has no OBJ plugin; use backend 'aiobotocore'") from None
+            raise TierError(f"tier 'obj': cannot start NIXL's OBJ backend: {type(e).__name__}: {e}") from None
         except Exception as e:
             raise TierError(f"tier 'obj': cannot start NIXL's OBJ backend: {type(e).__name__}: {e}") from None
+        self.name = self.agent.name
         self._stage_bytes = -(-(slot_bytes + SCRATCH) // 4096) * 4096
         self._stage = np.zeros(max_concurrency * self._stage_bytes, dtype=np.uint8)
         self._base = int(self._stage.ctypes.data)
@@ -151,9 +148,7 @@ class NixlObjPath:
         for i in range(max_concurrency):
             self._free.put_nowait(i)
         self._dev_ids = itertools.count(1)
-        self._waiting: dict[Any, asyncio.Future] = {}
         self._poller: asyncio.Task | None = None
-        self._closed = False
 
     def _view(self, lease: _Lease, n: int) -> memoryview:
         lo = lease.index * self._stage_bytes
@@ -291,11 +286,15 @@ class NixlObjPath:
             return
         if self._poller is not None:
             self._poller.cancel()
-        try:
-            self.agent.deregister_memory(self._reg, ["OBJ"])
-        except Exception as e:
-            log.debug("obj: NIXL deregister failed: %s", e)
-        self.agent = None
+        agent, self.agent = self.agent, None
+        teardown(agent, regs=[(self._reg, ["OBJ"])])
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit, for a tier never closed: tear down unless NIXL still works."""
+        if not self._closed and not self._waiting:
+            self._closed = True
+            agent, self.agent = self.agent, None
+            teardown(agent, regs=[(self._reg, ["OBJ"])])
 
 
 _KEPT: list[NixlObjPath] = []  # paths closed while NIXL still wrote into their staging

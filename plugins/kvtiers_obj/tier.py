@@ -121,7 +121,10 @@ class ObjTier(AsyncTier):
     with an ``endpoint_url``, else ``auto``), ``max_concurrency``, ``part_size`` (multipart
     upload and ranged GETs above it), ``connect_timeout``, ``read_timeout``,
     ``max_attempts``, ``op_timeout`` (bound on one chunk's store or load), ``create_bucket``,
-    ``max_bytes`` (LRU deletion by this instance), ``backend`` (``aiobotocore`` or ``nixl``).
+    ``max_bytes`` (LRU deletion by this instance), ``backend`` (``aiobotocore`` or ``nixl``;
+    NIXL's canary runs in a child process first, and if it crashes or hangs the tier uses
+    aiobotocore with one warning, or with ``nixl_strict`` fails to open). ``data_path`` and
+    the gauge ``kvtiers_tier_data_path{tier, path}`` say which path is in use.
     """
 
     levels = frozenset({"core", "durable", "shared", "bounded"})
@@ -147,6 +150,7 @@ class ObjTier(AsyncTier):
         create_bucket: bool = False,
         max_bytes: int | None = None,
         backend: Literal["aiobotocore", "nixl"] = "aiobotocore",
+        nixl_strict: bool = False,
     ) -> None:
         super().__init__(ctx)
         t = _tname()
@@ -178,6 +182,14 @@ class ObjTier(AsyncTier):
             from .nixl_path import check_nixl
 
             check_nixl()  # raises TierError naming the missing piece
+            from kvtiers_nixl import use_nixl
+
+            if not use_nixl(t, fallback="aiobotocore", backend="OBJ", strict=nixl_strict):
+                backend = "aiobotocore"
+        from kvtiers_nixl import PathGauge
+
+        self.data_path = backend
+        self._path_gauge = PathGauge(ctx, backend)
         try:
             from . import client as c
         except ImportError as e:
@@ -239,28 +251,14 @@ class ObjTier(AsyncTier):
         trailer is left as it was, so a load must fail the key). ``config``: the options of
         an instance that stored ``key``; ``namespace``: its namespace. For the conformance
         suite (rule 4)."""
-        from . import client as c
+        from .conformance import client_for, run_own_loop
 
         prefix = layout.normalise_prefix(config.get("prefix", "kvtiers"))
         bucket = config["bucket"]
         name = layout.object_name(prefix, namespace.digest, key)
-        endpoint = config.get("endpoint_url") or config.get("endpoint_override")
-        key_id, secret = config.get("aws_access_key_id"), config.get("aws_secret_access_key")
 
         async def damage() -> None:
-            session = c.get_session()  # a session of this loop's own
-            unsigned = key_id is None and await session.get_credentials() is None
-            cfg = c.client_config(
-                max_pool_connections=2, connect_timeout=float(config.get("connect_timeout", 3.0)),
-                read_timeout=float(config.get("read_timeout", 10.0)), max_attempts=3,
-                addressing_style=config.get("addressing_style") or ("path" if endpoint else "auto"), unsigned=unsigned,
-            )  # fmt: skip
-            kwargs: dict[str, Any] = {"region_name": config.get("region") or "us-east-1", "config": cfg}
-            if endpoint:
-                kwargs["endpoint_url"] = endpoint
-            if key_id is not None:
-                kwargs.update(aws_access_key_id=key_id, aws_secret_access_key=secret)
-            async with session.create_client("s3", **kwargs) as cl:
+            async with client_for(config) as cl:
                 r = await cl.get_object(Bucket=bucket, Key=name)
                 async with r["Body"] as b:
                     body = bytearray(await b.read())
@@ -273,8 +271,16 @@ class ObjTier(AsyncTier):
                 await cl.put_object(Bucket=bucket, Key=name, Body=bytes(body), Metadata=r.get("Metadata") or {},
                                     **extra)
 
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a loop of its own, whatever the caller runs
-            pool.submit(asyncio.run, damage()).result(timeout=120)
+        run_own_loop(damage)
+
+    @classmethod
+    def conformance_cleanup(cls, config: dict) -> None:
+        """After a conformance run: delete every object of the suite's namespaces (those
+        whose document's fields hold ``kvtiers_conformance``) under the bucket and prefix of
+        ``config``; nothing else is touched."""
+        from .conformance import cleanup
+
+        cleanup(config)
 
     def __repr__(self) -> str:
         return f"<ObjTier s3://{self.bucket}/{layout.namespace_dir(self.prefix, self.digest)} at {self._where}>"
@@ -497,6 +503,7 @@ class ObjTier(AsyncTier):
         """HEAD the chunk: present with this arena's object size (a chunk of another size is
         a miss); a server that fails or does not answer within ``PROBE_TIMEOUT`` answers
         ``False`` (a miss for ``negative_ttl``, then asked again)."""
+        self._path_gauge.report()
         try:
             head = self._head_size(self._name(key))
             return await asyncio.wait_for(head, min(self.op_timeout, PROBE_TIMEOUT)) == self._size
@@ -508,9 +515,11 @@ class ObjTier(AsyncTier):
         return f"s3://{self.bucket}/{self._name(key)}"
 
     async def put(self, key: bytes, data: memoryview) -> None:
+        self._path_gauge.report()
         await self._timed("store", self._where_is(key), self._put(key, data), self._job_budget())
 
     async def get_into(self, key: bytes, out: memoryview) -> bool:
+        self._path_gauge.report()
         return await self._timed("load", self._where_is(key), self._get_into(key, out), self._job_budget())
 
     async def _put(self, key: bytes, data: memoryview) -> None:

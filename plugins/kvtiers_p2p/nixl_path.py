@@ -17,38 +17,25 @@ is gone settles its slots too (on one host the client watches it with a pidfd). 
 from __future__ import annotations
 
 import logging
-import os
-import uuid
+import threading
 from typing import Any
 
 import numpy as np
+from kvtiers_nixl import installed, make_agent, teardown
 
 log = logging.getLogger("kvtiers.p2p")
 
 
-
 def available() -> str | None:
     """``None`` when NIXL with a UCX backend can be used, else why not."""
-    try:
-        from nixl_cu12._api import nixl_agent  # noqa: F401
-    except ImportError as e:
-        return f"nixl-cu12 is not installed ({e}); pip install 'kvtiers[nixl]'"
-    return None
+    return installed()
 
 
-def _agent(prefix: str) -> Any:
-    from nixl_cu12._api import nixl_agent, nixl_agent_config
-
-    if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs INFO lines to stdout
-        logging.getLogger("nixl").setLevel(logging.WARNING)
-    # no progress thread: NIXL's spins a whole core even when idle (measured: 3.0 s of CPU in 3 s);
-    # the writer progresses its transfers when it polls them, the client when it waits for loads
-    config = nixl_agent_config(enable_prog_thread=False, backends=[])
-    agent = nixl_agent(f"{prefix}-{uuid.uuid4().hex[:12]}", config)
-    if "UCX" not in agent.get_plugin_list():
-        raise RuntimeError("this nixl-cu12 has no UCX plugin")
-    agent.create_backend("UCX", {})
-    return agent
+def _agent(prefix: str, owner_close: Any = None) -> Any:
+    """An agent with the UCX backend and no progress thread (:func:`kvtiers_nixl.make_agent`):
+    NIXL's spins a whole core even when idle (measured: 3.0 s of CPU in 3 s); the writer
+    progresses its transfers when it polls them, the client when it waits for loads."""
+    return make_agent(prefix, "UCX", owner_close=owner_close)
 
 
 def address(buf: Any) -> int:
@@ -60,7 +47,8 @@ class NixlClient:
     """The client's agent with the tier's whole arena registered (I/O thread only)."""
 
     def __init__(self, arena: Any) -> None:
-        self.agent = _agent("kvtiers-p2p-client")
+        self.agent = _agent("kvtiers-p2p-client", owner_close=self._close_at_exit)
+        self.user: threading.Thread | None = None  # the thread that uses the agent (set by progress)
         self.arena = arena  # registered memory must outlive the registration
         self.stride = arena.slot_bytes
         self.n = len(arena)
@@ -73,24 +61,28 @@ class NixlClient:
 
     def progress(self) -> None:
         """Let UCX progress (no progress thread): incoming writes need it on some transports."""
+        self.user = threading.current_thread()
         try:
             self.agent.get_new_notifs()
         except Exception as e:
             log.debug("p2p nixl: progress failed: %s", e)
 
     def close(self) -> None:
-        try:
-            self.agent.deregister_memory(self.reg, ["UCX"])
-        except Exception as e:  # a transfer still writing: the memory stays registered
-            log.debug("p2p nixl: deregister failed: %s", e)
-        self.agent = None
+        """Deregister the arena and destroy the agent (on the thread that used it)."""
+        agent, self.agent = self.agent, None
+        teardown(agent, regs=[(self.reg, ["UCX"])])
+
+    def _close_at_exit(self) -> None:
+        if self.user is None or not self.user.is_alive():  # never under the feet of a live I/O thread
+            self.close()
 
 
 class NixlServer:
     """The server's agent: registers the memory it serves from, writes chunks into clients' slots."""
 
     def __init__(self) -> None:
-        self.agent = _agent("kvtiers-p2p-server")
+        self.agent = _agent("kvtiers-p2p-server", owner_close=self._close_at_exit)
+        self.user: threading.Thread | None = None  # the thread that writes (set by write)
         self.regs: list[Any] = []
         self.peers: dict[bytes, str] = {}  # metadata -> remote agent name
 
@@ -106,8 +98,20 @@ class NixlServer:
             self.peers[md] = name
         return name
 
+    def close(self) -> None:
+        """Remove the clients' agents, deregister the slabs and destroy the agent (call it
+        once no write is in flight, on the server's thread)."""
+        agent, self.agent = self.agent, None
+        teardown(agent, remotes=list(self.peers.values()), regs=[(r, ["UCX"]) for r in self.regs])
+        self.regs, self.peers = [], {}
+
+    def _close_at_exit(self) -> None:
+        if self.user is None or not self.user.is_alive():
+            self.close()
+
     def write(self, buf: Any, peer: str, remote_addr: int) -> Write | None:
         """Post a WRITE of ``buf`` to ``remote_addr`` of ``peer``; None if NIXL refused it."""
+        self.user = threading.current_thread()
         agent = self.agent
         handle = None
         try:
