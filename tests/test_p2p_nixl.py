@@ -1,6 +1,7 @@
 """The p2p tier's NIXL data path (``backend: "nixl"`` against ``kvtiers p2p serve --nixl``):
 conformance checks, a peer killed mid-transfer, the fence that keeps a silent server's late
-writes out of reported slots (rule 6), and a server without NIXL refusing clearly.
+writes out of reported slots (rule 6), and a server without NIXL: loaded from over ZMQ, or
+refused clearly with ``nixl_strict``.
 ``kvtiers conformance p2p --config '{..., "backend": "nixl"}'`` runs the full suite."""
 
 from __future__ import annotations
@@ -181,10 +182,30 @@ def test_a_silent_nixl_server_holds_the_load_until_it_settles_or_the_fence_passe
         server.kill()
 
 
-def test_nixl_client_against_a_server_without_nixl_is_refused_clearly():
+def test_nixl_client_against_a_server_without_nixl_loads_over_zmq(caplog):
     srv = start_server(capacity=16 << 20)
+    src = Arena.allocate(2, 4096)
+    src[0][:] = os.urandom(4096)
+    a = open_tier("p2p", {"host": "127.0.0.1", "port": srv.port}, TierContext(src, NS))
+    dst = Arena.allocate(2, 4096)
     h = open_tier("p2p", {"host": "127.0.0.1", "port": srv.port, "backend": "nixl", "timeout": 5.0},
-                  TierContext(Arena.allocate(2, 4096), NS))
+                  TierContext(dst, NS))
+    try:
+        a.submit_store(Job(1, (b"k",), (0,)))
+        assert wait(a, 1).ok
+        h.submit_load(Job(2, (b"k",), (1,)))
+        assert wait(h, 2).ok and bytes(dst[1]) == bytes(src[0])
+        assert "does not serve NIXL" in caplog.text and "over ZMQ" in caplog.text
+    finally:
+        a.close()
+        h.close()
+        srv.stop()
+
+
+def test_nixl_strict_client_against_a_server_without_nixl_is_refused_clearly():
+    srv = start_server(capacity=16 << 20)
+    h = open_tier("p2p", {"host": "127.0.0.1", "port": srv.port, "backend": "nixl", "timeout": 5.0,
+                          "nixl_strict": True}, TierContext(Arena.allocate(2, 4096), NS))
     try:
         h.submit_load(Job(1, (b"k",), (0,)))
         r = wait(h, 1)

@@ -107,6 +107,7 @@ class Peer:
         self.gets = 0
         self.connected = False
         self.hello_rid: int | None = None
+        self.nixl = True  # ask it for NIXL loads (with a NIXL client); False once it said it serves none
 
 
 class PeerClient:
@@ -129,6 +130,7 @@ class PeerClient:
         self.curve = curve
         self.cb = callbacks
         self.nx = None
+        self.nixl_fallback = True  # a peer serving no NIXL is loaded from over ZMQ (False: refused, nixl_strict)
         if nixl:  # made here so a failure is an error at open; used on the I/O thread only
             from .nixl_path import NixlClient
 
@@ -336,7 +338,7 @@ class PeerClient:
     def _hello(self, peer: Peer) -> None:
         rid = next(self._rids)
         hello = [P.HELLO, rid, P.VERSION, self.namespace, self.chunk_bytes, self.max_bytes]
-        if self.nx is not None:
+        if self.nx is not None and peer.nixl:
             hello.append({"nixl": self.nx.hello()})
         req = Request("hello", rid, time.monotonic() + 5.0, [P.pack(*hello)])
         try:
@@ -364,7 +366,7 @@ class PeerClient:
                 part = group[i : i + GET_BATCH]
                 rid = next(self._rids)
                 keys = [it.key for it in part]
-                if self.nx is None:
+                if self.nx is None or not peer.nixl:
                     req = Request("get", rid, part[0].job.deadline, [P.pack(P.GET, rid, keys)], items=part)
                 else:  # the server writes each chunk into its slot
                     frames = [P.pack(P.GETN, rid, keys, [it.slot for it in part])]
@@ -541,6 +543,17 @@ class PeerClient:
         fd = self._pidfds.get(instance) if instance is not None else None
         return fd is not None and bool(select.select([fd], [], [], 0)[0])
 
+    def _without_nixl(self, peer: Peer, why: str) -> None:
+        """The peer serves no NIXL (e.g. its canary failed): load from it over ZMQ from now on,
+        queued GETNs (none sent yet) included, and handshake again without NIXL."""
+        log.warning("p2p: peer %s does not serve NIXL (%s); loading from it over ZMQ", peer.url, why)
+        peer.nixl = False
+        for req in peer.queue:
+            if req.kind == "getn":
+                req.kind, req.frames = "get", [P.pack(P.GET, req.rid, [it.key for it in req.items])]
+        peer.hello_rid = None
+        self._hello(peer)
+
     def _watch(self, body: dict) -> None:
         """Open a pidfd on a server on this host (HELLO's ``pid`` and ``boot``), to know when it is gone."""
         inst, pid = body.get("instance"), body.get("pid")
@@ -557,7 +570,7 @@ class PeerClient:
         if req.kind == "hello":
             if not isinstance(body, dict):
                 raise P.ProtocolError("HELLO answer is not a map")
-            if self.nx is not None and body.get("nixl") is not True:
+            if self.nx is not None and peer.nixl and body.get("nixl") is not True:
                 raise P.ProtocolError("the server did not accept NIXL")
             inst = body.get("instance")
             self._watch(body)
@@ -585,6 +598,9 @@ class PeerClient:
                 self.cb["on_evicted"](evicted)
 
     def _refused(self, peer: Peer, req: Request, code: str, msg: str) -> None:
+        if req.kind == "hello" and code == P.E_NONIXL and peer.nixl and self.nx is not None and self.nixl_fallback:
+            self._without_nixl(peer, msg)
+            return
         if req.kind == "hello":
             peer.error = f"peer {peer.url} refused the handshake: {msg}"
             log.warning("p2p: %s", peer.error)

@@ -28,7 +28,7 @@ from . import protocol as P
 from .server import PeerServer, ServerLimits, Session, Stream
 
 SERVE_OPTIONS = {"bind", "curve_secret", "allow", "max_clients", "max_inflight", "idle_timeout",
-                 "handshake_timeout", "nixl"}
+                 "handshake_timeout", "nixl", "nixl_strict"}
 E_READONLY = "read-only"
 
 
@@ -169,6 +169,8 @@ class ArenaServer(PeerServer):
             for _w, _, st, p in self.orphans:  # still writing after the wait: keep them pinned
                 st.held.pop(p, None)
         self.poll()
+        if self.nixl is not None and not self.orphans:  # a write still running keeps the agent
+            self.nixl.close()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
@@ -183,8 +185,19 @@ def serve_arena(manager: Any, options: Mapping[str, Any]) -> ArenaServer:
         raise ConfigError(f"config: serve: unknown option {sorted(unknown)[0]!r} (known: {known})")
     lim = {k: options[k] for k in ("max_clients", "max_inflight", "idle_timeout", "handshake_timeout") if k in options}
     nixl = options.get("nixl", False)
-    if type(nixl) is not bool:
-        raise ConfigError(f"config: serve: nixl must be true or false, got {nixl!r}")
+    strict = options.get("nixl_strict", False)
+    for name, flag in (("nixl", nixl), ("nixl_strict", strict)):
+        if type(flag) is not bool:
+            raise ConfigError(f"config: serve: {name} must be true or false, got {flag!r}")
+    if nixl:  # NIXL's canary first: if it crashes, serve over ZMQ only (or, strict, refuse)
+        from kvtiers_nixl import use_nixl
+
+        from kvtiers import TierError
+
+        try:
+            nixl = use_nixl("serve block", fallback="ZMQ", strict=strict)
+        except TierError as e:
+            raise ConfigError(f"config: serve: {e}") from None
     try:
         return ArenaServer(manager, options.get("bind", "tcp://127.0.0.1:5710"), limits=ServerLimits(**lim),
                            curve_secret=options.get("curve_secret"), allow_dir=options.get("allow"), nixl=nixl)

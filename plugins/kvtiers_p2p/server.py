@@ -607,6 +607,8 @@ class PeerServer:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+        if self.nixl is not None and not self.orphans and not self.draining:  # writes still running keep it
+            self.nixl.close()
         self.ctx.term()
 
 

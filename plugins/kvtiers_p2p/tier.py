@@ -29,6 +29,7 @@ from . import protocol as P
 log = logging.getLogger("kvtiers.p2p")
 
 PEERS_FILE_POLL_S = 0.5
+_SUITE_SERVERS: dict[int, Any] = {}  # port -> the ServerProcess conformance_config started
 
 
 def peer_urls(host: str | None = None, port: int | None = None, peers: list | None = None) -> list[str]:
@@ -74,7 +75,12 @@ class P2PTier:
     ``backend`` (``"zmq"``, or ``"nixl"``: servers write loads straight into the arena's
     slots) with ``nixl_fence_timeout`` (seconds a failed NIXL load waits for a silent server
     to settle the slots it may still write, before its keys fail anyway; ``null``: wait as
-    long as it takes, the job staying unreported).
+    long as it takes, the job staying unreported). Before the NIXL path is used, NIXL's
+    canary runs in a child process (:func:`kvtiers_nixl.use_nixl`); if it crashes or hangs
+    the tier loads over ZMQ with one warning, or with ``nixl_strict`` fails to open; likewise
+    a peer that serves no NIXL is loaded from over ZMQ (with ``nixl_strict``: refused).
+    ``data_path`` says which path is in use (``"nixl"`` or ``"zmq"``), as does the gauge
+    ``kvtiers_tier_data_path{tier, path}``.
     """
 
     levels = frozenset({"core", "shared", "bounded"})
@@ -84,7 +90,7 @@ class P2PTier:
                  lookup_timeout: float = 2.0, negative_ttl: float = 1.0, positive_ttl: float = 30.0,
                  max_bytes: int | None = None, curve_server_key: str | None = None,
                  curve_secret_file: str | None = None, backend: str = "zmq",
-                 nixl_fence_timeout: float | None = 15.0) -> None:  # fmt: skip
+                 nixl_fence_timeout: float | None = 15.0, nixl_strict: bool = False) -> None:  # fmt: skip
         try:
             from .client import PeerClient
         except ImportError as e:
@@ -94,11 +100,11 @@ class P2PTier:
         if backend not in ("zmq", "nixl"):
             raise ConfigError(f"tier 'p2p': backend must be 'zmq' or 'nixl', got {backend!r}")
         if backend == "nixl":
-            from .nixl_path import available
+            from kvtiers_nixl import use_nixl
 
-            why = available()
-            if why is not None:
-                raise TierError(f"tier 'p2p': backend 'nixl': {why}")
+            if not use_nixl("tier 'p2p'", fallback="ZMQ", strict=nixl_strict):  # raises if nixl-cu12 is missing
+                backend = "zmq"
+        self.data_path = backend
         if timeout <= 0 or lookup_timeout <= 0:
             raise ConfigError("tier 'p2p': timeout and lookup_timeout must be positive")
         if nixl_fence_timeout is not None and nixl_fence_timeout < 0:
@@ -106,6 +112,9 @@ class P2PTier:
         if max_bytes is not None and max_bytes < 0:
             raise ConfigError(f"tier 'p2p': max_bytes must be >= 0, got {max_bytes}")
         self.ctx = ctx
+        from kvtiers_nixl import PathGauge
+
+        self._path_gauge = PathGauge(ctx, backend)
         self.timeout = float(timeout)
         self.negative_ttl = float(negative_ttl)
         self.positive_ttl = float(positive_ttl)
@@ -130,6 +139,7 @@ class P2PTier:
                        "on_restart": self._on_restart},
             nixl=backend == "nixl", fence_timeout=None if nixl_fence_timeout is None else float(nixl_fence_timeout),
         )  # fmt: skip
+        self._client.nixl_fallback = not nixl_strict
         if peers_file is not None:
             self._client.cb["on_tick"] = self._watch_peers_file
         self._client.start("kvtiers-p2p")
@@ -146,7 +156,24 @@ class P2PTier:
         backend = os.environ.get("KVTIERS_P2P_BACKEND", "zmq")
         srv = start_server(capacity=1 << 30, exit_when_missing=str(scratch),
                            extra=["--test-faults"] + (["--nixl"] if backend == "nixl" else []))
+        _SUITE_SERVERS[srv.port] = srv
         return {"host": "127.0.0.1", "port": srv.port, "timeout": 10.0, "backend": backend}
+
+    @classmethod
+    def conformance_cleanup(cls, config: dict) -> str | None:
+        """After a conformance run: a server :meth:`conformance_config` started for it is
+        stopped now (its chunks live in its memory and go with it). Other servers keep the
+        suite's chunks until they evict them or restart (the p2p protocol has no delete);
+        the line returned says so."""
+        srv = _SUITE_SERVERS.pop(config.get("port"), None) if config.get("host") == "127.0.0.1" else None
+        if srv is not None:
+            srv.stop()  # by its own PID
+            return None
+        from .faults import config_peers
+
+        peers = ", ".join(config_peers(config)) or "the configured peers"
+        return (f"p2p: {peers} keep the suite's chunks in memory until they evict them or restart "
+                "(the p2p protocol has no delete)")
 
     @classmethod
     def bench_baseline(cls, tier: P2PTier, chunk_bytes: int):
@@ -261,6 +288,7 @@ class P2PTier:
     @hookimpl
     def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
         keys = check_keys(keys)
+        self._path_gauge.report()
         now = time.monotonic()
         present = self._present
 
@@ -320,6 +348,7 @@ class P2PTier:
 
     @hookimpl
     def get_finished_jobs(self) -> list[JobResult]:
+        self._path_gauge.report()
         return drain(self._finished)
 
     @hookimpl
