@@ -9,7 +9,7 @@ from .asynctier import AsyncTier
 from .errors import ConfigError, TierError
 from .hookspecs import hookimpl, hookspec
 from .registry import TierHandle, TierInfo, get_registry, open_tier
-from .types import Arena, Job, JobResult, Lookup, Namespace, TierContext, accept_job
+from .types import Arena, Baseline, Job, JobResult, Lookup, Namespace, TierContext, accept_job
 
 __version__ = "0.1.0"
 
@@ -32,6 +32,7 @@ __all__ = [
     *_ENGINE_NAMES,
     "Arena",
     "AsyncTier",
+    "Baseline",
     "ConfigError",
     "Job",
     "JobResult",

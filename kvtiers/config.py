@@ -36,6 +36,8 @@ VLLM_IGNORED = frozenset({
 VLLM_TIER_ALIASES = {"endpoint_override": "endpoint_url"}
 VLLM_TIER_IGNORED = frozenset({"enable_kv_events"})
 EVICTION_POLICIES_BUILTIN = ("lru", "arc")
+# config blocks of first-party plugins: named in the error when the plugin is not installed
+FIRST_PARTY_BLOCKS = {"serve": "p2p"}
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,9 @@ class Config:
     ignored: tuple[str, ...] = ()
     kv_events: dict[str, Any] | None = None  # checked by kvtiers.engine.kvevents (docs/observability.md)
     metrics: dict[str, Any] | None = None  # checked by kvtiers.metrics
-    serve: dict[str, Any] | None = None  # serve the host cache to peers; checked by kvtiers_p2p (docs/p2p.md)
+    # blocks a plugin registered (register_manager_blocks), e.g. "serve" (kvtiers_p2p, docs/p2p.md):
+    # name -> its object (or null), checked by the plugin when the manager is built
+    blocks: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tier_entries(self) -> list[dict[str, Any]]:
@@ -104,7 +108,6 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "tiers": (lambda v: isinstance(v, list), "a list of tier objects"),
     "kv_events": (lambda v: v is None or isinstance(v, dict), "an object (KV event publishing) or null"),
     "metrics": (lambda v: v is None or isinstance(v, dict), "an object (Prometheus metrics) or null"),
-    "serve": (lambda v: v is None or isinstance(v, dict), "an object (serving the host cache to peers) or null"),
 }
 
 
@@ -152,6 +155,7 @@ def parse_config(obj: Mapping[str, Any]) -> Config:
     values: dict[str, Any] = {}
     given_as: dict[str, str] = {}  # our name -> the key the config used for it
     ignored: list[str] = []
+    blocks: dict[str, Any] = {}
     for key, value in obj.items():
         name = VLLM_ALIASES.get(key, key)
         if name in values:
@@ -162,7 +166,16 @@ def parse_config(obj: Mapping[str, Any]) -> Config:
             ignored.append(key)
             continue
         if name not in _CHECKS:
-            known = ", ".join(sorted(set(_CHECKS) | set(VLLM_ALIASES)))
+            registered = _plugin_blocks()
+            if name in registered:
+                _expect(key, value, value is None or isinstance(value, dict),
+                        f"an object (the {registered[name]} plugin's block) or null")
+                blocks[name] = value
+                continue
+            if name in FIRST_PARTY_BLOCKS:
+                extra = FIRST_PARTY_BLOCKS[name]
+                raise ConfigError(f"config: {key!r} needs the {extra} tier plugin: pip install 'kvtiers[{extra}]'")
+            known = ", ".join(sorted(set(_CHECKS) | set(VLLM_ALIASES) | set(registered)))
             raise ConfigError(f"config: unknown key {key!r} (known: {known})")
         check, what = _CHECKS[name]
         _expect(key, value, check(value), what)
@@ -180,7 +193,14 @@ def parse_config(obj: Mapping[str, Any]) -> Config:
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
         raise ConfigError(f"config: tier name {dup!r} is used twice")
-    return Config(**values, tiers=tiers, ignored=tuple(sorted(ignored)))
+    return Config(**values, tiers=tiers, ignored=tuple(sorted(ignored)), blocks=blocks)
+
+
+def _plugin_blocks() -> dict[str, str]:
+    """Config blocks registered by installed plugins: name -> the plugin that offers it."""
+    from .registry import get_registry
+
+    return {name: plugin for name, (plugin, _attach) in get_registry().blocks.items()}
 
 
 def load_config(src: str | os.PathLike | Mapping[str, Any]) -> Config:

@@ -110,7 +110,7 @@ class TierClassSpec:
 
     @classmethod
     def bench_baseline(cls, tier: Any, chunk_bytes: int) -> Any:
-        """A raw baseline for ``kvtiers bench tier TYPE``: a :class:`kvtiers.tierbench.Baseline`
+        """A raw baseline for ``kvtiers bench tier TYPE``: a :class:`kvtiers.Baseline`
         (or None) holding plain ``put(key, data)`` / ``get(key, out)`` callables (functions or
         coroutine functions) on the same medium as the open instance ``tier`` (same
         directory, server, client settings), and how many calls the tier itself keeps in
@@ -121,10 +121,12 @@ class TierClassSpec:
 
 RegisterTier = Callable[[str, type], None]
 RegisterPolicy = Callable[[str, Any], None]
+#: ``register(name, attach)``: ``attach(manager, block) -> service`` for a top-level config key
+RegisterBlock = Callable[[str, Callable[[Any, dict], Any]], None]
 
 
 class RegistrationSpec:
-    """Hooks a plugin module implements to add tiers, CLI commands and policies."""
+    """Hooks a plugin module implements to add tiers, CLI commands, policies and config blocks."""
 
     @hookspec
     def register_tiers(self, register: RegisterTier) -> None:
@@ -137,6 +139,20 @@ class RegistrationSpec:
     @hookspec
     def register_eviction_policies(self, register: RegisterPolicy) -> None:
         """Call ``register(name, policy_class)`` for each host-cache eviction policy."""
+
+    @hookspec
+    def register_manager_blocks(self, register: RegisterBlock) -> None:
+        """Call ``register(name, attach)`` for each top-level config block the plugin adds to
+        the engine side (e.g. ``kvtiers_p2p``'s ``"serve"``: peers read the host cache).
+
+        A config that has the key ``name`` with an object passes it to ``attach(manager,
+        block)`` once the ``TieringManager`` and its tiers are built; ``attach`` checks the
+        block (a :class:`~kvtiers.errors.ConfigError` naming what is wrong) and returns a
+        service with ``poll()`` (called at each manager step) and ``close()`` (called by the
+        manager's ``close``, before the host arena is freed). The manager keeps it in
+        ``manager.services[name]``. This is how plugin features reach the engine without the
+        engine importing any plugin.
+        """
 
 
 TIER_HOOKS = ("lookup", "submit_store", "submit_load", "get_finished_jobs", "close", "touch", "backlog")

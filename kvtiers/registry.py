@@ -88,6 +88,7 @@ class Registry:
         self.pm.add_hookspecs(RegistrationSpec)
         self._tiers: dict[str, TierInfo] = {}
         self._policies: dict[str, Any] = {}
+        self.blocks: dict[str, tuple[str, Any]] = {}  # config block name -> (plugin, attach)
         self._by_path: dict[str, TierInfo] = {}  # import path -> resolved tier
         self.errors: dict[str, str] = {}  # plugin name -> why it failed to load
         self._dists: dict[str, tuple[str, str]] = {}
@@ -128,6 +129,20 @@ class Registry:
                 log.warning("kvtiers plugin %r failed to register tiers: %s", impl.plugin_name, e)
         for impl in self.pm.hook.register_eviction_policies.get_hookimpls():
             impl.function(register=self._policies.__setitem__)
+        for impl in self.pm.hook.register_manager_blocks.get_hookimpls():
+
+            def register_block(name: str, attach: Any, _p=impl.plugin_name) -> None:
+                if not isinstance(name, str) or not name or not callable(attach):
+                    raise TierError(f"plugin {_p!r}: register(name, attach) needs a non-empty str and a callable")
+                if name in self.blocks:
+                    raise TierError(f"config block {name!r} registered twice (by {self.blocks[name][0]} and {_p})")
+                self.blocks[name] = (_p, attach)
+
+            try:
+                impl.function(register=register_block)
+            except Exception as e:
+                self.errors[impl.plugin_name] = f"{type(e).__name__}: {e}"
+                log.warning("kvtiers plugin %r failed to register config blocks: %s", impl.plugin_name, e)
 
     def tiers(self) -> list[TierInfo]:
         """Every registered tier type, sorted by name."""
@@ -168,6 +183,10 @@ class Registry:
     def eviction_policies(self) -> dict[str, Any]:
         """Eviction policies registered by plugins, by name."""
         return dict(self._policies)
+
+    def manager_blocks(self) -> dict[str, Any]:
+        """Config blocks registered by plugins: name -> ``attach(manager, block)``."""
+        return {name: attach for name, (_p, attach) in self.blocks.items()}
 
     def add_commands(self, cli: Any) -> None:
         """Let every plugin add its CLI subcommands to ``cli``."""

@@ -304,3 +304,26 @@ class TierContext:
             listeners = list(self._listeners)
         for fn in listeners:
             fn(keys, reason)
+
+
+@dataclass
+class Baseline:
+    """What a tier's optional ``bench_baseline`` classmethod returns: plain I/O on the tier's
+    medium, for ``kvtiers bench tier`` to compare the tier with.
+
+    ``put(key, data)`` keeps the bytes of the memoryview ``data`` under ``key``; ``get(key,
+    out)`` writes them back into ``out`` (both may be coroutine functions; those run on the
+    SDK's I/O loop). ``concurrency``: how many calls the tier itself would have in flight
+    (its threads or connection limit); ``load_concurrency`` if loads differ. ``close(keys)``,
+    called once at the end with the keys the bench stored through the tier, removes what
+    the baseline wrote (and may remove the tier's keys where the tier has no ``delete``:
+    an :class:`~kvtiers.AsyncTier`'s ``delete`` is called for them afterwards anyway).
+    ``name`` says what the baseline is.
+    """
+
+    name: str
+    put: Callable[[bytes, memoryview], Any]
+    get: Callable[[bytes, memoryview], Any]
+    concurrency: int = 8
+    load_concurrency: int | None = None
+    close: Callable[[Sequence[bytes]], None] | None = None

@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from kvtiers.commands.bench.arena import make_setup  # noqa: E402
 from kvtiers.engine.arena import create_host_arena, slot_bytes_for  # noqa: E402
-from kvtiers.engine.bench import make_setup  # noqa: E402
 from kvtiers.engine.dma import DmaEngine  # noqa: E402
 from kvtiers.engine.layout import KVGroup, KVLayout  # noqa: E402
 

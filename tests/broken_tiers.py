@@ -15,8 +15,9 @@ import threading
 import time
 from collections.abc import Sequence
 
+from tier_helpers import InlineMemoryTier
+
 from kvtiers import AsyncTier, Job, JobResult, Lookup, TierContext, hookimpl
-from kvtiers.memory import MemoryTier
 from kvtiers.types import check_keys
 
 # -- good tiers ------------------------------------------------------------------------------
@@ -121,7 +122,7 @@ class DirTier(AsyncTier):
 # -- broken tiers, by rule -----------------------------------------------------------------
 
 
-class SleepyLookupTier(MemoryTier):
+class SleepyLookupTier(InlineMemoryTier):
     """Rule 1: lookup sleeps (as if it asked a server) on the caller's thread."""
 
     @hookimpl
@@ -130,7 +131,7 @@ class SleepyLookupTier(MemoryTier):
         return super().lookup(keys)
 
 
-class StatLookupTier(MemoryTier):
+class StatLookupTier(InlineMemoryTier):
     """Rule 1: lookup opens a file per call (fast, but I/O on the caller's thread)."""
 
     @hookimpl
@@ -140,7 +141,7 @@ class StatLookupTier(MemoryTier):
         return super().lookup(keys)
 
 
-class ForeverRetryTier(MemoryTier):
+class ForeverRetryTier(InlineMemoryTier):
     """Rule 1: unknown keys answer RETRY forever."""
 
     @hookimpl
@@ -148,7 +149,7 @@ class ForeverRetryTier(MemoryTier):
         return [Lookup.RETRY if a is Lookup.MISS else a for a in super().lookup(keys)]
 
 
-class DropEveryThirdTier(MemoryTier):
+class DropEveryThirdTier(InlineMemoryTier):
     """Rule 2: every third key stored is dropped, and the store reported good."""
 
     n = 0
@@ -163,7 +164,7 @@ class DropEveryThirdTier(MemoryTier):
                     self._data.pop(k, None)
 
 
-class BitFlipTier(MemoryTier):
+class BitFlipTier(InlineMemoryTier):
     """Rule 3: every seventh key loaded gets one byte flipped."""
 
     n = 0
@@ -179,7 +180,7 @@ class BitFlipTier(MemoryTier):
                     view[100] ^= 0x01
 
 
-class PhantomLoadTier(MemoryTier):
+class PhantomLoadTier(InlineMemoryTier):
     """Rule 4: a missing key is loaded "successfully" (zeros, reported good)."""
 
     @hookimpl
@@ -191,7 +192,7 @@ class PhantomLoadTier(MemoryTier):
         self._finished.append(JobResult(job.job_id, (), 0, 0.0))
 
 
-class RaisingLoadTier(MemoryTier):
+class RaisingLoadTier(InlineMemoryTier):
     """Rule 4: a missing key raises KeyError out of submit_load."""
 
     @hookimpl
@@ -202,7 +203,7 @@ class RaisingLoadTier(MemoryTier):
         super().submit_load(job)
 
 
-class LoseEveryFourthTier(MemoryTier):
+class LoseEveryFourthTier(InlineMemoryTier):
     """Rule 5: every fourth result is never reported."""
 
     n = 0
@@ -217,7 +218,7 @@ class LoseEveryFourthTier(MemoryTier):
         return out
 
 
-class DoubleReportTier(MemoryTier):
+class DoubleReportTier(InlineMemoryTier):
     """Rule 5: the fifth result is reported twice (again on the next poll)."""
 
     n = 0
@@ -234,7 +235,7 @@ class DoubleReportTier(MemoryTier):
         return out
 
 
-class LateWriteTier(MemoryTier):
+class LateWriteTier(InlineMemoryTier):
     """Rule 6: a load's slot is written again 50 ms after its job was reported."""
 
     @hookimpl
@@ -252,7 +253,7 @@ class LateWriteTier(MemoryTier):
         timer.start()
 
 
-class NoCopyTier(MemoryTier):
+class NoCopyTier(InlineMemoryTier):
     """Rule 6: stores keep a view of the slot instead of copying it."""
 
     @hookimpl
@@ -263,7 +264,7 @@ class NoCopyTier(MemoryTier):
         self._finished.append(JobResult(job.job_id, (), 0, 0.0))
 
 
-class NonIdempotentTier(MemoryTier):
+class NonIdempotentTier(InlineMemoryTier):
     """Rule 7: storing a key that exists fails."""
 
     @hookimpl
@@ -275,7 +276,7 @@ class NonIdempotentTier(MemoryTier):
         self._finished.append(JobResult(job.job_id, dup, 0, 0.0, "key exists"))
 
 
-class BlockingSubmitTier(MemoryTier):
+class BlockingSubmitTier(InlineMemoryTier):
     """Rule 8: submit waits for "the disk" (100 ms) before returning."""
 
     @hookimpl
@@ -284,7 +285,7 @@ class BlockingSubmitTier(MemoryTier):
         super().submit_store(job)
 
 
-class UncheckedSlotTier(MemoryTier):
+class UncheckedSlotTier(InlineMemoryTier):
     """Rule 8: slots are never validated; views are cut from the flat buffer, so an
     out-of-range or negative slot is silently accepted."""
 
@@ -311,7 +312,7 @@ class UncheckedSlotTier(MemoryTier):
         self._finished.append(JobResult(job.job_id, tuple(failed), 0, 0.0, "failed" if failed else None))
 
 
-class WrongErrorTier(MemoryTier):
+class WrongErrorTier(InlineMemoryTier):
     """Rule 8: an out-of-range slot raises RuntimeError, not a caller error."""
 
     def _check(self, job: Job) -> None:
@@ -321,7 +322,7 @@ class WrongErrorTier(MemoryTier):
             raise RuntimeError(f"internal error: {e}") from None
 
 
-class LeakyThreadTier(MemoryTier):
+class LeakyThreadTier(InlineMemoryTier):
     """Rule 9: a background thread that close never stops."""
 
     def __init__(self, ctx: TierContext, *, max_bytes: int | None = None) -> None:
@@ -330,7 +331,7 @@ class LeakyThreadTier(MemoryTier):
         threading.Thread(target=self._stop.wait, name="leaky-flusher", daemon=True).start()
 
 
-class LeakyFdTier(MemoryTier):
+class LeakyFdTier(InlineMemoryTier):
     """Rule 9: a file descriptor opened at start and never closed."""
 
     def __init__(self, ctx: TierContext, *, max_bytes: int | None = None) -> None:
@@ -338,7 +339,7 @@ class LeakyFdTier(MemoryTier):
         self._fd = os.open(os.devnull, os.O_RDONLY)
 
 
-class DeferredResultTier(MemoryTier):
+class DeferredResultTier(InlineMemoryTier):
     """Rule 9: results wait one poll in a side queue, and close throws that queue away."""
 
     def __init__(self, ctx: TierContext, *, max_bytes: int | None = None) -> None:
@@ -356,21 +357,21 @@ class DeferredResultTier(MemoryTier):
         super().close()
 
 
-class UnboundedTier(MemoryTier):
+class UnboundedTier(InlineMemoryTier):
     """Rule 11: max_bytes is accepted and ignored."""
 
     def __init__(self, ctx: TierContext, *, max_bytes: int | None = None) -> None:
         super().__init__(ctx, max_bytes=None)
 
 
-class SilentEvictTier(MemoryTier):
+class SilentEvictTier(InlineMemoryTier):
     """Rule 11: evicts, but never reports it through ctx.removed."""
 
     def __init__(self, ctx: TierContext, *, max_bytes: int | None = None) -> None:
         super().__init__(TierContext(ctx.arena, ctx.namespace), max_bytes=max_bytes)
 
 
-class GhostHitTier(MemoryTier):
+class GhostHitTier(InlineMemoryTier):
     """Rule 11: evicts and reports it, but lookup still answers HIT for every key ever
     stored (a stale index, or a base class that marks a whole job present after it)."""
 
@@ -388,7 +389,7 @@ class GhostHitTier(MemoryTier):
         return [Lookup.HIT if k in self._ever else a for k, a in zip(keys, super().lookup(keys), strict=True)]
 
 
-class WholeJobPresentTier(MemoryTier):
+class WholeJobPresentTier(InlineMemoryTier):
     """Rule 11, only with one job larger than the bound: lookup answers from a present-set
     that drops evicted keys, then marks every key of the finished job present, so keys
     evicted by later keys of the same job answer HIT (AsyncTier's bug before ``evicted``)."""
@@ -409,7 +410,7 @@ class WholeJobPresentTier(MemoryTier):
         return [Lookup.HIT if k in self._present else Lookup.MISS for k in check_keys(keys)]
 
 
-class ZombieLoadTier(MemoryTier):
+class ZombieLoadTier(InlineMemoryTier):
     """Rule 11 (and 4): evicted keys answer MISS and are reported, but a load of one still
     succeeds from a copy kept aside."""
 
@@ -436,7 +437,7 @@ def poison_like(size: int) -> bytes:
     return b"\xde\xad\xbe\xef" * (size // 4)
 
 
-class NormalisingTier(MemoryTier):
+class NormalisingTier(InlineMemoryTier):
     """Rule 12: keys are "normalised" by dropping '/', so a/b and ab alias."""
 
     @staticmethod

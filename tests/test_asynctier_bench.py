@@ -7,7 +7,7 @@ import json
 
 from click.testing import CliRunner
 
-from kvtiers.cli import cli
+from kvtiers.commands.cli import cli
 
 
 def test_bench_asynctier_json_and_per_key_cost() -> None:

@@ -6,7 +6,7 @@ import sys
 
 from click.testing import CliRunner
 
-from kvtiers.engine.bench import arena
+from kvtiers.commands.bench.arena import arena
 
 
 def test_bench_arena_json_shape_and_sanity():
@@ -24,7 +24,7 @@ def test_bench_arena_json_shape_and_sanity():
 
 def test_bench_arena_through_the_kvtiers_command():
     out = subprocess.run(
-        [sys.executable, "-c", "import sys; from kvtiers.cli import main; sys.exit(main())",
+        [sys.executable, "-c", "import sys; from kvtiers.commands.cli import main; sys.exit(main())",
          "bench", "arena", "--rounds", "3", "--chunks", "1", "--chunk-mib", "1", "--tensors", "pooled"],
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -11,12 +11,13 @@ from click.testing import CliRunner
 
 import kvtiers
 from kvtiers import ConfigError, TierError
-from kvtiers.cli import LazyGroup, cli, main
+from kvtiers.commands.cli import LazyGroup, cli, main
 from kvtiers.registry import LEVELS, get_registry
 
 
 def run_kvtiers(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvtiers.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "kvtiers.commands", *args], capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_help_lists_the_commands() -> None:
@@ -94,7 +95,7 @@ def test_lazy_group_imports_on_first_use_and_degrades_when_missing() -> None:
     group = LazyGroup(
         name="g",
         lazy={
-            "present": ("kvtiers.cli:tiers", "List tiers."),
+            "present": ("kvtiers.commands.cli:tiers", "List tiers."),
             "absent": ("no_such_module_for_kvtiers:cmd", "Needs an extra."),
         },
     )

@@ -86,7 +86,7 @@ def test_a_new_database_file_is_removed_and_keys_in_an_existing_one_deleted(tmp_
 
 def test_cli_keep(tmp_path: pathlib.Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    base = [sys.executable, "-c", "import sys; from kvtiers.cli import main; sys.exit(main())", "conformance", "fs",
+    base = [sys.executable, "-m", "kvtiers.commands", "conformance", "fs",
             "--level", "bounded", "--seed", "4"]
     for keep, left in ((["--keep"], True), ([], False)):
         root = tmp_path / f"kv{len(keep)}"

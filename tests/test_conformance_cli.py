@@ -12,7 +12,7 @@ import time
 import xml.etree.ElementTree as ET
 
 TESTS = pathlib.Path(__file__).parent
-KVTIERS = [sys.executable, "-c", "import sys; from kvtiers.cli import main; sys.exit(main())"]
+KVTIERS = [sys.executable, "-c", "import sys; from kvtiers.commands.cli import main; sys.exit(main())"]
 LINE = re.compile(r"^rule (\d+) ([a-z-]+) \[(core|durable|shared|bounded)\]: (PASS|FAIL|SKIP)( \(.+\))?$")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-KVTIERS = [sys.executable, "-c", "import sys; from kvtiers.cli import main; sys.exit(main())"]
+KVTIERS = [sys.executable, "-c", "import sys; from kvtiers.commands.cli import main; sys.exit(main())"]
 
 
 def kvtiers(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -55,7 +55,7 @@ def test_new_tier_make_test_passes_and_the_entry_point_registers_it(tmp_path: Pa
 
 
 def test_new_tier_refuses_bad_names_and_non_empty_targets(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from kvtiers.cli import main
+    from kvtiers.commands.cli import main
 
     for bad in ("Demo", "9lives", "a-b", "x__y", "tier_"):
         assert main(["new", "tier", bad, "--dir", str(tmp_path)]) != 0

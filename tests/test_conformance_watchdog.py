@@ -11,14 +11,14 @@ import threading
 import time
 
 from kvtiers_conformance import DEFAULT_LIMITS, run_conformance
+from tier_helpers import InlineMemoryTier
 
 from kvtiers import Job, hookimpl
-from kvtiers.memory import MemoryTier
 
 TESTS = pathlib.Path(__file__).parent
 
 
-class HangingLoadTier(MemoryTier):
+class HangingLoadTier(InlineMemoryTier):
     """Rule 8 broken in the worst way: a load of a key never stored blocks forever."""
 
     never = threading.Event()
@@ -44,7 +44,7 @@ def test_a_hung_hook_fails_its_check_and_the_run_goes_on() -> None:
 
 def test_cli_exits_1_instead_of_hanging() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-c", "import sys; from kvtiers.cli import main; sys.exit(main())", "conformance",
+    cmd = [sys.executable, "-c", "import sys; from kvtiers.commands.cli import main; sys.exit(main())", "conformance",
            "test_conformance_watchdog:HangingLoadTier", "--config", "{}", "--level", "core",
            "--examples", "5", "--check-timeout", "2", "--seed", "3"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)

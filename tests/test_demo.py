@@ -9,16 +9,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tier_helpers import InlineMemoryTier
+
 from kvtiers import Job, hookimpl
-from kvtiers.engine.demo import chunk_keys, merge_config
-from kvtiers.memory import MemoryTier
+from kvtiers.commands.demo.chat import merge_config
+from kvtiers.commands.demo.engine import chunk_keys
 
 TESTS = Path(__file__).resolve().parent
 SMALL = ["--turns", "3", "--conversations", "4", "--json"]
 HOST_8 = {"host_bytes": 8 << 20}  # 8 one-MiB slots: the host overflows
 
 
-class LyingTier(MemoryTier):
+class LyingTier(InlineMemoryTier):
     """Breaks rule 3: flips one byte of every loaded chunk and reports success."""
 
     @hookimpl
@@ -31,7 +33,7 @@ class LyingTier(MemoryTier):
 
 def run_demo(*args: str, config: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "kvtiers.cli", "demo", *args]
+    cmd = [sys.executable, "-m", "kvtiers.commands", "demo", *args]
     if config is not None:
         cmd += ["--config", json.dumps(config)]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
@@ -67,7 +69,7 @@ def test_demo_table_and_temp_dir_cleanup(tmp_path) -> None:
     env_tmp = tmp_path / "tmp"
     env_tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(env_tmp))
-    p = subprocess.run([sys.executable, "-m", "kvtiers.cli", "demo", "--turns", "2", "--conversations", "2"],
+    p = subprocess.run([sys.executable, "-m", "kvtiers.commands", "demo", "--turns", "2", "--conversations", "2"],
                        capture_output=True, text=True, env=env, timeout=240)
     assert p.returncode == 0, p.stderr
     for heading in ("chunks loaded from", "device->host", "host->device", "prefill tokens:", "0 mismatched"):

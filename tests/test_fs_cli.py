@@ -16,7 +16,7 @@ from kvtiers_fs.cli import parse_size
 from test_fs_helpers import SLOT, Env, chunk_files
 
 from kvtiers import Namespace
-from kvtiers.cli import cli
+from kvtiers.commands.cli import cli
 from kvtiers.registry import get_registry
 
 FILE = layout.file_bytes(SLOT)

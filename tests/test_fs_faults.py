@@ -18,7 +18,7 @@ from test_fs_helpers import SLOT, Env, chunk_files, resolve, wait_for
 from tier_helpers import mounted_tmpfs
 
 from kvtiers import Lookup
-from kvtiers.cli import cli
+from kvtiers.commands.cli import cli
 from kvtiers.registry import get_registry
 
 

@@ -307,7 +307,7 @@ def test_dtypes_byte_exact_through_the_dma_engine(dtype, path):
 
 @pytest.mark.parametrize("model", ["hybrid-swa", "hybrid-ssm"])
 def test_hybrid_demo_verifies_every_copied_byte(tmp_path, model):
-    from kvtiers.engine.demo import run_demo
+    from kvtiers.commands.demo.chat import run_demo
 
     tally, _, info = run_demo(turns=3, conversations=3, tier_dir=str(tmp_path), seed=1, device_name="cpu",
                               quiet=True, model=model, override={"tiers": [{"type": "memory"}]})
@@ -321,7 +321,7 @@ def test_hybrid_demo_catches_a_wrong_window_or_state(tmp_path, model, monkeypatc
     """The demo's check is real: loads that skip the window, or restore the first chunk's
     state instead of the last, are reported as mismatches."""
     import kvtiers.engine.hybrid as hybrid
-    from kvtiers.engine.demo import run_demo
+    from kvtiers.commands.demo.chat import run_demo
 
     if model == "hybrid-swa":
         monkeypatch.setattr(hybrid, "window_first_block", lambda n, w, t: n)
@@ -343,7 +343,7 @@ def test_hybrid_demo_catches_a_wrong_window_or_state(tmp_path, model, monkeypatc
 
 @pytest.mark.parametrize("model", ["hybrid-swa", "hybrid-ssm"])
 def test_bench_arena_covers_hybrids(model):
-    from kvtiers.engine.bench import run_bench
+    from kvtiers.commands.bench.arena import run_bench
 
     res = {r["op"]: r for r in run_bench([1 << 20], 4, 3, ["separate"], "cpu", model)}
     assert res["store"]["bytes"] == res["store"]["full_bytes"]  # stores keep whole chunks

@@ -22,10 +22,10 @@ import zmq
 from tier_helpers import CopyDma
 
 from kvtiers import Arena, Request
+from kvtiers.commands.events import Tail
 from kvtiers.engine.kvevents import KVEventPublisher, KVEventsConfig, attach_kv_events, parse_kv_events
 from kvtiers.engine.manager import TieringManager
 from kvtiers.errors import ConfigError
-from kvtiers.events_cli import Tail
 
 TESTS = Path(__file__).resolve().parent
 SLOT = 4096
@@ -310,7 +310,7 @@ def test_tail_reports_and_fills_a_gap_through_replay() -> None:
         return send(frames, *a, **kw)
 
     pub._pub.send_multipart = lossy
-    cmd = [sys.executable, "-m", "kvtiers.cli", "events", "tail", "--endpoint", pub.endpoint,
+    cmd = [sys.executable, "-m", "kvtiers.commands", "events", "tail", "--endpoint", pub.endpoint,
            "--replay-endpoint", pub.replay_endpoint, "--json", "--idle-timeout", "2", "--timeout", "90"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue = queue.Queue()
@@ -380,14 +380,14 @@ def test_subscriber_in_another_process_gets_every_event_of_a_demo_run(tmp_path) 
     pub_ep, replay_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     env = dict(os.environ, PYTHONPATH=str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     tail = subprocess.Popen(
-        [sys.executable, "-m", "kvtiers.cli", "events", "tail", "--endpoint", pub_ep, "--replay-endpoint", replay_ep,
-         "--json", "--idle-timeout", "4", "--timeout", "200"],
+        [sys.executable, "-m", "kvtiers.commands", "events", "tail", "--endpoint", pub_ep,
+         "--replay-endpoint", replay_ep, "--json", "--idle-timeout", "4", "--timeout", "200"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         config = {"host_bytes": 8 << 20, "tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv"),
                                                     "max_bytes": 24 << 20}]}
         demo = subprocess.run(
-            [sys.executable, "-m", "kvtiers.cli", "demo", "--turns", "3", "--conversations", "4", "--json",
+            [sys.executable, "-m", "kvtiers.commands", "demo", "--turns", "3", "--conversations", "4", "--json",
              "--events", pub_ep, "--events-replay", replay_ep, "--linger", "3", "--config", json.dumps(config)],
             capture_output=True, text=True, env=env, timeout=240)
         assert demo.returncode == 0, demo.stderr

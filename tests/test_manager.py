@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from tier_helpers import InlineMemoryTier
 
 import kvtiers
 from kvtiers import Job, JobResult, TierContext, hookimpl
@@ -22,7 +23,6 @@ from kvtiers.engine.hostcache import LOADING, READY
 from kvtiers.engine.layout import KVLayout
 from kvtiers.engine.manager import CacheEvent, Request, TieringManager
 from kvtiers.errors import TierError
-from kvtiers.memory import MemoryTier
 
 NUM_LAYERS = 2
 BLOCK_SHAPE = (4, 64)  # float32: 1 KiB per block per tensor
@@ -181,7 +181,7 @@ def test_overflow_comes_back_from_the_tier_with_exact_bytes(managers) -> None:
     keys = [key(i) for i in range(5)]
     for i, k in enumerate(keys):  # one store per chunk: the host keeps the last two
         store_all(mgr, [k], first_block_chunk=i)
-    settle(mgr)
+        settle(mgr)  # the memory tier copies on its own thread: the slot is free once its cascade is done
     look = mgr.lookup(keys)
     assert look.num_chunks == 5
     assert look.sources == ("memory", "memory", "memory", "host", "host")
@@ -200,7 +200,7 @@ def test_overflow_comes_back_from_the_tier_with_exact_bytes(managers) -> None:
         assert mgr.stats.paths[path].nbytes > 0, path
 
 
-class OnlySuffix(MemoryTier):
+class OnlySuffix(InlineMemoryTier):
     """A memory tier that keeps only keys ending in ``suffix`` (others: failed keys)."""
 
     def __init__(self, ctx: TierContext, *, suffix: str, max_bytes: int | None = None) -> None:
@@ -240,7 +240,7 @@ def test_a_load_longer_than_the_arena_runs_in_waves(managers) -> None:
     keys = [key(i) for i in range(8)]
     for i, k in enumerate(keys):
         store_all(mgr, [k], first_block_chunk=i)
-    settle(mgr)
+        settle(mgr)  # the cascade frees the slot for the next store
     assert mgr.lookup(keys).num_chunks == 8
     res = load_and_check(mgr, kv, keys, list(range(8)))
     assert res.ok and len(res.sources) == 8
@@ -275,7 +275,7 @@ def test_lookup_stops_at_the_first_chunk_nobody_has(managers) -> None:
 # -- pins, cancellation, RETRY -------------------------------------------------------------
 
 
-class HeldTier(MemoryTier):
+class HeldTier(InlineMemoryTier):
     """A memory tier whose results are held back while ``hold`` is set (fault injection:
     a slow tier)."""
 
@@ -411,9 +411,9 @@ class LookupBoom:
 
 def evicted_setup(managers, **kw):
     mgr, kv, gate = managers(2, tiers=["memory"], **kw)
-    for i in range(3):
+    for i in range(3):  # each cascade settles before the next store needs its slot
         store_all(mgr, [key(i)], first_block_chunk=i)
-    settle(mgr)
+        settle(mgr)
     assert mgr.lookup([key(0)]).sources == ("memory",)
     return mgr, kv
 
@@ -432,6 +432,7 @@ def test_a_failing_tier_degrades_to_a_miss(managers, mode, caplog) -> None:
     # the host keeps working: stores and host loads go on
     store_all(mgr, [key(5)], first_block_chunk=5)
     assert load_and_check(mgr, kv, [key(5)], [5]).ok
+    settle(mgr)  # key(5)'s cascade to the tier holds its slot until it is done
     # a lost job's slot stays quarantined (pinned) as long as the tier might write it
     assert mgr.cache.pinned_slots() == (1 if mode == "lose" else 0)
 

@@ -136,7 +136,7 @@ def test_metrics_endpoint_of_a_running_demo(tmp_path) -> None:
     config = {"host_bytes": 8 << 20, "tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv")},
                                                {"type": "test_metrics:CountingTier", "name": "counting"}]}
     demo = subprocess.Popen(
-        [sys.executable, "-m", "kvtiers.cli", "demo", "--turns", "3", "--conversations", "4", "--json",
+        [sys.executable, "-m", "kvtiers.commands", "demo", "--turns", "3", "--conversations", "4", "--json",
          "--metrics-port", str(port), "--linger", "30", "--config", json.dumps(config)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     found: dict = {}

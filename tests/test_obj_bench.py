@@ -19,7 +19,7 @@ def _left(srv, opts: dict) -> list[str]:
 
 def test_bench_obj_json_shape(s3_server):
     cfg = json.dumps(options_for(s3_server))
-    cmd = [sys.executable, "-m", "kvtiers.cli", "bench", "obj", "--config", cfg, "--json",
+    cmd = [sys.executable, "-m", "kvtiers.commands", "bench", "obj", "--config", cfg, "--json",
            "--rounds", "3", "--chunks", "4", "--chunk-bytes", str(256 << 10), "--no-concurrency"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -39,7 +39,7 @@ def test_bench_obj_json_shape(s3_server):
 
 def test_bench_tier_obj_by_concurrency(s3_server):
     opts = options_for(s3_server, max_concurrency=4)
-    cmd = [sys.executable, "-m", "kvtiers.cli", "bench", "tier", "obj", "--config", json.dumps(opts), "--json",
+    cmd = [sys.executable, "-m", "kvtiers.commands", "bench", "tier", "obj", "--config", json.dumps(opts), "--json",
            "--rounds", "1", "--chunks", "4", "--chunk-bytes", "64K", "--concurrency", "2x2"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -54,6 +54,6 @@ def test_bench_tier_obj_by_concurrency(s3_server):
 
 
 def test_bench_obj_needs_a_config():
-    cmd = [sys.executable, "-m", "kvtiers.cli", "bench", "obj"]
+    cmd = [sys.executable, "-m", "kvtiers.commands", "bench", "obj"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--config" in (r.stdout + r.stderr)

@@ -147,7 +147,7 @@ def test_paused_server_fails_nixl_keys_within_op_timeout(s3_fault_server):
 @needs_nixl
 def test_bench_obj_backend_both(s3_server):
     cfg = json.dumps(options_for(s3_server))
-    cmd = [sys.executable, "-m", "kvtiers.cli", "bench", "obj", "--config", cfg, "--json", "--backend", "both",
+    cmd = [sys.executable, "-m", "kvtiers.commands", "bench", "obj", "--config", cfg, "--json", "--backend", "both",
            "--rounds", "3", "--chunks", "4", "--chunk-bytes", str(256 << 10)]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -18,7 +18,7 @@ from kvtiers_p2p.spawn import start_server  # noqa: E402
 from kvtiers_p2p.tier import P2PTier  # noqa: E402
 
 from kvtiers import Arena, Namespace, TierContext, open_tier  # noqa: E402
-from kvtiers.cli import main  # noqa: E402
+from kvtiers.commands.cli import main  # noqa: E402
 from kvtiers.ioloop import get_loop  # noqa: E402
 
 

@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 def test_pd_demo_two_processes_every_byte_verified(backend):
     if backend == "nixl":
         pytest.importorskip("nixl_cu12")
-    r = subprocess.run([sys.executable, "-m", "kvtiers.cli", "demo", "--scenario", "pd", "--conversations", "2",
+    r = subprocess.run([sys.executable, "-m", "kvtiers.commands", "demo", "--scenario", "pd", "--conversations", "2",
                         "--p2p-backend", backend, "--json"], capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)

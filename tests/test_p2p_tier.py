@@ -21,7 +21,7 @@ from tier_helpers import resolve_lookup as resolve  # noqa: E402
 from tier_helpers import wait_job as wait  # noqa: E402
 
 from kvtiers import Arena, ConfigError, Job, Lookup, Namespace, TierContext, open_tier  # noqa: E402
-from kvtiers.cli import main  # noqa: E402
+from kvtiers.commands.cli import main  # noqa: E402
 
 NS = Namespace({"test": "p2p-tier"})
 

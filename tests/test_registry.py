@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 import pytest
+from tier_helpers import wait_job
 
 import kvtiers
 from kvtiers import Arena, ConfigError, Job, JobResult, Lookup, TierContext, TierError, get_registry, open_tier
@@ -72,7 +73,7 @@ def kvtiers_cli(*args: str, path: Path | None = None, env: dict | None = None) -
     if path is not None:
         e["PYTHONPATH"] = os.pathsep.join([str(path), e.get("PYTHONPATH", "")])
     return subprocess.run(
-        [sys.executable, "-m", "kvtiers.cli", *args], capture_output=True, text=True, env=e, timeout=120
+        [sys.executable, "-m", "kvtiers.commands", *args], capture_output=True, text=True, env=e, timeout=120
     )
 
 
@@ -118,7 +119,7 @@ def test_throwaway_distribution_opens_and_works(tmp_path: Path, monkeypatch: pyt
     try:
         ctx.arena[0][:3] = b"abc"
         h.submit_store(Job(1, (b"k",), (0,)))
-        assert [r.job_id for r in h.get_finished_jobs()] == [1]
+        assert wait_job(h, 1).ok
         assert h.lookup([b"k", b"z"]) == [Lookup.HIT, Lookup.MISS]
         assert h.levels == {"core", "durable"}
     finally:
@@ -360,13 +361,15 @@ def test_wrappers_see_and_can_alter_every_tier_hook(ctx) -> None:
     h = open_tier("memory", {}, ctx)
     h.add_wrapper(Spy(), name="spy")
     h.submit_store(Job(1, (b"hidden", b"shown"), (0, 1)))
+    assert wait_job(h, 1).ok
     assert h.lookup([b"hidden", b"shown"]) == [Lookup.RETRY, Lookup.HIT]
     h.submit_load(Job(2, (b"shown",), (2,)))
-    assert sorted(r.job_id for r in h.get_finished_jobs()) == [1, 2]
+    assert wait_job(h, 2).ok
     h.touch([b"shown"])
     assert h.backlog() == 0
     h.close()
-    assert calls == ["store 1", "lookup", "load 2", "finished [1, 2]", "touch", "backlog", "close"]
+    calls = [c for c in calls if c != "finished []"]  # wait_job polls until each result is there
+    assert calls == ["store 1", "finished [1]", "lookup", "load 2", "finished [2]", "touch", "backlog", "close"]
 
 
 def test_open_tier_wraps_constructor_failures(ctx) -> None:

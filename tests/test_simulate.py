@@ -12,8 +12,8 @@ import sys
 import pytest
 from s3_fixture import options_for
 
-from kvtiers.engine.simmodel import Accelerator, Tally, break_even_gbps, modelled_seconds
-from kvtiers.engine.simulate import GpuCache, chunk_keys
+from kvtiers.commands.simulate.model import Accelerator, Tally, break_even_gbps, modelled_seconds
+from kvtiers.commands.simulate.run import GpuCache, chunk_keys
 
 pytest_plugins = ["s3_fixture"]
 
@@ -29,7 +29,7 @@ SMALL = ["--context-tokens", "4096", "--turns", "4", "--gpu-chunks", "28", "--ho
 def test_three_regimes_through_the_real_data_path(s3_server, tmp_path):
     png = tmp_path / "sim.png"
     obj = json.dumps(options_for(s3_server))
-    cmd = [sys.executable, "-m", "kvtiers.cli", "simulate", *SMALL, "--gbps", "obj=3/3", "--gbps", "fs=3/3",
+    cmd = [sys.executable, "-m", "kvtiers.commands", "simulate", *SMALL, "--gbps", "obj=3/3", "--gbps", "fs=3/3",
            "--tier-config", f"obj={obj}", "--policy", "recompute", "--policy", "host", "--policy", "host+fs",
            "--policy", "host+obj", "--policy", "host+p2p", "--gbps", "p2p=3/3", "--json", "--plot", str(png)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
@@ -69,7 +69,7 @@ def test_three_regimes_through_the_real_data_path(s3_server, tmp_path):
 
 
 def test_table_and_progress_lines(tmp_path):
-    cmd = [sys.executable, "-m", "kvtiers.cli", "simulate", "--context-tokens", "2048", "--turns", "2",
+    cmd = [sys.executable, "-m", "kvtiers.commands", "simulate", "--context-tokens", "2048", "--turns", "2",
            "--gpu-chunks", "8", "--host-chunks", "16", "--concurrency", "2,8", "--policy", "recompute",
            "--policy", "host+fs", "--measured"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -80,7 +80,7 @@ def test_table_and_progress_lines(tmp_path):
     lines = r.stderr.splitlines()
     assert lines[0] == "simulate: measuring the fs tier on this machine"
     assert lines[1].startswith("simulate 1/4: 2 conversations, recompute:") and lines[-1].startswith("simulate 4/4")
-    r = subprocess.run([sys.executable, "-m", "kvtiers.cli", "simulate", "--gbps", "fs=fast"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "kvtiers.commands", "simulate", "--gbps", "fs=fast"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "TIER=LOAD[/STORE]" in r.stderr
 
@@ -91,7 +91,7 @@ def test_model_pieces():
     assert break_even_gbps(acc) == pytest.approx(2 * 65536 / 50e-6 / 1e9)
     t = Tally(computed_tokens=1000, output_tokens=10, loaded_tokens={"host": 2048}, chunks_loaded={"fs": 2},
               chunks_stored={"host": 1, "fs": 1})
-    from kvtiers.engine.simmodel import Link
+    from kvtiers.commands.simulate.model import Link
 
     s = modelled_seconds(t, acc, 1 << 26, {"fs": Link(2.0, 1.0, "given")})
     assert s["gpu"] == pytest.approx((1000 * 50 + 10 * (300 + 6000)) / 1e6)  # a decode batch of 1
@@ -112,7 +112,7 @@ def test_model_pieces():
 def test_fs_is_modelled_on_the_named_drive_times_its_measured_efficiency(tmp_path):
     """By default the fs tier's link is the drive's datasheet speed scaled by the fs tier's
     efficiency against raw I/O measured here: never faster than the drive, never zero."""
-    from kvtiers.engine.simulate import DRIVES, drive_link
+    from kvtiers.commands.simulate.run import DRIVES, drive_link
 
     drive, read, write = DRIVES["fs"]
     link = drive_link("fs", {"root_dir": str(tmp_path / "fs")}, chunks=4, rounds=2)

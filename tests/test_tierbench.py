@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtiers.progress import Progress
+from kvtiers.commands.progress import Progress
 
 TINY = ["--chunk-bytes", "64K", "--chunks", "8", "--rounds", "3", "--concurrency", "1x1", "--concurrency", "2x4",
         "--lookup-batch", "100"]
@@ -23,7 +23,7 @@ def kvtiers(*args: str, path: Path | None = None, timeout: float = 120) -> subpr
     env = dict(os.environ)
     if path is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(path), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "kvtiers.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "kvtiers.commands", *args], capture_output=True, text=True, env=env,
                           timeout=timeout)
 
 
@@ -96,7 +96,7 @@ THIRD_PARTY = '''
 import os
 
 import kvtiers
-from kvtiers.tierbench import Baseline
+from kvtiers import Baseline
 
 
 class DirTier(kvtiers.AsyncTier):
@@ -210,8 +210,8 @@ def test_progress_bar_on_a_terminal_lines_elsewhere_nothing_when_quiet():
 
 
 def test_a_failing_tier_or_baseline_stops_the_run_with_its_reason():
+    from kvtiers.commands.bench.harness import Baseline, run_tier_bench
     from kvtiers.memory import MemoryTier
-    from kvtiers.tierbench import Baseline, run_tier_bench
 
     # room for one chunk of two: the first is evicted by the second, its load fails
     with pytest.raises(RuntimeError, match=r"tier 'memory' load failed for 1 key\(s\)"):
@@ -230,7 +230,7 @@ def test_a_failing_tier_or_baseline_stops_the_run_with_its_reason():
 
 
 def test_progress_clear_and_bar_only():
-    from kvtiers.progress import bar_only
+    from kvtiers.commands.progress import bar_only
 
     tty = _Tty()
     bar = Progress(2, "work", file=tty)
@@ -256,7 +256,7 @@ def on_terminal(*args: str, timeout: float = 120) -> tuple[int, str, str]:
     import pty
 
     master, slave = pty.openpty()
-    p = subprocess.Popen([sys.executable, "-m", "kvtiers.cli", *args], stdout=subprocess.PIPE, stderr=slave)
+    p = subprocess.Popen([sys.executable, "-m", "kvtiers.commands", *args], stdout=subprocess.PIPE, stderr=slave)
     os.close(slave)
     got = []
     while True:
@@ -294,6 +294,6 @@ def test_long_commands_draw_a_bar_on_a_terminal(tmp_path):
     rc, out, err = on_terminal("fs", "gc", str(root))
     assert rc == 0 and "removed 0 item(s)" in out
     assert "fs gc [" in err and "1/1" in err and "1 chunks" in err
-    r = subprocess.run([sys.executable, "-m", "kvtiers.cli", "fs", "gc", str(root)], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run([sys.executable, "-m", "kvtiers.commands", "fs", "gc", str(root)], capture_output=True,
+                       text=True, timeout=60)
     assert r.returncode == 0 and r.stderr == ""  # not a terminal: only the command's own lines

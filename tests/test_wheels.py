@@ -47,7 +47,7 @@ def test_wheel_holds_only_its_own_packages(wheels) -> None:
     assert "kvtiers/engine/manager.py" in names and "kvtiers/hookspecs.py" in names
     entry_points = zipfile.ZipFile(wheels["kvtiers"]).read("kvtiers-0.1.0.dist-info/entry_points.txt").decode()
     for line in ("memory = kvtiers.memory", "fs = kvtiers_fs", "obj = kvtiers_obj", "p2p = kvtiers_p2p",
-                 "kvtiers = kvtiers.cli:main"):
+                 "kvtiers = kvtiers.commands.cli:main"):
         assert line in entry_points, entry_points
 
 
@@ -58,7 +58,7 @@ def test_installed_from_wheels_alone(wheels, tmp_path: Path) -> None:
     code = (
         f"import sys; sys.path.insert(0, {str(target)!r}); import kvtiers, kvtiers_sqlite; "
         "assert kvtiers.__file__.startswith(sys.path[0]), kvtiers.__file__; "
-        "from kvtiers.cli import main; raise SystemExit(main(['tiers']))"
+        "from kvtiers.commands.cli import main; raise SystemExit(main(['tiers']))"
     )
     r = run(sys.executable, "-I", "-S", "-c", code, cwd=tmp_path, env={"PATH": os.environ.get("PATH", "")})
     tiers = {line.split()[0]: line.split()[1] for line in r.stdout.splitlines()}

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvtiers import JobResult, Lookup
+from kvtiers import Job, JobResult, Lookup
+from kvtiers.memory import MemoryTier
 
 
 def wait_job(tier: Any, job_id: int, timeout: float = 30.0) -> JobResult:
@@ -69,3 +70,12 @@ class CopyDma:
     def poll(self) -> list[int]:
         out, self.done = self.done, []
         return out
+
+
+class InlineMemoryTier(MemoryTier):
+    """The memory tier copying in the submitting call, as it did before its copies moved to a
+    worker thread: for fault-injecting subclasses that change what ``super().submit_*`` has
+    just done (drop a key, flip a byte, pop the result)."""
+
+    def _dispatch(self, job: Job, work) -> None:
+        work(job, time.perf_counter())

@@ -10,8 +10,8 @@ import xml.etree.ElementTree as ET
 
 import click
 
+from kvtiers.commands.progress import bar_only
 from kvtiers.config import parse_json_option
-from kvtiers.progress import bar_only
 
 from .catalog import RULE_LEVELS, all_checks
 from .limits import DEFAULT_LIMITS

@@ -90,12 +90,11 @@ def build_from_config(
             from .kvevents import attach_kv_events
 
             attach_kv_events(mgr, kv_events)
-        if cfg.serve is not None:  # peers read this host cache over p2p (docs/p2p.md)
-            try:
-                from kvtiers_p2p.engine_serve import serve_arena
-            except ImportError as e:
-                raise ConfigError(f"config: 'serve' needs the p2p tier: pip install 'kvtiers[p2p]' ({e})") from None
-            mgr.serve = serve_arena(mgr, cfg.serve)
+        for key, block in cfg.blocks.items():  # plugin features, e.g. kvtiers_p2p's "serve" (docs/p2p.md)
+            if block is not None:
+                from ..registry import get_registry
+
+                mgr.services[key] = get_registry().manager_blocks()[key](mgr, block)
     except BaseException:
         if mgr is not None:
             mgr.close(timeout=5.0)

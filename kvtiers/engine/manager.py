@@ -112,8 +112,16 @@ class TieringManager:
         self._tiers.on_job_lost(self._loads.lost)
         self.kv_events: Any = None  # the KVEventBridge once KV events are published (kvtiers.engine.kvevents)
         self.metrics: Any = None  # the ManagerMetrics once metrics are attached (kvtiers.metrics)
-        self.serve: Any = None  # a server of this host cache to peers: poll() each step, close() (docs/p2p.md)
+        # services a plugin attached through a config block it registered (register_manager_blocks),
+        # by block name, e.g. "serve" (kvtiers_p2p: peers read this host cache): poll() each step, close()
+        self.services: dict[str, Any] = {}
         self._closed = False
+
+    @property
+    def serve(self) -> Any:
+        """The service of the config's ``serve`` block (peers read this host cache over p2p,
+        docs/p2p.md), or None."""
+        return self.services.get("serve")
 
     @property
     def tiers(self) -> list[Tier]:
@@ -312,8 +320,8 @@ class TieringManager:
         if self.pending():
             log.warning("kvtiers: closing with %d transfer(s) or tier job(s) unfinished", self.pending())
         self._closed = True
-        if self.serve is not None:  # before the arena goes: it releases the pins it holds
-            self.serve.close()
+        for service in self.services.values():  # before the arena goes: they release the pins they hold
+            service.close()
         self._tiers.close(max(0.0, deadline - time.monotonic()) + CLOSE_GRACE)
         self._tiers.poll()  # rule 9: results of jobs finished by close
         abandoned = self._tiers.abandon(f"abandoned at close: not reported within {time.monotonic() - t0:.3g} s")
@@ -344,8 +352,8 @@ class TieringManager:
         """Poll the DMA engine and every tier; advance whatever finished."""
         self._transfers.poll_dma()
         self._tiers.poll()
-        if self.serve is not None:
-            self.serve.poll()
+        for service in self.services.values():
+            service.poll()
         self._tiers.check_lost(self.tier_job_timeout)
         self._events.flush()
 

@@ -5,7 +5,7 @@ mode, on the same file system: per chunk ``open(O_CREAT|O_EXCL[|O_DIRECT])`` + o
 ``pwritev([chunk, page])`` + ``close`` + ``rename`` into the same two-level directories for
 stores, and ``open`` + one ``preadv([chunk, page])`` + ``close`` for loads, with the tier's
 thread counts. The tier adds checksums, the existence check, the index, job tracking and its
-queues. The harness (:mod:`kvtiers.tierbench`) runs both interleaved and compares medians.
+queues. The harness (:mod:`kvtiers.commands.bench.harness`) runs both interleaved and compares medians.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kvtiers.tierbench import Baseline
-from kvtiers.tierbench_cli import bench_command
+from kvtiers import Baseline
+from kvtiers.commands.bench.tier import bench_command
 
 from . import direct as _direct
 from . import layout

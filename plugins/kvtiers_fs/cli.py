@@ -89,7 +89,7 @@ def gc(root: str, max_bytes: int | None, namespace: str | None, drop: bool, dry_
        stale_after: float, quiet: bool) -> None:
     """Remove abandoned temporary files under ROOT, and chunks over --max-bytes (least
     recently used first), or a whole namespace with --namespace D --drop."""
-    from kvtiers.progress import bar_only
+    from kvtiers.commands.progress import bar_only
 
     from .gc import gc_root
 
@@ -109,5 +109,5 @@ def gc(root: str, max_bytes: int | None, namespace: str | None, drop: bool, dry_
                f"{report.kept_bytes} bytes of chunks kept")
 
 
-# `kvtiers bench fs`: the one tier-bench harness with the tier fixed (kvtiers.tierbench)
+# `kvtiers bench fs`: the one tier-bench harness with the tier fixed (kvtiers.commands.bench.harness)
 from .bench import bench_fs  # noqa: E402, F401

@@ -137,7 +137,7 @@ def gc_root(
     recently used chunks (oldest mtime first, over all namespaces or just ``namespace``)
     until at most ``max_bytes`` remain; with ``namespace`` and ``drop``, remove that whole
     namespace. ``dry_run`` reports without deleting. ``progress``: a
-    :class:`kvtiers.progress.Progress`, advanced once per namespace scanned."""
+    :class:`kvtiers.commands.progress.Progress`, advanced once per namespace scanned."""
     if drop and not namespace:
         raise ValueError("--drop needs --namespace DIGEST")
     if max_bytes is not None and max_bytes < 0:

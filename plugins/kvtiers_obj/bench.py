@@ -5,7 +5,7 @@ chunk's bytes and ``get_object`` + ``read()``, on the tier's own aiobotocore cli
 endpoint, connection pool and retry settings) with as many calls in flight as the tier's
 ``max_concurrency``, under a prefix of its own. The tier adds its write-once HEAD, the
 trailer checksum on store and its verification on load. The harness
-(:mod:`kvtiers.tierbench`) runs both interleaved; afterwards everything the run wrote is
+(:mod:`kvtiers.commands.bench.harness`) runs both interleaved; afterwards everything the run wrote is
 deleted. ``--backend both`` measures the aiobotocore and NIXL backends in the same rounds
 against the same baseline.
 """
@@ -19,8 +19,8 @@ from typing import Any
 
 import click
 
-from kvtiers.tierbench import Baseline
-from kvtiers.tierbench_cli import bench_command
+from kvtiers import Baseline
+from kvtiers.commands.bench.tier import bench_command
 
 
 def baseline(tier: Any, chunk_bytes: int) -> Baseline:

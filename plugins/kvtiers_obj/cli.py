@@ -1,5 +1,5 @@
 """``kvtiers bench obj``: the obj tier against plain aiobotocore on the same server, through
-the one tier-bench harness (:mod:`kvtiers.tierbench`) with the tier fixed."""
+the one tier-bench harness (:mod:`kvtiers.commands.bench.harness`) with the tier fixed."""
 
 from __future__ import annotations
 

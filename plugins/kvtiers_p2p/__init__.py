@@ -3,7 +3,8 @@ server (``kvtiers p2p serve``).
 
 Registered through the ``kvtiers`` entry point ``p2p = "kvtiers_p2p"``. This module imports
 without pyzmq (``kvtiers tiers`` lists the tier); opening one without it is an error naming
-``pip install 'kvtiers[p2p]'``. Adds ``kvtiers p2p serve|keygen`` and ``kvtiers bench p2p``.
+``pip install 'kvtiers[p2p]'``. Adds ``kvtiers p2p serve|keygen`` and ``kvtiers bench p2p``, and the
+engine's ``serve`` config block (peers read a manager's host cache; docs/p2p.md).
 """
 
 from __future__ import annotations
@@ -36,3 +37,19 @@ def register_commands(cli) -> None:
     bench = cli.commands.get("bench")
     if bench is not None:
         bench.add_command(bench_p2p, "p2p")
+
+
+def _attach_serve(manager, block):
+    """The ``serve`` block: serve ``manager``'s host cache to peers (docs/p2p.md)."""
+    from kvtiers.errors import ConfigError
+
+    try:
+        from .engine_serve import serve_arena
+    except ImportError as e:
+        raise ConfigError(f"config: 'serve' needs the p2p tier's packages: pip install 'kvtiers[p2p]' ({e})") from None
+    return serve_arena(manager, block)
+
+
+@hookimpl
+def register_manager_blocks(register) -> None:
+    register("serve", _attach_serve)

@@ -9,7 +9,7 @@ handshake, header, checksum, job tracking or deadline: what the tier adds. For a
 ``backend: "nixl"`` the baseline's loads are raw NIXL UCX WRITEs of the raw peer's buffers
 straight into the arena slots (registered with an agent of the bench's own), one plain ZMQ
 request and reply each; its stores stay raw ZMQ, as the tier's do. The harness
-(:mod:`kvtiers.tierbench`) runs tier and baseline interleaved and compares medians.
+(:mod:`kvtiers.commands.bench.harness`) runs tier and baseline interleaved and compares medians.
 
 ``kvtiers bench p2p`` is the harness with the tier fixed: it starts a peer server in a child
 process (``--nixl`` too when asked), and ``--backend zmq|nixl|both`` measures each data path
@@ -32,8 +32,8 @@ from typing import Any
 
 import click
 
-from kvtiers.tierbench import Baseline
-from kvtiers.tierbench_cli import Size, bench_command
+from kvtiers import Baseline
+from kvtiers.commands.bench.tier import Size, bench_command
 
 
 def _start_raw(capacity: int) -> tuple[subprocess.Popen, str]:

@@ -86,5 +86,5 @@ def keygen(directory: str, name: str) -> None:
     click.echo(f"public key: {public}\nsecret key: {secret}")
 
 
-# `kvtiers bench p2p`: the one tier-bench harness with the tier fixed (kvtiers.tierbench)
+# `kvtiers bench p2p`: the one tier-bench harness with the tier fixed (kvtiers.commands.bench.harness)
 from .bench import bench_p2p  # noqa: E402, F401

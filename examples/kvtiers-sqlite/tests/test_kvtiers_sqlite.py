@@ -176,6 +176,6 @@ def test_path_is_required(db: Path) -> None:
 
 
 def test_listed_by_kvtiers_tiers() -> None:
-    r = subprocess.run([sys.executable, "-m", "kvtiers.cli", "tiers"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "kvtiers.commands", "tiers"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "sqlite\tkvtiers-sqlite\t0.1.0\tentry point sqlite\tlevels=core,durable,shared" in r.stdout.splitlines()

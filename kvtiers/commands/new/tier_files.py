@@ -246,7 +246,7 @@ install:
 
 # the same checks through the CLI, once installed
 conformance:
-\t$(PYTHON) -m kvtiers.cli conformance __NAME__
+\t$(PYTHON) -m kvtiers.commands.cli conformance __NAME__
 '''
 
 README = '''\

@@ -19,9 +19,9 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from .demo import SimEngine
-from .hybrid import chunk_specs, copied_bytes, window_first_block
-from .layout import KVLayout
+from ...engine.hybrid import chunk_specs, copied_bytes, window_first_block
+from ...engine.layout import KVLayout
+from .engine import SimEngine
 
 WINDOW = 128  # tokens, hybrid-swa
 

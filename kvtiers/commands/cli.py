@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from .errors import ConfigError, TierError
+from ..errors import ConfigError, TierError
 
 
 class LazyGroup(click.Group):
@@ -53,10 +53,11 @@ class LazyGroup(click.Group):
     cls=LazyGroup,
     lazy={
         "conformance": ("kvtiers_conformance.cli:conformance", "Run the conformance suite against a tier."),
-        "demo": ("kvtiers.engine.demo:demo", "Serve simulated conversations through the tiers (the main job)."),
-        "new": ("kvtiers.scaffold.cli:new", "Scaffold a plugin distribution: kvtiers new tier NAME."),
-        "events": ("kvtiers.events_cli:events", "KV events (vLLM's wire format): tail a publisher."),
-        "simulate": ("kvtiers.engine.simulate_cli:simulate",
+        "demo": ("kvtiers.commands.demo.command:demo",
+                 "Serve simulated conversations through the tiers (the main job)."),
+        "new": ("kvtiers.commands.new.cli:new", "Scaffold a plugin distribution: kvtiers new tier NAME."),
+        "events": ("kvtiers.commands.events:events", "KV events (vLLM's wire format): tail a publisher."),
+        "simulate": ("kvtiers.commands.simulate.command:simulate",
                      "Model offload policies x concurrency on an accelerator, through the real data path."),
     },
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -72,9 +73,11 @@ def cli(verbose: int) -> None:
 @cli.group(
     cls=LazyGroup,
     lazy={
-        "arena": ("kvtiers.engine.bench:arena", "Device<->arena chunk copies against np.copyto."),
-        "asynctier": ("kvtiers.asyncbench:asynctier", "Cost per key of the AsyncTier base class (no I/O)."),
-        "tier": ("kvtiers.tierbench_cli:tier", "Any tier's GB/s, lookups and submit latency, against its baseline."),
+        "arena": ("kvtiers.commands.bench.arena:arena", "Device<->arena chunk copies against np.copyto."),
+        "asynctier": ("kvtiers.commands.bench.asynctier:asynctier",
+                      "Cost per key of the AsyncTier base class (no I/O)."),
+        "tier": ("kvtiers.commands.bench.tier:tier",
+                 "Any tier's GB/s, lookups and submit latency, against its baseline."),
     },
 )
 def bench() -> None:
@@ -84,7 +87,7 @@ def bench() -> None:
 @cli.command()
 def tiers() -> None:
     """List installed tiers: type, distribution, version, origin, claimed levels."""
-    from .registry import get_registry
+    from ..registry import get_registry
 
     reg = get_registry()
     for info in reg.tiers():
@@ -96,7 +99,7 @@ def tiers() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvtiers`` script."""
-    from .registry import get_registry
+    from ..registry import get_registry
 
     get_registry().add_commands(cli)
     try:

@@ -24,7 +24,7 @@ def _require(*modules: tuple[str, str], what: str) -> None:
     """Raise a one-line ConfigError naming the missing package of the ``observe`` extra."""
     import importlib.util
 
-    from ..errors import ConfigError
+    from ...errors import ConfigError
 
     for mod, dist in modules:
         if importlib.util.find_spec(mod) is None:

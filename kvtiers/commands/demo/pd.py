@@ -22,7 +22,7 @@ import tempfile
 import time
 from typing import Any
 
-from .demo import BLOCKS_PER_CHUNK, SYSTEM_TOKENS, TOKENS_PER_BLOCK, SimEngine, chunk_keys, pick_device
+from .engine import BLOCKS_PER_CHUNK, SYSTEM_TOKENS, TOKENS_PER_BLOCK, SimEngine, chunk_keys, pick_device
 
 UNIQUE_TOKENS = 768  #: per prompt, after the shared system prompt
 
@@ -34,8 +34,8 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def _manager(engine: Any, extra: dict[str, Any], chunks: int, seed: int) -> Any:
-    from .arena import slot_bytes_for
-    from .manager import TieringManager
+    from ...engine.arena import slot_bytes_for
+    from ...engine.manager import TieringManager
 
     slot = slot_bytes_for(engine.layout.chunk_bytes(BLOCKS_PER_CHUNK))
     cfg = {"host_bytes": chunks * slot, "blocks_per_chunk": BLOCKS_PER_CHUNK, **extra}
@@ -126,7 +126,7 @@ def run_pd(*, prompts: int, seed: int, device: str | None, timeout: float = 300.
     ready, stop = os.path.join(tmp, "ready"), os.path.join(tmp, "stop")
     common = ["--prompts", str(prompts), "--seed", str(seed), "--backend", backend]
     common += ["--device", device] if device else []
-    me = [sys.executable, "-m", "kvtiers.engine.pd_demo"]
+    me = [sys.executable, "-m", "kvtiers.commands.demo.pd"]
     procs: list[subprocess.Popen] = []
     try:
         pre = subprocess.Popen([*me, "prefill", *common, "--ready-file", ready, "--stop-file", stop,
@@ -199,7 +199,7 @@ def pd_command(*, prompts: int, seed: int, device: str | None, as_json: bool, ba
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m kvtiers.engine.pd_demo")
+    ap = argparse.ArgumentParser(prog="python -m kvtiers.commands.demo.pd")
     ap.add_argument("role", choices=["prefill", "decode"])
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)

@@ -1,4 +1,4 @@
-"""The ``kvtiers simulate`` command (see :mod:`kvtiers.engine.simulate`)."""
+"""The ``kvtiers simulate`` command (see :mod:`kvtiers.commands.simulate.run`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from .simmodel import Accelerator, GiB, Workload
+from .model import Accelerator, GiB, Workload
 
 _ACC = Accelerator()
 _WL = Workload()
@@ -106,8 +106,8 @@ def simulate(concurrency: str, policies: tuple[str, ...], turns: int, context_to
     at the GB/s measured here.
     Prints throughput and prefill tokens saved per offload policy and concurrency."""
     from ..progress import Progress
-    from .simulate import POLICIES, format_table, steps
-    from .simulate import simulate as run
+    from .run import POLICIES, format_table, steps
+    from .run import simulate as run
 
     acc = Accelerator(kv_bytes_per_token=kv_bytes_per_token, gpu_kv_bytes=int(gpu_kv_gib * GiB),
                       host_kv_bytes=int(host_kv_gib * GiB), prefill_us_per_token=prefill_us,

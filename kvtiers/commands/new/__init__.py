@@ -5,7 +5,7 @@
 chunk, a ``max_bytes`` bound that reports evictions with ``AsyncTier.evicted``,
 ``conformance_config`` and ``conformance_corrupt``), a ``TierTests`` subclass, a README and
 a Makefile whose ``make test`` runs the conformance suite right away. The file texts are in
-:mod:`kvtiers.scaffold.tier_files`.
+:mod:`kvtiers.commands.new.tier_files`.
 """
 
 from __future__ import annotations

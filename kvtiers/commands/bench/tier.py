@@ -1,4 +1,4 @@
-"""The click side of :mod:`kvtiers.tierbench`: ``kvtiers bench tier TYPE`` and a factory for
+"""The click side of :mod:`kvtiers.commands.bench.harness`: ``kvtiers bench tier TYPE`` and a factory for
 per-tier aliases (``kvtiers bench fs`` and ``kvtiers bench obj`` are this command with the
 tier fixed). Imports nothing heavy until a command runs."""
 
@@ -75,11 +75,11 @@ def run_command(tier_type: str, kw: dict[str, Any], variants: dict[str, dict[str
     """Run the bench for the parsed options ``kw`` of a bench command; print the report.
     ``runs``: label -> option overrides, each measured by a harness run of its own (so with
     its own baseline), one after the other; their rows carry ``variant`` (the label)."""
-    from .config import parse_json_option
-    from .errors import ConfigError
-    from .progress import Progress
-    from .registry import get_registry
-    from .tierbench import format_table, run_tier_bench, steps
+    from ...config import parse_json_option
+    from ...errors import ConfigError
+    from ...registry import get_registry
+    from ..progress import Progress
+    from .harness import format_table, run_tier_bench, steps
 
     options = parse_json_option(kw["config_text"], kw["config_file"])
     options.pop("type", None)
@@ -108,7 +108,7 @@ def run_command(tier_type: str, kw: dict[str, Any], variants: dict[str, dict[str
     if post is not None:
         post(report)
     if kw["plot_path"]:
-        from .plot import plot_bench
+        from ..plot import plot_bench
 
         plot_bench(report, kw["plot_path"])
     if kw["as_json"]:

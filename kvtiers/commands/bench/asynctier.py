@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import click
 
-from .asynctier import AsyncTier
-from .types import Arena, Job, TierContext
+from ...asynctier import AsyncTier
+from ...types import Arena, Job, TierContext
 
 SLOT_BYTES = 4096
 POLL_S = 20e-6  # between two get_finished_jobs calls, as an engine's step loop would

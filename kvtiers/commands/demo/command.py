@@ -1,0 +1,88 @@
+"""The ``kvtiers demo`` command: its options, and the dispatch to a scenario (chat, hybrid
+models through ``--model``, PD through ``--scenario pd``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+
+import click
+
+
+@click.command()
+@click.option("--turns", default=6, show_default=True, type=click.IntRange(1), help="Turns per conversation.")
+@click.option("--conversations", default=8, show_default=True, type=click.IntRange(1),
+              help="Conversations, served round-robin.")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="Directory of the persistent tier (default: a temporary one, removed at exit).")
+@click.option("--keep", is_flag=True, help="Keep the temporary directory (its path is printed).")
+@click.option("--config", "config_text", default=None, metavar="JSON",
+              help='JSON merged over the demo\'s config, e.g. \'{"eviction_policy": "arc"}\'.')
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of prompts and KV bytes.")
+@click.option("--device", default=None, help="torch device (default: the accelerator if any, else cpu).")
+@click.option("--model", type=click.Choice(["dense", "hybrid-swa", "hybrid-ssm"]), default="dense", show_default=True,
+              help="KV layout: dense attention, sliding-window + full attention, or attention + Mamba state.")
+@click.option("--events", "events_endpoint", default=None, metavar="ENDPOINT",
+              help="Publish KV events (vLLM's wire format) on this ZMQ endpoint, e.g. tcp://127.0.0.1:5557.")
+@click.option("--events-replay", default=None, metavar="ENDPOINT",
+              help="With --events: answer replay requests on this ZMQ endpoint.")
+@click.option("--metrics-port", default=None, type=click.IntRange(0, 65535),
+              help="Serve Prometheus /metrics on this port (127.0.0.1) while the demo runs.")
+@click.option("--linger", default=0.0, show_default=True, type=click.FloatRange(0),
+              help="Seconds the replay socket and /metrics stay up after the run (a last replay or scrape).")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as one JSON object.")
+@click.option("--scenario", type=click.Choice(["chat", "pd"]), default="chat", show_default=True,
+              help="chat: conversations through the tiers; pd: a prefill and a decode process over p2p "
+                   "(--conversations prompts).")
+@click.option("--p2p-backend", type=click.Choice(["zmq", "nixl"]), default="zmq", show_default=True,
+              help="With --scenario pd: the p2p data path (nixl: the prefill writes into decode's slots).")
+def demo(turns: int, conversations: int, directory: str | None, keep: bool, config_text: str | None, seed: int,
+         device: str | None, model: str, events_endpoint: str | None, events_replay: str | None,
+         metrics_port: int | None, linger: float, as_json: bool, scenario: str = "chat",
+         p2p_backend: str = "zmq") -> None:
+    """Serve simulated multi-turn conversations through the host arena and a persistent
+    tier, verify every loaded byte, and print hits, bandwidth and prefill tokens saved.
+
+    Exits 1 if any loaded chunk differs from what was stored.
+    """
+    if scenario == "pd":  # prefill/decode disaggregation over the p2p tier (docs/p2p.md)
+        from .pd import pd_command
+
+        return pd_command(prompts=conversations, seed=seed, device=device, as_json=as_json, backend=p2p_backend)
+    from ...config import parse_json_option
+    from ...metrics import serve_metrics
+    from .chat import render, run_demo, summary
+    from .observe import observe_config, require_metrics_server
+
+    override = parse_json_option(config_text, None)
+    override = {**observe_config(events_endpoint, events_replay, linger), **override}
+    server = None
+    if metrics_port is not None:
+        require_metrics_server()
+        server = serve_metrics(metrics_port, "127.0.0.1")
+    tmp = None
+    if directory is None:
+        tmp = directory = tempfile.mkdtemp(prefix="kvtiers-demo-")
+    try:
+        t0 = time.perf_counter()
+        tally, mgr, info = run_demo(turns=turns, conversations=conversations, tier_dir=directory,
+                                    override=override, seed=seed, device_name=device, quiet=as_json, model=model)
+        seconds = time.perf_counter() - t0
+    finally:
+        if tmp is not None and not keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if as_json:
+        click.echo(json.dumps(summary(tally, mgr, info, seconds)))
+    else:
+        click.echo(render(tally, mgr, info, seconds))
+        if tmp is not None and keep:
+            click.echo(f"tier directory kept: {tmp}")
+    if tally.mismatches:
+        click.echo(f"kvtiers demo: BYTE MISMATCH in {tally.mismatches} loaded chunk(s); first: "
+                   f"{tally.first_mismatch}", err=True)
+        raise click.exceptions.Exit(1)
+    if server is not None:  # --linger: a last scrape
+        time.sleep(linger)
+        server.close()
