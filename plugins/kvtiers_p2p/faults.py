@@ -26,6 +26,12 @@ class FaultRefused(RuntimeError):
     """A peer refused or did not answer a fault-injection request."""
 
 
+class CorruptRefused(FaultRefused, NotImplementedError):
+    """A peer that takes no fault injection (a server started without ``--test-faults``)
+    refused CORRUPT: a ``NotImplementedError`` too, which the conformance suite reports as
+    a named skip of its corruption check (not certified), not as a broken tier."""
+
+
 def config_peers(config: dict) -> list[str]:
     """The peer addresses a p2p tier with options ``config`` uses (a ``peers_file`` that
     exists replaces ``host``/``port``/``peers``, as in the tier)."""
@@ -66,7 +72,7 @@ def corrupt_on_peer(url: str, namespace_digest: str, key: bytes, *, curve: Any =
             if hdr[1] != rid:
                 continue  # not ours (cannot happen on a fresh socket; ignore anyway)
             if hdr[0] == P.ERR and len(hdr) == 4:
-                raise FaultRefused(f"peer {url} refused CORRUPT ({hdr[2]}): {hdr[3]}")
+                raise CorruptRefused(f"peer {url} refused CORRUPT ({hdr[2]}): {hdr[3]}")
             if hdr[0] != P.OK or len(hdr) != 3 or not isinstance(hdr[2], list):
                 raise FaultRefused(f"peer {url} answered CORRUPT with {hdr!r}")
             return hdr[2]
