@@ -106,7 +106,22 @@ class TierClassSpec:
         :class:`~kvtiers.types.Namespace`; ``key`` was stored by it. The suite calls this
         while that instance is open, then requires a load to fail the key, never to return
         wrong bytes. Without it the suite damages chunk files, for tiers that keep one file
-        per chunk under a directory their options name."""
+        per chunk under a directory their options name. A backend that refuses fault
+        injection (a production server) raises ``NotImplementedError`` (or a subclass):
+        the suite reports the check not certified, naming the refusal, instead of FAIL
+        (``--strict`` fails it)."""
+
+    @classmethod
+    def conformance_cleanup(cls, config: dict) -> str | None:
+        """Remove what the conformance suite stored with the options ``config``: every
+        chunk (and record) of the suite's namespaces, those whose ``Namespace.fields`` hold
+        the key ``"kvtiers_conformance"``; nothing else. The suite calls it at the end of
+        every run, unless ``--keep``: after each check with that check's options when they
+        came from :meth:`conformance_config` (before its scratch directory is removed), and
+        once with the options ``--config`` gave. Its instances are closed by then. Return
+        ``None``, or one line saying what could not be removed (printed with the report).
+        Without it the suite removes new files under the paths the options name and, for an
+        ``AsyncTier`` with ``delete``, the keys it stored."""
 
     @classmethod
     def bench_baseline(cls, tier: Any, chunk_bytes: int) -> Any:

@@ -9,6 +9,8 @@ ones are built on the memory tier where that is the shortest way to the bug.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import os
 import threading
@@ -72,6 +74,30 @@ class DictAsyncTier(AsyncTier):
         self.data.pop(key, None)
 
 
+def _intact(entry: tuple[bytes, bytes]) -> bool:
+    blob, tag = entry
+    return hashlib.blake2b(blob, digest_size=16).digest() == tag
+
+
+class BatchDictTier(DictAsyncTier):
+    """:class:`DictAsyncTier` with ``put_many``/``get_many_into``: a whole job per call,
+    copies on the loop (so a cancelled batch never touches a slot afterwards)."""
+
+    async def put_many(self, items):
+        for key, data in items:
+            await self.put(key, data)
+
+    async def get_many_into(self, items):
+        failed = {}
+        for key, out in items:
+            try:
+                if not await self.get_into(key, out):
+                    failed[key] = False
+            except ValueError as e:
+                failed[key] = e
+        return failed
+
+
 class DirTier(AsyncTier):
     """One file per chunk under ``root_dir``: hex name, blake2b trailer, tmp + rename."""
 
@@ -117,6 +143,42 @@ class DirTier(AsyncTier):
             raise ValueError(f"chunk {key.hex()} is corrupt")
         out[:] = body
         return True
+
+
+class BoundedDirTier(DirTier):
+    """:class:`DirTier` with ``max_bytes``: each instance deletes the oldest chunks it stored
+    and reports them (the evicting instance reports); another instance may answer HIT for
+    them until a load finds the file gone (``False``: missing), then MISS."""
+
+    levels = frozenset({"core", "shared", "bounded"})
+    sticky = False  # StickyHitDirTier: a vanished file raises instead of answering missing
+
+    def __init__(self, ctx: TierContext, *, root_dir: str, max_bytes: int | None = None) -> None:
+        super().__init__(ctx, root_dir=root_dir)
+        self.max_bytes = max_bytes
+        self.mine: dict[bytes, None] = {}  # keys this instance stored, oldest first
+        self.mine_lock = threading.Lock()
+
+    async def put(self, key: bytes, data: memoryview) -> None:
+        await super().put(key, data)
+        if self.max_bytes is None:
+            return
+        gone = []
+        with self.mine_lock:
+            self.mine.pop(key, None)
+            self.mine[key] = None
+            while len(self.mine) * len(data) > self.max_bytes:
+                old = next(iter(self.mine))
+                del self.mine[old]
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path(old))
+                gone.append(old)
+        self.evicted(gone)
+
+    async def get_into(self, key: bytes, out: memoryview) -> bool:
+        if self.sticky and not os.path.exists(self.path(key)):
+            raise FileNotFoundError(f"{self.path(key)} is gone")
+        return await super().get_into(key, out)
 
 
 # -- broken tiers, by rule -----------------------------------------------------------------
@@ -504,6 +566,61 @@ class TornDirTier(DirTier):
     torn = True
 
 
+class LateBatchLoadTier(BatchDictTier):
+    """Rule 6: get_many_into copies into the slots on a thread that outlives the job's
+    deadline: the job is reported timed out, then the thread writes its slots. With the
+    default op_timeout every job waits for the thread, so only a deadline shows it."""
+
+    async def get_many_into(self, items):
+        def copy() -> dict:
+            time.sleep(0.05)
+            failed: dict = {}
+            for key, out in items:
+                if key not in self.data:
+                    failed[key] = False
+                elif _intact(self.data[key]):
+                    out[:] = self.data[key][0]
+                else:
+                    failed[key] = "corrupt"
+            return failed
+
+        return await asyncio.get_running_loop().run_in_executor(None, copy)
+
+
+class LateKeyLoadTier(DictAsyncTier):
+    """Rule 6: the per-key get_into copies into the slot on a thread that outlives the
+    job's deadline (or the close that cancelled it)."""
+
+    async def get_into(self, key: bytes, out: memoryview) -> bool:
+        def copy() -> bool:
+            time.sleep(0.05)
+            if key not in self.data:
+                return False
+            if not _intact(self.data[key]):
+                raise ValueError(f"chunk {key.hex()} is corrupt")
+            out[:] = self.data[key][0]
+            return True
+
+        return await asyncio.get_running_loop().run_in_executor(None, copy)
+
+
+class NoCorruptionCheckTier(DictAsyncTier):
+    """Not certified: no checksum and no ``conformance_corrupt``, on a store other instances
+    share, so the suite cannot test its corruption path; it passes rule 4 with that check
+    skipped, and fails it under ``--strict``."""
+
+    checksum = False
+    conformance_corrupt = None
+
+
+class StickyHitDirTier(BoundedDirTier):
+    """Rule 11 (shared and bounded): a load of a key another instance evicted raises instead
+    of answering missing, so the base class keeps it present: this instance answers HIT for
+    it forever after its load failed."""
+
+    sticky = True
+
+
 # tier class -> the (rule, level) it breaks
 BROKEN: dict[type, tuple[int, str]] = {
     SleepyLookupTier: (1, "core"),
@@ -518,6 +635,8 @@ BROKEN: dict[type, tuple[int, str]] = {
     LoseEveryFourthTier: (5, "core"),
     DoubleReportTier: (5, "core"),
     LateWriteTier: (6, "core"),
+    LateBatchLoadTier: (6, "core"),
+    LateKeyLoadTier: (6, "core"),
     NoCopyTier: (6, "core"),
     NonIdempotentTier: (7, "core"),
     BlockingSubmitTier: (8, "core"),

@@ -100,3 +100,36 @@ def test_an_evicted_key_is_never_called_never_stored() -> None:
     report = run_conformance(ZombieLoadTier, {}, levels="bounded", rules=[11], limits=FAST, seed=5)
     failed = [r for r in report.results if r.status == "FAIL"]
     assert failed and all("evicted key" in r.why and "never" not in r.why for r in failed), [r.why for r in failed]
+
+
+def test_obj_conformance_cleanup_leaves_nothing_of_the_suite_and_keeps_the_rest(tmp_path: pathlib.Path) -> None:
+    """Issue 27: a run with --config on a real S3 server (SeaweedFS) leaves none of the
+    suite's objects, through ObjTier.conformance_cleanup; an object of another namespace
+    under the same prefix stays."""
+    s3_fixture = pytest.importorskip("s3_fixture")
+    if not s3_fixture.HAVE_WEED:
+        pytest.skip("SeaweedFS 'weed' not installed")
+    from kvtiers_obj.seaweed import SeaweedServer
+    from tier_helpers import wait_job
+
+    from kvtiers import Arena, Job, Namespace, TierContext, open_tier
+
+    srv = SeaweedServer(tmp_path / "weed")
+    srv.start()
+    try:
+        opts = s3_fixture.options_for(srv)
+        user = open_tier("obj", opts, TierContext(Arena.allocate(2, 4096), Namespace({"model": "mine"})))
+        user.submit_store(Job(1, (b"keep-me",), (0,)))
+        assert wait_job(user, 1).ok
+        user.close()
+
+        def names() -> list[str]:
+            r = s3_fixture.s3(srv, "list_objects_v2", Bucket=s3_fixture.BUCKET, Prefix=opts["prefix"] + "/")
+            return [o["Key"] for o in r.get("Contents", [])]
+
+        mine = set(names())
+        report = run_conformance("obj", opts, levels="core,shared", rules=[2, 7], limits=FAST, seed=9)
+        assert not report.failed and not report.notes, (report.summary(), report.notes)
+        assert set(names()) == mine, sorted(set(names()) - mine)[:5]  # the suite's are gone, the user's stay
+    finally:
+        srv.stop()

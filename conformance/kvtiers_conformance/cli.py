@@ -33,17 +33,22 @@ from .runner import CheckResult, Report, run_conformance, stuck_checks
               help="Seconds one check may run before it FAILs as hung (the run goes on).")
 @click.option("--keep", is_flag=True,
               help="Keep what the suite stored in the location --config names (default: remove it).")
+@click.option("--strict", is_flag=True,
+              help="FAIL a check of a level run that could not run for want of something the tier could "
+                   "provide (a hook such as conformance_corrupt, an option); without it the summary says "
+                   "NOT CERTIFIED. For certification runs.")
 @click.option("-v", "--verbose", is_flag=True,
               help="Also print one line per check, and the tier's warnings about the faults the suite injects.")
 def conformance(tier_type: str, config_json: str | None, config_file: str | None, levels: str | None,
                 junit_xml: str | None, seed: int | None, examples: int, check_timeout: float,
-                keep: bool, verbose: bool) -> None:
+                keep: bool, strict: bool, verbose: bool) -> None:
     """Run the conformance suite against tier TYPE (a registered name or pkg.module:Class).
 
     Without --config the tier's conformance_config(scratch) gives the options, in a scratch
     directory created and removed for each check (a tier without one and without required
     options runs with {}). With --config, what the suite stored there is removed afterwards
-    unless --keep. Exit status 1 if any rule FAILs.
+    unless --keep. Exit status 1 if any rule FAILs (with --strict, also if a check could
+    not run for want of something the tier could provide).
     """
     config = None
     if config_json is not None or config_file is not None:
@@ -85,7 +90,7 @@ def conformance(tier_type: str, config_json: str | None, config_file: str | None
     limits = DEFAULT_LIMITS.replace(examples=examples, check_s=check_timeout)
     try:
         report = run_conformance(tier_type, config, levels=levels, seed=seed, limits=limits,
-                                 on_start=start, on_result=progress, keep=keep)
+                                 on_start=start, on_result=progress, keep=keep, strict=strict)
     finally:
         bar.clear()
     flush(None)
@@ -127,7 +132,7 @@ def write_junit(report: Report, path: str) -> None:
             node = ET.SubElement(case, "failure", {"message": r.why})
             node.text = r.details or r.why
         elif r.status == "SKIP":
-            ET.SubElement(case, "skipped", {"message": r.why})
+            ET.SubElement(case, "skipped", {"message": ("NOT CERTIFIED: " if r.uncertified else "") + r.why})
     ET.ElementTree(ET.Element("testsuites")).getroot().append(suite)
     tree = ET.ElementTree(suite)
     ET.indent(tree)

@@ -44,6 +44,13 @@ class CheckSkipped(Exception):
     """The check does not apply to this tier (the message says why)."""
 
 
+class NotCertified(CheckSkipped):
+    """The check could not run for want of something the tier could provide (a hook such
+    as ``conformance_corrupt``, an option) or the suite needs (``hypothesis``). Reported as
+    a skip that names what is missing; the summary says ``NOT CERTIFIED``, and
+    ``--strict`` fails it."""
+
+
 def fail(message: str) -> None:
     """Raise :class:`ConformanceFailure`."""
     raise ConformanceFailure(message)
@@ -175,11 +182,11 @@ class Harness:
         self.instances.append(inst)
         return inst
 
-    def open_remote(self, *, slot_bytes: int | None = None) -> RemoteInstance:
+    def open_remote(self, *, slot_bytes: int | None = None, max_bytes: int | None = None) -> RemoteInstance:
         """A new instance of the tier in another process (see :mod:`.peer`)."""
         from .peer import RemoteInstance
 
-        inst = RemoteInstance(self, slot_bytes=slot_bytes)
+        inst = RemoteInstance(self, slot_bytes=slot_bytes, max_bytes=max_bytes)
         self.instances.append(inst)  # type: ignore[arg-type]  # close_all closes it too
         return inst
 
@@ -223,6 +230,8 @@ class Instance:
         self.last_submit_s = 0.0  #: seconds the last submit hook call took
         #: job -> (keys it must fail, what they are: "never-stored", "evicted", ...)
         self.absent: dict[int, tuple[frozenset[bytes], str]] = {}
+        #: jobs whose slots are poisoned the moment their result is accepted (rule 6 watches)
+        self.poison_on_report: set[int] = set()
 
     @property
     def tier(self) -> Any:
@@ -386,6 +395,9 @@ class Instance:
                     what = "was never written" if bytes(got) == poison(size) else "holds wrong bytes"
                     fail(f"rule 3: load job {r.job_id} reported key {qkey(k)} loaded but slot {s} {what} "
                          f"(first difference at byte {where})")
+        if r.job_id in self.poison_on_report:
+            self.poison_on_report.discard(r.job_id)
+            self.poison(slots)
         if own:
             self.release(slots)
 

@@ -29,7 +29,8 @@ START_S = 60.0
 class RemoteInstance:
     """One tier instance in a child process; see the module docstring."""
 
-    def __init__(self, h: Harness, *, slot_bytes: int | None = None, num_slots: int = 64) -> None:
+    def __init__(self, h: Harness, *, slot_bytes: int | None = None, num_slots: int = 64,
+                 max_bytes: int | None = None) -> None:
         if isinstance(h.tier_type, type) and h.tier_type.__module__ == "__main__":
             fail("shared: the tier class lives in __main__; the second process cannot import it "
                  "(pass 'pkg.mod:Class')")
@@ -39,7 +40,7 @@ class RemoteInstance:
         spec = {
             "type": type_path(h.tier_type), "config": h.config, "levels": sorted(h.levels),
             "limits": dataclasses.asdict(h.limits), "seed": h.seed, "slot_bytes": self.slot_bytes,
-            "num_slots": num_slots,
+            "num_slots": num_slots, "max_bytes": max_bytes,
         }
         self._err = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
@@ -112,6 +113,14 @@ class RemoteInstance:
 
     def resolve(self, keys: Sequence[bytes]) -> list[str]:
         return self.call("resolve", keys)
+
+    def load(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Load ``keys`` in one job (good keys verified there); return the failed ones."""
+        return [bytes.fromhex(k) for k in self.call("load", keys)]
+
+    def removed_keys(self) -> set[bytes]:
+        """The keys the remote instance reported through its ``ctx.removed``."""
+        return {bytes.fromhex(k) for k in self.call("removed")}
 
     def close(self) -> None:
         """Close the remote tier (the child checks rule 9's hand-over) and end the process."""

@@ -6,7 +6,7 @@ second instance here, through :class:`~kvtiers_conformance.peer.RemoteInstance`.
 
 Run as ``python -m kvtiers_conformance.peer_child SPEC_JSON``; SPEC holds ``type``,
 ``config``, ``levels``, ``limits`` (the fields of :class:`~.limits.Limits`), ``seed``,
-``slot_bytes`` and ``num_slots``. The child opens one :class:`~.harness.Instance` (its own
+``slot_bytes``, ``num_slots`` and ``max_bytes``. The child opens one :class:`~.harness.Instance` (its own
 arena, the same namespace as the parent's instances), answers ``{"ok": true}``, then serves
 one JSON request per stdin line with one JSON reply per line: ``{"ok": true, "value": ...}``,
 ``{"fail": message}`` (a rule broken here) or ``{"error": traceback}``. Keys travel as hex.
@@ -42,6 +42,10 @@ def handle(t: Instance, req: dict[str, Any]) -> Any:
         t.load_all(keys, why=req["why"])
     elif op == "resolve":
         return [a.name for a in t.resolve(keys)]
+    elif op == "load":
+        return [k.hex() for k in t.load(keys).failed_keys]
+    elif op == "removed":
+        return sorted(k.hex() for k in t.removed_keys())
     elif op == "close":
         t.close()
     else:
@@ -62,7 +66,7 @@ def main(argv: list[str]) -> int:
     try:
         h = Harness(spec["type"], spec["config"], levels=spec["levels"], limits=Limits(**spec["limits"]),
                     seed=spec["seed"])
-        t = h.open(slot_bytes=spec["slot_bytes"], num_slots=spec["num_slots"])
+        t = h.open(slot_bytes=spec["slot_bytes"], num_slots=spec["num_slots"], max_bytes=spec.get("max_bytes"))
     except ConformanceFailure as e:
         reply(fail=str(e))
         return 0

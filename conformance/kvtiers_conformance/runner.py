@@ -4,6 +4,7 @@ suite's own tests. ``TierTests`` runs the same check functions under pytest."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import pathlib
 import random
@@ -22,7 +23,7 @@ from kvtiers.registry import LEVELS, tier_levels
 
 from .catalog import RULE_LEVELS, RULES, Check, all_checks
 from .cleanup import Cleanup
-from .harness import CheckSkipped, ConformanceFailure, Harness, resolve_tier
+from .harness import CheckSkipped, ConformanceFailure, Harness, NotCertified, resolve_tier
 from .limits import DEFAULT_LIMITS, Limits
 
 
@@ -35,6 +36,8 @@ class CheckResult:
     why: str = ""
     seconds: float = 0.0
     details: str = ""
+    #: a SKIP for want of something the tier could provide (``--strict`` makes it a FAIL)
+    uncertified: bool = False
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,10 @@ class RuleResult:
         return RULES[self.rule]
 
     def line(self) -> str:
-        """``rule N <name> [level]: PASS|FAIL|SKIP (why)``; a PASS whose checks were partly
-        skipped says so: ``PASS (1 of 3 checks skipped: why)``."""
+        """``rule N <name> [level]: PASS|FAIL|SKIP|NOT CERTIFIED (why)``; a PASS whose checks
+        were partly skipped says so: ``PASS (1 of 3 checks skipped: why)``; a line with a
+        check that could not run for want of something the tier could provide is ``NOT
+        CERTIFIED (1 of 3 checks not run: why)``."""
         why = f" ({self.why})" if self.why else ""
         return f"rule {self.rule} {self.name} [{self.level}]: {self.status}{why}"
 
@@ -81,6 +86,11 @@ class Report:
             f = failed[0]
             more = f"; +{len(failed) - 1} more failing check(s)" if len(failed) > 1 else ""
             return RuleResult(rule, level, "FAIL", f"{f.check.test_name}: {f.why}{more}", mine)
+        wanting = [r for r in mine if r.uncertified]
+        if wanting:
+            reasons = "; ".join(dict.fromkeys(f"{r.check.test_name}: {r.why}" for r in wanting))
+            return RuleResult(rule, level, NOT_CERTIFIED, f"{len(wanting)} of {len(mine)} checks not run: {reasons}",
+                              mine)
         if any(r.status == "PASS" for r in mine):
             skipped = [r for r in mine if r.status == "SKIP"]
             why = ""
@@ -98,6 +108,11 @@ class Report:
     def failed(self) -> bool:
         return any(r.status == "FAIL" for r in self.results)
 
+    def uncertified(self) -> list[CheckResult]:
+        """Checks of the levels run that could not run for want of something the tier could
+        provide (a hook, an option): skips without ``strict``, failures with it."""
+        return [r for r in self.results if r.uncertified]
+
     def check_counts(self) -> dict[str, int]:
         """How many checks passed, failed and were skipped (what the JUnit file counts)."""
         return {s: sum(1 for r in self.results if r.status == s) for s in ("PASS", "FAIL", "SKIP")}
@@ -107,13 +122,25 @@ class Report:
         The first counts are report lines; ``checks:`` counts every check, skipped ones
         included, as the JUnit file does."""
         lines = self.rules()
-        n = {s: sum(1 for r in lines if r.status == s) for s in ("PASS", "FAIL", "SKIP")}
+        n = {s: sum(1 for r in lines if r.status == s) for s in ("PASS", "FAIL", "SKIP", NOT_CERTIFIED)}
         c = self.check_counts()
-        verdict = "FAILED" if self.failed else "PASSED"
-        return (f"summary: {verdict}: {n['PASS']} passed, {n['FAIL']} failed, {n['SKIP']} skipped "
+        wanting = [r.check.test_name for r in self.uncertified() if r.status == "SKIP"]
+        if self.failed:
+            verdict = "FAILED"
+        elif wanting:
+            verdict = f"{NOT_CERTIFIED}: {', '.join(dict.fromkeys(wanting))}"
+        else:
+            verdict = "PASSED"
+        nc = f", {n[NOT_CERTIFIED]} not certified" if n[NOT_CERTIFIED] else ""
+        return (f"summary: {verdict}: {n['PASS']} passed, {n['FAIL']} failed, {n['SKIP']} skipped{nc} "
                 f"(checks: {c['PASS']} passed, {c['FAIL']} failed, {c['SKIP']} skipped; "
                 f"levels {','.join(sorted(self.levels)) or 'none'}) "
                 f"in {self.seconds:.1f} s, seed {self.seed}")
+
+
+#: the status of a report line with a check that could not run for want of something the
+#: tier could provide, and the verdict of a run with one (without ``strict``)
+NOT_CERTIFIED = "NOT CERTIFIED"
 
 
 def parse_levels(text: str | Iterable[str] | None) -> frozenset[str] | None:
@@ -162,7 +189,7 @@ def run_check(check: Check, harness: Harness) -> CheckResult:
     if err is None:
         return CheckResult(check, "PASS", "", time.monotonic() - t0)
     if isinstance(err, CheckSkipped):
-        return CheckResult(check, "SKIP", str(err), time.monotonic() - t0)
+        return CheckResult(check, "SKIP", str(err), time.monotonic() - t0, uncertified=isinstance(err, NotCertified))
     if isinstance(err, ConformanceFailure):
         return CheckResult(check, "FAIL", _one_line(str(err)), time.monotonic() - t0, tb[0])
     if isinstance(err, Exception):  # a hook raising outside the harness's guards, or a broken open
@@ -209,24 +236,30 @@ def run_conformance(
     on_result: Callable[[CheckResult], None] | None = None,
     on_start: Callable[[Report], None] | None = None,
     keep: bool = False,
+    strict: bool = False,
 ) -> Report:
     """Run the suite against a tier type and return a :class:`Report`.
 
     ``config`` is the tier's options, or a function of a fresh scratch directory returning
     them (called once per check); ``None`` uses the tier class's
     ``conformance_config(scratch)``, or ``{}`` for a tier that has none and no required
-    option. With options given, what the run stored is removed afterwards (see
-    :mod:`~kvtiers_conformance.cleanup`) unless ``keep``. ``levels`` defaults to the levels the tier claims;
-    checks of other levels are reported as SKIP. ``rules`` restricts the run to some rule
+    option. What the run stored is removed afterwards (see
+    :mod:`~kvtiers_conformance.cleanup`: the tier's ``conformance_cleanup``, else new files
+    and ``delete`` in the location fixed options name) unless ``keep``. ``levels`` defaults
+    to the levels the tier claims; checks of other levels are reported as SKIP. ``rules`` restricts the run to some rule
     numbers. ``on_start`` sees the (empty) report before the first check, ``on_result``
-    each check result as it comes.
+    each check result as it comes. With ``strict``, a check of a level run that could not
+    run for want of something the tier could provide (a hook such as
+    ``conformance_corrupt``, an option) FAILs, naming it; without, the report line and the
+    summary say ``NOT CERTIFIED``. Checks that do not apply to the kind of tier stay skips.
     """
     info = resolve_tier(tier_type)
     claimed = tier_levels(info.cls)
     chosen = parse_levels(levels) if levels is not None else claimed
     if config is None:
         config = _default_config(info.name, info.cls)
-    cleanup = None if keep or callable(config) else Cleanup(config)  # before anything is stored
+    # before anything is stored: a snapshot of the paths fixed options name
+    cleanup = None if keep else Cleanup(None if callable(config) else config, info.cls)
     seed = random.randrange(2**32) if seed is None else seed
     with _scratch(config) as options:  # a bad option is one clear error, not a FAIL per check
         preflight = Harness(tier_type, options, levels=chosen, limits=limits, seed=seed)
@@ -235,6 +268,8 @@ def run_conformance(
         finally:
             with contextlib.suppress(ConformanceFailure):
                 preflight.close_all()
+            if cleanup is not None:  # what opening made (a namespace document, a scratch server)
+                _clean_after(cleanup, preflight)
     report = Report(info.name, chosen, seed)
     if on_start:
         on_start(report)
@@ -251,14 +286,17 @@ def run_conformance(
                 with _scratch(config) as options:
                     harness = Harness(tier_type, options, levels=chosen, limits=limits, seed=seed + i)
                     result = run_check(c, harness)
+                    if strict and result.uncertified:
+                        result = dataclasses.replace(result, status="FAIL",
+                                                     why=f"not certified (--strict): {result.why}")
                     if cleanup is not None and c.test_name not in _stuck:
-                        _delete_stored(cleanup, harness)
+                        _clean_after(cleanup, harness)
             report.results.append(result)
             if on_result:
                 on_result(result)
     finally:
         if cleanup is not None:
-            cleanup.remove_files()
+            cleanup.finish()
             if cleanup.note():
                 report.notes.append(cleanup.note())
     report.seconds = time.monotonic() - t_start
@@ -277,11 +315,11 @@ def _default_config(name: str, cls: type) -> Any:
     return {}
 
 
-def _delete_stored(cleanup: Cleanup, harness: Harness) -> None:
+def _clean_after(cleanup: Cleanup, harness: Harness) -> None:
     try:
-        cleanup.delete_keys(harness)
+        cleanup.after_check(harness)
     except Exception as e:  # cleaning up must never change a check's outcome
-        cleanup.kept.append(f"deleting stored keys failed: {type(e).__name__}: {e}")
+        cleanup.kept.append(f"cleaning up failed: {type(e).__name__}: {e}")
 
 
 @contextlib.contextmanager

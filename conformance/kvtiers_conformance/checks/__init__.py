@@ -2,12 +2,14 @@
 
 from . import (  # noqa: F401
     async_faults,
+    batch_faults,
     bounded,
     close,
     crash,
     data,
     hostile,
     jobs,
+    late_writes,
     lookup,
     shared,
     stateful,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Iterable
 
 from kvtiers import Lookup
 
@@ -15,7 +16,7 @@ from ..catalog import check
 from ..harness import CheckSkipped, Harness, Instance, fail, qkey
 
 
-def _async_instance(h: Harness) -> Instance:
+def async_instance(h: Harness) -> Instance:
     t = h.open()
     if not t.is_async:
         t.close()
@@ -24,17 +25,21 @@ def _async_instance(h: Harness) -> Instance:
     return t
 
 
-def _expect_failed(t: Instance, jid: int, bad: list[bytes], what: str, timeout: float) -> None:
+def expect_failed(t: Instance, jid: int, bad: Iterable[bytes] | Callable[[], Iterable[bytes]], what: str,
+                   timeout: float) -> None:
+    """Job ``jid`` must fail exactly the keys ``bad`` (or what ``bad()`` names once the job
+    is reported), say why, and be reported within ``timeout``."""
     t0 = time.monotonic()
     r = t.wait([jid], timeout)[jid]
     took = time.monotonic() - t0
+    bad = sorted(bad() if callable(bad) else bad)
     missed = [k for k in bad if k not in r.failed_keys]
     if missed:
         fail(f"rule 4: with {what}, key {qkey(missed[0])} was reported good")
     extra = [k for k in r.failed_keys if k not in bad]
     if extra:
         fail(f"rule 4: with {what} for other keys, the healthy key {qkey(extra[0])} failed too: {r.error}")
-    if not r.error:
+    if r.failed_keys and not r.error:
         fail(f"rule 4: with {what}, the result has failed keys but no error saying why")
     if took > timeout:  # pragma: no cover - wait() fails first
         fail(f"rule 5: with {what}, the job took {took:.1f} s")
@@ -43,7 +48,7 @@ def _expect_failed(t: Instance, jid: int, bad: list[bytes], what: str, timeout: 
 @check(4, "async_failing_coroutines")
 def async_failing_coroutines(h: Harness) -> None:
     """put/get_into raising or get_into answering False: exactly those keys fail, no exception escapes."""
-    t = _async_instance(h)
+    t = async_instance(h)
     tier = t.tier
     keys = h.keys(8, b"F")
     bad = set(keys[::3])
@@ -55,7 +60,7 @@ def async_failing_coroutines(h: Harness) -> None:
         return await put(key, data)
 
     tier.put = failing_put
-    _expect_failed(t, t.submit("store", keys), sorted(bad), "put raising OSError", h.limits.finish_s)
+    expect_failed(t, t.submit("store", keys), sorted(bad), "put raising OSError", h.limits.finish_s)
     del tier.put
     t.store(sorted(bad))
     for mode in ("raise", "false"):
@@ -68,7 +73,7 @@ def async_failing_coroutines(h: Harness) -> None:
 
         tier.get_into = failing_get
         what = "get_into raising" if mode == "raise" else "get_into answering False"
-        _expect_failed(t, t.submit("load", keys), sorted(bad), what, h.limits.finish_s)
+        expect_failed(t, t.submit("load", keys), sorted(bad), what, h.limits.finish_s)
     del tier.get_into
 
     async def failing_exists(key):
@@ -90,7 +95,7 @@ def async_slow_coroutines(h: Harness) -> None:
     """put/get_into/exists that hang or crawl: failed keys within op_timeout, lookup never
     waits for them, and close with a hung coroutine in flight returns and reports the job."""
     lim = h.limits
-    t = _async_instance(h)
+    t = async_instance(h)
     tier = t.tier
     keys = h.keys(8, b"G")
     hang = set(keys[1::3])
@@ -102,7 +107,7 @@ def async_slow_coroutines(h: Harness) -> None:
         return await put(key, data)
 
     tier.put = slow_put
-    _expect_failed(t, t.submit("store", keys), sorted(hang), "put hanging", bound)
+    expect_failed(t, t.submit("store", keys), sorted(hang), "put hanging", bound)
     del tier.put
     t.store(sorted(hang))
 
@@ -111,7 +116,7 @@ def async_slow_coroutines(h: Harness) -> None:
         return await get_into(key, out)
 
     tier.get_into = slow_get
-    _expect_failed(t, t.submit("load", keys), sorted(hang), "get_into hanging", bound)
+    expect_failed(t, t.submit("load", keys), sorted(hang), "get_into hanging", bound)
     del tier.get_into
 
     async def hung_exists(key):
@@ -130,7 +135,7 @@ def async_slow_coroutines(h: Harness) -> None:
     del tier.exists
 
     # close while a put hangs: close must cancel it and still hand over the result
-    t2 = _async_instance(h)
+    t2 = async_instance(h)
     t2.tier.op_timeout = 3600.0
     t2.tier.close_timeout = lim.async_op_timeout
     t2.tier.put = slow_put

@@ -8,7 +8,7 @@ import pathlib
 from kvtiers import Lookup
 
 from ..catalog import check
-from ..harness import CheckSkipped, Harness, fail, qkey
+from ..harness import CheckSkipped, Harness, Instance, NotCertified, fail, qkey
 
 
 @check(2, "read_your_writes")
@@ -101,6 +101,21 @@ def corrupt_chunks_fail(h: Harness) -> None:
         _corrupt_files(h)
 
 
+def _no_medium_or_not_certified(h: Harness, t: Instance, keys: list[bytes]) -> None:
+    """A tier with no hook and no directory: if another instance on the same options sees
+    none of ``keys``, while ``t`` is open or after it closed, its chunks live in the
+    instance's own memory and there is no medium to damage (a plain skip); otherwise the
+    chunks are kept somewhere the suite cannot reach without the hook (not certified)."""
+    seen = h.open().resolve(keys)
+    if Lookup.HIT not in seen:
+        t.close()
+        seen = h.open().resolve(keys)
+    if Lookup.HIT not in seen:
+        raise CheckSkipped("the tier keeps its chunks in its instance (another instance on the same options "
+                           "sees none of them): no medium to damage")
+    raise NotCertified(f"the tier has no conformance_corrupt and its options name no directory: {NO_HOOK}")
+
+
 def _corrupt_with_hook(h: Harness, corrupt) -> None:
     """``conformance_corrupt(config, namespace, key)`` damages half the keys of a store
     while the instance is open; a load must fail exactly those (the intact ones load)."""
@@ -111,6 +126,9 @@ def _corrupt_with_hook(h: Harness, corrupt) -> None:
     for k in damaged:
         try:
             corrupt(h.options(), h.namespace(t.slot_bytes), k)
+        except NotImplementedError as e:  # e.g. a production server that takes no fault injection
+            raise NotCertified(f"conformance_corrupt was refused by the backend ({type(e).__name__}: {e}): "
+                               "the corruption path was not tested") from None
         except Exception as e:
             fail(f"rule 4: conformance_corrupt(config, namespace, {qkey(k)}) of a stored key raised "
                  f"{type(e).__name__}: {e}")
@@ -123,20 +141,24 @@ def _corrupt_with_hook(h: Harness, corrupt) -> None:
         fail("rule 4: a job with failed keys must say why in JobResult.error")
 
 
+NO_HOOK = ("its corruption path was never tested: define conformance_corrupt(config, namespace, key) "
+           "to damage a stored chunk")
+
+
 def _corrupt_files(h: Harness) -> None:
     """For file-per-chunk tiers: flip bytes in half the chunk files and truncate the rest."""
     t = h.open()
     roots = h.path_roots()
-    if not roots:
-        raise CheckSkipped("the tier has no conformance_corrupt and its options name no directory")
     before = _all_files(roots)
     keys = h.keys(8, b"C")
     t.store(keys)
+    if not roots:
+        _no_medium_or_not_certified(h, t, keys)
     t.close()
     files = _new_files(roots, before)
     if len(files) < len(keys):
-        raise CheckSkipped(f"the tier has no conformance_corrupt and keeps no file per chunk "
-                           f"({len(files)} new files for {len(keys)} chunks)")
+        raise NotCertified(f"the tier has no conformance_corrupt and keeps no file per chunk under a "
+                           f"directory its options name ({len(files)} new files for {len(keys)} chunks): {NO_HOOK}")
     for i, p in enumerate(sorted(files)):
         size = p.stat().st_size
         if size == 0:

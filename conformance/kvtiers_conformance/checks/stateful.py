@@ -13,7 +13,7 @@ import os
 from kvtiers import Lookup
 
 from ..catalog import check
-from ..harness import CheckSkipped, ConformanceFailure, Harness, Instance, fail, qkey
+from ..harness import ConformanceFailure, Harness, Instance, NotCertified, fail, qkey
 
 try:
     import hypothesis
@@ -98,7 +98,7 @@ def machine_for(h: Harness) -> type:
 def stateful(h: Harness) -> None:
     """Random store/load/lookup(/reopen) sequences agree with a reference model."""
     if hypothesis is None:
-        raise CheckSkipped("hypothesis is not installed")
+        raise NotCertified("hypothesis is not installed (pip install hypothesis)")
     lim = h.limits
     machine = hypothesis.seed(h.seed)(machine_for(h))
     lines: list[str] = []
