@@ -130,8 +130,11 @@ class TierClassSpec:
         coroutine functions) on the same medium as the open instance ``tier`` (same
         directory, server, client settings), and how many calls the tier itself keeps in
         flight. The bench runs the baseline interleaved with the tier on the same bytes of
-        ``chunk_bytes`` per chunk and prints the ratio; ``Baseline.close(keys)`` removes what
-        it wrote. See docs/bench.md."""
+        ``chunk_bytes`` per chunk and prints the ratio. ``tier`` is the tier object itself
+        (the class's instance, not its ``TierHandle``). ``Baseline.close(keys)``, called once
+        at the end with every key the baseline's ``put`` was given, removes what it wrote:
+        a plain function runs on the bench's thread, a coroutine function on the SDK's I/O
+        loop (as ``put``/``get`` do). See docs/bench.md."""
 
 
 RegisterTier = Callable[[str, type], None]

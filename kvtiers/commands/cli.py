@@ -109,9 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     except click.Abort:
         click.echo("aborted", err=True)
         return 130
-    except click.ClickException as e:
+    except click.UsageError as e:  # a malformed command line: click's usage message
         e.show()
         return e.exit_code
+    except click.ClickException as e:  # every other error: one line, as ConfigError and TierError
+        click.echo(f"kvtiers: error: {e.format_message()}", err=True)
+        return 2
     except (ConfigError, TierError) as e:
         click.echo(f"kvtiers: error: {e}", err=True)
         return 2

@@ -48,6 +48,7 @@ class _Runner:
     def __init__(self, base: Baseline) -> None:
         self.base = base
         self.pools: dict[int, ThreadPoolExecutor] = {}
+        self.stored: dict[bytes, None] = {}  #: every key the baseline's put was given, in order
 
     def limit(self, op: str) -> int:
         b = self.base
@@ -61,6 +62,8 @@ class _Runner:
 
     def _run(self, op: str, keys: Sequence[bytes], views: Sequence[memoryview], parallel: int) -> None:
         fn = self.base.get if op == "load" else self.base.put
+        if op != "load":
+            self.stored.update(dict.fromkeys(keys))
         if inspect.iscoroutinefunction(fn):
             from ...ioloop import get_loop
 
@@ -79,6 +82,20 @@ class _Runner:
         if pool is None:
             pool = self.pools[parallel] = ThreadPoolExecutor(parallel, thread_name_prefix="kvtiers-bench")
         list(pool.map(fn, keys, views))
+
+    def close_baseline(self) -> None:
+        """``Baseline.close`` with the keys the baseline's own ``put`` was given: a plain
+        function on this thread, a coroutine function on the SDK's I/O loop."""
+        close = self.base.close
+        if close is None:
+            return
+        keys = list(self.stored)
+        if inspect.iscoroutinefunction(close):
+            from ...ioloop import get_loop
+
+            asyncio.run_coroutine_threadsafe(close(keys), get_loop()).result(JOB_TIMEOUT)
+        else:
+            close(keys)
 
     def close(self) -> None:
         for p in self.pools.values():
@@ -307,8 +324,8 @@ def run_tier_bench(
                     progress.advance(note=f"chunk {chunk} lookup: {lk['keys_per_s'] / 1e6:.2f} M keys/s")
             finally:
                 try:
-                    if base is not None and base.close is not None:
-                        base.close(stored)
+                    if runner is not None:
+                        runner.close_baseline()
                     if stored:
                         _forget(handles.values(), stored)
                 finally:

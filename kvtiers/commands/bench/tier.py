@@ -76,7 +76,7 @@ def run_command(tier_type: str, kw: dict[str, Any], variants: dict[str, dict[str
     ``runs``: label -> option overrides, each measured by a harness run of its own (so with
     its own baseline), one after the other; their rows carry ``variant`` (the label)."""
     from ...config import parse_json_option
-    from ...errors import ConfigError
+    from ...errors import ConfigError, TierError
     from ...registry import get_registry
     from ..progress import Progress
     from .harness import format_table, run_tier_bench, steps
@@ -98,12 +98,14 @@ def run_command(tier_type: str, kw: dict[str, Any], variants: dict[str, dict[str
                     lookup_batch=kw["lookup_batch"], baseline=not kw["no_baseline"], variants=variants,
                     progress=bar,
                 )
-        except ConfigError as e:
-            raise click.UsageError(f"{e} (give the tier's options with --config JSON or --config-file F)") from None
+        except ConfigError as e:  # one line, `kvtiers: error: ...`, exit 2, as everywhere
+            raise ConfigError(f"{e} (give the tier's options with --config JSON or --config-file F)") from None
+        except TierError:  # a tier that cannot open (an unreachable backend): the same line
+            raise
         except ValueError as e:
-            raise click.UsageError(str(e)) from None
+            raise ConfigError(str(e)) from None
         except RuntimeError as e:  # a failed or lost job: the tier's fault, said in one line
-            raise click.ClickException(str(e)) from None
+            raise TierError(str(e)) from None
     report = merge_reports(reports) if len(reports) > 1 or "" not in reports else reports[""]
     if post is not None:
         post(report)
