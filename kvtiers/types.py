@@ -11,11 +11,14 @@ import hashlib
 import json
 import mmap
 import operator
+import struct
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import xxhash
 
 if TYPE_CHECKING:
     import asyncio
@@ -240,6 +243,64 @@ class Namespace:
                 f"(stored digest {doc.get('digest')!r}, fields {doc.get('fields')!r}; "
                 f"expected {self.fields!r})"
             )
+
+
+# -- the chunk trailer: 40 bytes after a chunk's payload, for tiers that keep whole objects --
+CHUNK_TRAILER_MAGIC = b"KVTOBJ02"
+CHUNK_TRAILER = struct.Struct("<8sQQQ8s")  # magic, payload length, payload xxh3_64, key xxh3_64, namespace
+CHUNK_TRAILER_BYTES = CHUNK_TRAILER.size  # 40
+
+
+class CorruptChunk(ValueError):
+    """A stored chunk that is short, long, or fails its trailer checks."""
+
+
+def namespace_bytes(digest: str) -> bytes:
+    """The 8 trailer bytes of a namespace digest (16 hex digits)."""
+    raw = bytes.fromhex(digest)
+    if len(raw) != 8:
+        raise ValueError(f"namespace digest {digest!r} is not 16 hex digits")
+    return raw
+
+
+def make_chunk_trailer(key: bytes, payload: memoryview | bytes, digest: str) -> bytes:
+    """The 40-byte trailer (``KVTOBJ02``) for ``payload`` stored under ``key`` in namespace
+    ``digest``: magic, payload length (u64), ``xxh3_64(payload)``, ``xxh3_64(key)`` and the
+    namespace digest's 8 bytes, little-endian. Written after the payload, so a load streams
+    the payload straight into its slot and checks the trailer last."""
+    return CHUNK_TRAILER.pack(CHUNK_TRAILER_MAGIC, len(payload), xxhash.xxh3_64_intdigest(payload),
+                              xxhash.xxh3_64_intdigest(key), namespace_bytes(digest))
+
+
+def check_chunk_trailer(key: bytes, payload: memoryview | bytes, trailer: bytes | bytearray | memoryview,
+                        digest: str) -> None:
+    """Raise :class:`CorruptChunk` unless ``trailer`` vouches for ``payload`` under ``key``
+    in namespace ``digest``."""
+    if len(trailer) != CHUNK_TRAILER_BYTES:
+        raise CorruptChunk(f"trailer is {len(trailer)} bytes, expected {CHUNK_TRAILER_BYTES}")
+    magic, length, payload_digest, key_digest, ns = CHUNK_TRAILER.unpack(trailer)
+    if magic != CHUNK_TRAILER_MAGIC:
+        raise CorruptChunk(f"bad magic {magic!r}")
+    if length != len(payload):
+        raise CorruptChunk(f"trailer says {length} payload bytes, object holds {len(payload)}")
+    if ns != namespace_bytes(digest):
+        raise CorruptChunk(f"trailer belongs to namespace {ns.hex()}, not {digest}")
+    if key_digest != xxhash.xxh3_64_intdigest(key):
+        raise CorruptChunk("trailer belongs to another key")
+    if payload_digest != xxhash.xxh3_64_intdigest(payload):
+        raise CorruptChunk("payload checksum mismatch")
+
+
+def chunk_trailer_length(key: bytes, tail: bytes | bytearray | memoryview, digest: str) -> int | None:
+    """The payload length a valid trailer of ``key`` in namespace ``digest`` declares, if
+    ``tail`` (an object's last :data:`CHUNK_TRAILER_BYTES` bytes) is one; else ``None``
+    (a chunk of another size on the same namespace has a valid tail of another length)."""
+    if len(tail) != CHUNK_TRAILER_BYTES:
+        return None
+    magic, length, _, key_digest, ns = CHUNK_TRAILER.unpack(tail)
+    if magic != CHUNK_TRAILER_MAGIC or ns != namespace_bytes(digest) or key_digest != xxhash.xxh3_64_intdigest(key):
+        return None
+    return length
 
 
 def accept_job(job: object, arena: Arena, *, closed: bool = False) -> Job:

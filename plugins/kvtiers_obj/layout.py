@@ -33,19 +33,30 @@ trailer without the namespace) are treated as corrupt.
 from __future__ import annotations
 
 import hashlib
-import struct
 
-import xxhash
+from kvtiers.types import (
+    CHUNK_TRAILER,
+    CHUNK_TRAILER_BYTES,
+    CHUNK_TRAILER_MAGIC,
+    CorruptChunk,
+    check_chunk_trailer,
+    chunk_trailer_length,
+    make_chunk_trailer,
+    namespace_bytes,
+)
 
-MAGIC = b"KVTOBJ02"
-TRAILER = struct.Struct("<8sQQQ8s")
-TRAILER_BYTES = TRAILER.size  # 40
+# the trailer code is the SDK's (kvtiers.types), shared with the mooncake tier; these names stay
+MAGIC = CHUNK_TRAILER_MAGIC
+TRAILER = CHUNK_TRAILER
+TRAILER_BYTES = CHUNK_TRAILER_BYTES  # 40
 CONFIG_NAME = "config.json"
 SUFFIX = ".bin"
-
-
-class CorruptObject(ValueError):
-    """An object that is short, long, or fails its trailer checks."""
+CorruptObject = CorruptChunk  # an object that is short, long, or fails its trailer checks
+make_trailer = make_chunk_trailer
+check_trailer = check_chunk_trailer
+tail_payload_length = chunk_trailer_length
+__all__ = ["CorruptObject", "SizeMismatch", "check_trailer", "make_trailer", "namespace_bytes",
+           "tail_payload_length"]
 
 
 class SizeMismatch(CorruptObject):
@@ -98,47 +109,3 @@ def key_from_name(name: str) -> bytes | None:
 def object_size(payload_bytes: int) -> int:
     """Size of the object holding a payload of ``payload_bytes``."""
     return payload_bytes + TRAILER_BYTES
-
-
-def namespace_bytes(digest: str) -> bytes:
-    """The 8 trailer bytes of a namespace digest (16 hex digits)."""
-    raw = bytes.fromhex(digest)
-    if len(raw) != 8:
-        raise ValueError(f"namespace digest {digest!r} is not 16 hex digits")
-    return raw
-
-
-def make_trailer(key: bytes, payload: memoryview | bytes, digest: str) -> bytes:
-    """The 40-byte trailer for ``payload`` stored under ``key`` in namespace ``digest``."""
-    return TRAILER.pack(MAGIC, len(payload), xxhash.xxh3_64_intdigest(payload), xxhash.xxh3_64_intdigest(key),
-                        namespace_bytes(digest))
-
-
-def check_trailer(key: bytes, payload: memoryview | bytes, trailer: bytes | bytearray | memoryview,
-                  digest: str) -> None:
-    """Raise :class:`CorruptObject` unless ``trailer`` vouches for ``payload`` under ``key``
-    in namespace ``digest``."""
-    if len(trailer) != TRAILER_BYTES:
-        raise CorruptObject(f"trailer is {len(trailer)} bytes, expected {TRAILER_BYTES}")
-    magic, length, payload_digest, key_digest, ns = TRAILER.unpack(trailer)
-    if magic != MAGIC:
-        raise CorruptObject(f"bad magic {magic!r}")
-    if length != len(payload):
-        raise CorruptObject(f"trailer says {length} payload bytes, object holds {len(payload)}")
-    if ns != namespace_bytes(digest):
-        raise CorruptObject(f"trailer belongs to namespace {ns.hex()}, not {digest}")
-    if key_digest != xxhash.xxh3_64_intdigest(key):
-        raise CorruptObject("trailer belongs to another key")
-    if payload_digest != xxhash.xxh3_64_intdigest(payload):
-        raise CorruptObject("payload checksum mismatch")
-
-
-def tail_payload_length(key: bytes, tail: bytes | bytearray | memoryview, digest: str) -> int | None:
-    """The payload length a valid trailer of ``key`` in namespace ``digest`` declares, if
-    ``tail`` (an object's last :data:`TRAILER_BYTES` bytes) is one; else ``None``."""
-    if len(tail) != TRAILER_BYTES:
-        return None
-    magic, length, _, key_digest, ns = TRAILER.unpack(tail)
-    if magic != MAGIC or ns != namespace_bytes(digest) or key_digest != xxhash.xxh3_64_intdigest(key):
-        return None
-    return length
