@@ -43,6 +43,9 @@ def p2p() -> None:
 @click.option("--allow", "allow_dir", type=click.Path(file_okay=False),
               help="Directory of allowed clients' public key files (CurveZMQ).")
 @click.option("--nixl", is_flag=True, help="Also serve loads over NIXL (UCX) to clients with backend 'nixl'.")
+@click.option("--nixl-strict", is_flag=True,
+              help="With --nixl: refuse to start if NIXL's canary crashes or hangs (default: serve over ZMQ only, "
+                   "with a warning).")
 @click.option("--test-faults", is_flag=True,
               help="Tests only: accept CORRUPT requests that damage stored chunks (conformance rule 4).")
 @click.option("--endpoint-file", hidden=True)
@@ -50,13 +53,23 @@ def p2p() -> None:
 @click.option("--parent-pid", type=int, hidden=True)
 def serve(bind: str, capacity: int, namespace: str | None, chunk_bytes: int | None, max_clients: int,
           max_inflight: int, max_chunk_bytes: int, handshake_timeout: float, idle_timeout: float,
-          curve_secret: str | None, allow_dir: str | None, nixl: bool, test_faults: bool, endpoint_file: str | None,
-          exit_when_missing: str | None, parent_pid: int | None) -> None:  # fmt: skip
+          curve_secret: str | None, allow_dir: str | None, nixl: bool, nixl_strict: bool, test_faults: bool,
+          endpoint_file: str | None, exit_when_missing: str | None, parent_pid: int | None) -> None:  # fmt: skip
     """Run a standalone peer cache in host memory until SIGTERM or Ctrl-C."""
     from .server import AuthConfigError, ServerLimits, run
 
     limits = ServerLimits(max_clients=max_clients, max_inflight=max_inflight, max_chunk_bytes=max_chunk_bytes,
                           handshake_timeout=handshake_timeout, idle_timeout=idle_timeout)
+
+    if nixl:  # NIXL's canary first: if it crashes, serve over ZMQ only (or, strict, refuse)
+        from kvtiers_nixl import use_nixl
+
+        from kvtiers import TierError
+
+        try:
+            nixl = use_nixl("p2p server", fallback="ZMQ", strict=nixl_strict)
+        except TierError as e:
+            raise click.ClickException(str(e)) from None
 
     def announce(server) -> None:
         if endpoint_file is None:
