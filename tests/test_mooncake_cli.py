@@ -107,8 +107,9 @@ def test_serve_rejects_a_segment_of_nothing():
     assert r.returncode == 2 and "'lots' is not a size" in r.stderr
 
 
-def test_missing_names_the_system_library(monkeypatch):
-    """Fault injection: a machine without libibverbs.so.1 (Debian's libibverbs1)."""
+def test_missing_names_the_system_library(monkeypatch, capsys):
+    """Fault injection: a machine without libibverbs.so.1 (Debian's libibverbs1): the tier
+    says so, and `kvtiers tiers` still lists it and names what is missing."""
     import ctypes
     import ctypes.util
 
@@ -119,3 +120,9 @@ def test_missing_names_the_system_library(monkeypatch):
     monkeypatch.setattr(ctypes, "CDLL", no_lib)
     why = mc.missing()
     assert why and "libibverbs.so.1" in why and "apt-get install --no-install-recommends libibverbs1" in why
+    from kvtiers.commands.cli import main
+
+    assert main(["tiers"]) == 0
+    out = capsys.readouterr()
+    assert "mooncake\t" in out.out  # still listed
+    assert "# tier mooncake cannot open here: the system library libibverbs.so.1" in out.err

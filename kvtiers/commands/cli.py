@@ -93,6 +93,10 @@ def tiers() -> None:
     for info in reg.tiers():
         levels = ",".join(sorted(info.levels))
         click.echo(f"{info.name}\t{info.distribution}\t{info.version}\t{info.origin}\tlevels={levels}")
+        check = getattr(info.cls, "unavailable", None)  # optional: what this machine lacks to open it
+        why = check() if callable(check) else None
+        if why:
+            click.echo(f"# tier {info.name} cannot open here: {why}", err=True)
     for name, why in sorted(reg.errors.items()):
         click.echo(f"# plugin {name} failed to load: {why}", err=True)
 
