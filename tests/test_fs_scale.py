@@ -15,7 +15,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from kvtiers_fs import FsTier, layout, scale, snapshot
+from kvtiers_fs import FsTier, layout, scale, snapshot, walker
 from kvtiers_fs.index import Index
 from kvtiers_fs.keytable import KeyTable, dir_of, fingerprints
 from test_fs_helpers import Env, chunk_files, resolve, wait_for
@@ -33,6 +33,7 @@ HELPERS = os.path.dirname(__file__)
 def big_root(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("scale") / "root")
     scale.build_root(root, N, SLOT, real=100)
+    time.sleep(walker.RACY_SECONDS + 0.1)  # so no directory is too recent to trust its mtime
     return root
 
 
@@ -166,7 +167,7 @@ HOLDER = textwrap.dedent(
     from test_fs_helpers import Env
     e = Env({root!r}, slots=2, slot_bytes={slot})
     t = e.open(max_bytes={bound}, rescan_seconds=3600)  # holds the lease, stores nothing, lists nothing
-    assert t.is_cleaner
+    assert t.is_cleaner and t.scanned.wait(60)  # its first listing (and eviction) is over
     print("cleaner", flush=True)
     time.sleep(600)
     """
@@ -206,6 +207,7 @@ def test_a_pass_lists_only_the_directories_that_changed(big_root):
     try:
         assert t.scanned.wait(120) and t.is_cleaner
         assert other.scanned.wait(120) and not other.is_cleaner  # unbounded: never takes the lease
+        time.sleep(walker.RACY_SECONDS + 0.1)
         t._scan_once(clean=False, full=False)  # settle what the first listing saw as too recent
         before = t.listed_entries
         t._scan_once(clean=False, full=False)

@@ -28,6 +28,8 @@ TOMB = 1
 MIN_CAP = 1024
 _MAX_LOAD = 0.75
 _GROW_TO = 0.5
+_WINDOW = 8
+_STEPS = np.arange(_WINDOW)
 _h64 = xxhash.xxh3_64_intdigest
 
 
@@ -93,16 +95,18 @@ class KeyTable:
         if not len(fps):
             return out
         pos = _home(fps, cap)
-        idx = np.arange(len(fps))
-        want = fps
-        while len(idx) > 16:  # vectorised while many keys are still probing, then one by one
-            cur = fpa[pos]
-            hit = cur == want
-            out[idx[hit]] = pos[hit]
-            more = ~hit & (cur != EMPTY)
-            idx, want, pos = idx[more], want[more], pos[more] + 1
-            pos[pos == cap] = 0
-        for j, f, i in zip(idx.tolist(), want.tolist(), pos.tolist(), strict=True):
+        # the first _WINDOW slots of every key's probe sequence in one gather: almost every
+        # key ends there (found, or an empty slot); the rare longer runs go one by one
+        win = np.take(fpa, pos[:, None] + _STEPS, mode="wrap")
+        hit = win == fps[:, None]
+        end = hit | (win == EMPTY)
+        first = end.argmax(axis=1)
+        rows = np.arange(len(fps))
+        found = hit[rows, first]
+        out[found] = (pos[found] + first[found]) % cap
+        for j in np.flatnonzero(~end[rows, first]).tolist():
+            f = int(fps[j])
+            i = (int(pos[j]) + _WINDOW) % cap
             while True:
                 cur = int(fpa[i])
                 if cur == f:

@@ -291,8 +291,8 @@ class FsTier:
 
     def _write_snapshot(self) -> None:
         """Write the index snapshot (copies taken under the index lock, written outside it)."""
-        if self._no_write is not None:
-            return
+        if self._no_write is not None or not os.path.isdir(self.nsdir):
+            return  # (a namespace directory removed under the tier, e.g. by gc --drop: nothing to describe)
         try:
             with self.index.lock:
                 fp, clock = self.index.table.fp.copy(), self.index.table.clock.copy()
