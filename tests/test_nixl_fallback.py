@@ -153,6 +153,7 @@ def test_pd_demo_verifies_every_byte_over_zmq(crashing):
     report = json.loads(r.stdout)
     pre, dec = report["prefill"], report["decode"]
     assert dec["mismatches"] == 0 and dec["failed"] == 0 and dec["chunks"] > 0
+    assert report["backend"] == "nixl" and pre["data_path"] == dec["data_path"] == "zmq"
     assert dec["sources"]["p2p"] == pre["chunks"] == pre["served"]  # every stored chunk crossed over p2p once
     assert "serve block: NIXL is off in this process" in r.stderr  # the prefill serves over ZMQ
     assert "tier 'p2p': NIXL is off in this process" in r.stderr  # the decode loads over ZMQ

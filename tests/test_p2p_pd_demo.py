@@ -22,7 +22,7 @@ def test_pd_demo_two_processes_every_byte_verified(backend):
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
     pre, dec = report["prefill"], report["decode"]
-    assert report["backend"] == backend
+    assert report["backend"] == backend == pre["data_path"] == dec["data_path"]  # NIXL's canary passes here
     per_prompt = (256 + 768) // 64
     assert pre["chunks"] == per_prompt + 768 // 64  # the shared system prompt is stored once
     assert dec["mismatches"] == 0 and dec["failed"] == 0 and dec["chunks"] == 2 * per_prompt

@@ -73,9 +73,11 @@ def prefill(args: argparse.Namespace) -> dict[str, Any]:
             mgr.poll()  # an engine step: answers the peers' lookups and pins
             time.sleep(0.0005)
         served = mgr.serve.served
+        path = "nixl" if mgr.serve.nixl is not None else "zmq"  # zmq also where NIXL's canary failed
     finally:
         mgr.close()
-    return {"chunks": stored, "bytes": stored * mgr.chunk_bytes, "seconds": seconds, "served": served}
+    return {"chunks": stored, "bytes": stored * mgr.chunk_bytes, "seconds": seconds, "served": served,
+            "data_path": path}
 
 
 def decode(args: argparse.Namespace) -> dict[str, Any]:
@@ -86,7 +88,8 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
     engine = SimEngine(pick_device(args.device), per_prompt * BLOCKS_PER_CHUNK, args.seed)
     tier = {"type": "p2p", "host": "127.0.0.1", "port": args.port, "backend": args.backend}
     mgr = _manager(engine, {"tiers": [tier]}, 2 * per_prompt, args.seed)
-    out: dict[str, Any] = {"sources": {}, "bytes": {}, "seconds": {}, "mismatches": 0, "failed": 0, "chunks": 0}
+    out: dict[str, Any] = {"sources": {}, "bytes": {}, "seconds": {}, "mismatches": 0, "failed": 0, "chunks": 0,
+                           "data_path": mgr.tiers[0].handle.tier.data_path}
     try:
         for tokens in prompts:
             keys = chunk_keys(tokens, tpc, args.seed)
@@ -166,7 +169,7 @@ def render(report: dict[str, Any]) -> str:
     lines = [f"{'path':<47} {'chunks':>7} {'GB/s':>8}",
              f"{'prefill: device -> host arena (stored)':<47} {pre['chunks']:>7} "
              f"{pre['bytes'] / max(pre['seconds'], 1e-9) / 1e9:>8.3f}"]
-    via = "p2p (nixl)" if report.get("backend") == "nixl" else "p2p"
+    via = "p2p (nixl)" if dec.get("data_path", report.get("backend")) == "nixl" else "p2p"
     names = {"p2p": f"decode: prefill's arena -> {via} -> device", "host": "decode: own host cache -> device"}
     for src, n in sorted(dec["sources"].items()):
         secs = dec["seconds"].get(src)
