@@ -107,6 +107,25 @@ def metric_values(metrics: list[Any]) -> dict[str, float]:
     return out
 
 
+def _settled(llm: Any, params: Any, timeout: float) -> dict[str, float]:
+    """vLLM's metrics once no cascade to a secondary tier is in flight.
+
+    Tiers finish cascades in the background, and vLLM reports what finished at its next step,
+    so after the last request this serves tiny prompts (shorter than a block: nothing to store)
+    to drive steps, until the tiering manager's active cascade jobs are 0 or ``timeout`` passes.
+    """
+    tick = {"prompt_token_ids": [5, 6, 7, 8]}
+    deadline = time.monotonic() + timeout
+    while True:
+        time.sleep(0.5)
+        llm.generate([tick], params, use_tqdm=False)
+        time.sleep(0.5)  # the step's stats reach the frontend
+        metrics = metric_values(llm.get_metrics())
+        active = sum(v for k, v in metrics.items() if k.startswith("vllm:kv_offload_tiering_active_cascade_jobs"))
+        if not active or time.monotonic() > deadline:
+            return metrics
+
+
 def run(job: dict[str, Any]) -> dict[str, Any]:
     """Start the engine, serve the job's rounds, return what happened."""
     for k, v in ENGINE_ENV.items():
@@ -154,8 +173,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             requests.append({"round": r, "prompt": i, "prompt_tokens": len(prompts[i]),
                              "tokens": list(out.outputs[0].token_ids), "ttft_s": ttft, "prefill_s": prefill,
                              "wall_s": wall, "cached_tokens": out.num_cached_tokens})
-    time.sleep(float(job.get("settle_s", 1.0)))  # the last step's stats reach the frontend
-    metrics = metric_values(llm.get_metrics())
+    metrics = _settled(llm, params, float(job.get("settle_s", 60.0)))
     return {"engine_start_s": started, "requests": requests, "metrics": metrics}
 
 
