@@ -1,6 +1,8 @@
-"""``kvtiers new tier NAME`` (issue 11 item 9): the generated distribution's ``make test``
-passes right after generation (the conformance suite on core and bounded), and its
-pyproject's entry point registers the tier once installed."""
+"""``kvtiers new tier NAME`` (issue 11 item 9, issue 27): the generated distribution's
+``make test`` passes right after generation (the conformance suite on core and bounded,
+strict), also with an interpreter that has kvtiers but no pytest (it installs pytest), no
+path of this machine is baked into it, it has a .gitignore, and its pyproject's entry point
+registers the tier once installed."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -24,16 +27,23 @@ def test_new_tier_make_test_passes_and_the_entry_point_registers_it(tmp_path: Pa
     p = kvtiers("new", "tier", "demo_tier", "--dir", str(tmp_path))
     assert p.returncode == 0, p.stdout + p.stderr
     root = tmp_path / "kvtiers-demo-tier"
-    assert f"next: cd {root} && make test" in p.stdout
+    hint = p.stdout.split("next: ", 1)[1].strip()
+    assert hint.startswith(f"cd {root} && make test"), p.stdout
     assert {str(x.relative_to(root)) for x in root.rglob("*") if x.is_file()} == {
-        "pyproject.toml", "Makefile", "README.md", "kvtiers_demo_tier/__init__.py", "tests/test_demo_tier.py"}
+        "pyproject.toml", "Makefile", "README.md", ".gitignore", "kvtiers_demo_tier/__init__.py",
+        "tests/test_demo_tier.py"}
     tier_src = (root / "kvtiers_demo_tier" / "__init__.py").read_text()
     assert "class DemoTier(kvtiers.AsyncTier)" in tier_src and "self.evicted(victims)" in tier_src
+    assert "def conformance_cleanup(cls, config: dict)" in tier_src
+    assert "strict = True" in (root / "tests" / "test_demo_tier.py").read_text()
+    makefile = (root / "Makefile").read_text()
+    assert sys.executable not in makefile and "PYTHON ?= python3\n" in makefile  # nothing of this machine
+    assert {".hypothesis/", "build/", "*.egg-info/"} <= set((root / ".gitignore").read_text().split())
 
-    # make test, as a vendor runs it: the Makefile's default interpreter is the one that ran
-    # `kvtiers new` (this one); no PYTHONPATH from the test run leaks in
+    # make test, as the hint says (with PYTHON= this interpreter when python3 on PATH is
+    # another one); no PYTHONPATH from the test run leaks in
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
-    m = subprocess.run(["make", "test"], cwd=root, capture_output=True, text=True, timeout=300,
+    m = subprocess.run(["bash", "-c", hint], capture_output=True, text=True, timeout=600,
                        env={**env, "PYTEST_ADDOPTS": "-rA"})  # -rA: a line per test and outcome
     assert m.returncode == 0, m.stdout[-3000:] + m.stderr[-2000:]
     assert " passed" in m.stdout and "failed" not in m.stdout, m.stdout[-2000:]
@@ -52,6 +62,47 @@ def test_new_tier_make_test_passes_and_the_entry_point_registers_it(tmp_path: Pa
     r = subprocess.run([sys.executable, "-c", code, str(site)], capture_output=True, text=True, timeout=60,
                        cwd=tmp_path, env=env)
     assert r.stdout.split() == ["kvtiers-demo-tier", "DemoTier", "['bounded',", "'core']"], r.stdout + r.stderr
+
+
+def _python_without_pytest(tmp: Path) -> Path:
+    """A venv holding everything this interpreter's site-packages holds but pytest (as one
+    made by the README's `pip install -e .`): its own pip, the rest linked in."""
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=300)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    shadow = tmp / "shadow"
+    shadow.mkdir()
+    left_out = ("pytest", "_pytest", "py.py", "pip", "setuptools", "_distutils_hack", "distutils-precedence")
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if entry.name.startswith(left_out) or entry.name == "__pycache__":
+            continue
+        if entry.suffix == ".pth":  # editable installs: their finders are found on the shadow path
+            (site / entry.name).write_text(entry.read_text())
+        else:
+            (shadow / entry.name).symlink_to(entry)
+    (site / "00-shadow.pth").write_text(f"{shadow}\n")  # before the editable .pth files
+    return python
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_test_installs_pytest_where_it_is_missing(tmp_path: Path) -> None:
+    """Issue 27: in an environment with kvtiers but no pytest, `make test` installs pytest
+    (from PyPI) and runs the suite, instead of failing with 'No module named pytest'."""
+    python = _python_without_pytest(tmp_path)
+    probe = subprocess.run([str(python), "-c", "import kvtiers, kvtiers_conformance; import pytest"],
+                           capture_output=True, text=True)
+    assert "No module named 'pytest'" in probe.stderr, probe.stderr
+    assert kvtiers("new", "tier", "bare_tier", "--dir", str(tmp_path)).returncode == 0
+    root = tmp_path / "kvtiers-bare-tier"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+    m = subprocess.run(["make", "test", f"PYTHON={python}"], cwd=root, capture_output=True, text=True, timeout=600,
+                       env={**env, "PYTEST_ADDOPTS": "-k rule04 -rA"})  # one rule: the point is the set-up
+    assert m.returncode == 0, m.stdout[-3000:] + m.stderr[-2000:]
+    assert "PASSED tests/test_bare_tier.py::TestBareTier::test_rule04_corrupt_chunks_fail" in m.stdout, m.stdout[-2000:]
+    none = subprocess.run(["make", "test", "PYTHON=/bin/false"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert none.returncode != 0 and "has no kvtiers" in none.stderr, none.stderr
 
 
 def test_new_tier_refuses_bad_names_and_non_empty_targets(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -4,13 +4,15 @@
 ``kvtiers`` entry point, a tier on :class:`kvtiers.AsyncTier` (one checksummed file per
 chunk, a ``max_bytes`` bound that reports evictions with ``AsyncTier.evicted``,
 ``conformance_config`` and ``conformance_corrupt``), a ``TierTests`` subclass, a README and
-a Makefile whose ``make test`` runs the conformance suite right away. The file texts are in
+a Makefile whose ``make test`` runs the conformance suite (strict) right away, and a
+``.gitignore``. The file texts are in
 :mod:`kvtiers.commands.new.tier_files`.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,18 +41,18 @@ class TierNames:
                    camel if camel.endswith("Tier") else camel + "Tier")
 
 
-def new_tier(name: str, directory: str | Path = ".", python: str | None = None) -> Path:
+def new_tier(name: str, directory: str | Path = ".") -> Path:
     """Write the distribution of a tier called ``name`` into ``directory/kvtiers-<name>``
-    and return that path. ``python`` (default: this interpreter) is the Makefile's default
-    ``PYTHON``, so ``make test`` uses an interpreter that has kvtiers. Raises ``ValueError``
-    for a bad name or a target that exists and is not empty."""
+    and return that path. Nothing in it names this machine's paths: the Makefile's
+    ``PYTHON`` defaults to ``python3`` on ``PATH`` (:func:`make_test_hint` says when that is
+    not this interpreter). Raises ``ValueError`` for a bad name or a target that exists and
+    is not empty."""
     names = TierNames.of(name)
     root = Path(directory, names.dist)
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise ValueError(f"{root} exists and is not an empty directory")
     tokens = {
         "__NAME__": names.name, "__DIST__": names.dist, "__PKG__": names.package, "__CLASS__": names.cls,
-        "__PYTHON__": python or sys.executable,
     }
     for rel, text in FILES.items():
         for token, value in tokens.items():
@@ -60,3 +62,11 @@ def new_tier(name: str, directory: str | Path = ".", python: str | None = None) 
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     return root
+
+
+def make_test_hint(root: Path) -> str:
+    """The command that runs the new tier's tests: ``make test``, with ``PYTHON=`` this
+    interpreter when ``python3`` on ``PATH`` is another one (e.g. a venv not activated)."""
+    found = shutil.which("python3")
+    same = found is not None and Path(found).parent == Path(sys.executable).parent
+    return f"cd {root} && make test" + ("" if same else f" PYTHON={sys.executable}")

@@ -1,8 +1,8 @@
 """The files ``kvtiers new tier NAME`` writes, by path relative to the new directory.
 
 Tokens replaced in paths and texts: ``__NAME__`` (the tier type), ``__DIST__`` (the
-distribution), ``__PKG__`` (the package), ``__CLASS__`` (the tier class) and ``__PYTHON__``
-(the Makefile's default interpreter).
+distribution), ``__PKG__`` (the package) and ``__CLASS__`` (the tier class). No path of the
+machine that ran ``kvtiers new`` is written into any file.
 """
 
 from __future__ import annotations
@@ -53,8 +53,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import secrets
+import shutil
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -122,6 +124,19 @@ class __CLASS__(kvtiers.AsyncTier):
             b = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([b[0] ^ 0xFF]))
+
+    @classmethod
+    def conformance_cleanup(cls, config: dict) -> None:
+        """Remove what the conformance suite stored with options ``config``: the namespace
+        directories whose config.json describes one of the suite's namespaces (its fields
+        hold ``kvtiers_conformance``). On your storage, delete those namespaces' keys."""
+        for doc in Path(config["root_dir"]).glob("*/config.json"):
+            try:
+                fields = json.loads(doc.read_bytes()).get("fields") or {}
+            except (OSError, ValueError, AttributeError):
+                continue
+            if "kvtiers_conformance" in fields:
+                shutil.rmtree(doc.parent, ignore_errors=True)
 
     # -- storage: blocking calls, run on the tier's threads ------------------------------
     def path(self, key: bytes) -> Path:
@@ -223,6 +238,8 @@ from kvtiers_conformance import TierTests
 class Test__CLASS__(TierTests):
     """One test per check, named for its rule (pytest -k rule11 runs one rule)."""
 
+    strict = True  # a check the tier gives the suite no means to run fails (kvtiers conformance --strict)
+
     @pytest.fixture
     def tier_config(self, tmp_path):
         # by import path, so subprocesses of the suite (crash test, shared level) import it too
@@ -230,23 +247,41 @@ class Test__CLASS__(TierTests):
 '''
 
 MAKEFILE = '''\
-# make test: the kvtiers conformance suite on this tier, with an interpreter that has kvtiers.
-# The default is the one that ran `kvtiers new`; `make test PYTHON=/path/to/python` for another.
+# make test: the kvtiers conformance suite on this tier, strict (a check the tier gives the
+# suite no means to run fails). It installs pytest first if the interpreter lacks it.
+# PYTHON: an interpreter that has kvtiers; default: python3 on PATH (an activated venv's);
+# another one: make test PYTHON=/path/to/venv/bin/python
 # make install: install this distribution (editable) into that interpreter, so `kvtiers tiers`
 # lists __NAME__ and configs can name it.
-PYTHON ?= __PYTHON__
+PYTHON ?= python3
 
-.PHONY: test install conformance
+.PHONY: test test-deps install conformance
 
-test:
+test: test-deps
 \t$(PYTHON) -m pytest -q -p no:cacheprovider
+
+# what the tests need: kvtiers (said if missing) and pytest (installed if missing)
+test-deps:
+\t@$(PYTHON) -c "import kvtiers" 2>/dev/null || { \\
+\t  echo "$(PYTHON) has no kvtiers: activate its environment, or make test PYTHON=/path/to/python" >&2; \\
+\t  exit 1; }
+\t@$(PYTHON) -c "import pytest" 2>/dev/null || $(PYTHON) -m pip install "pytest>=8"
 
 install:
 \t$(PYTHON) -m pip install -e ".[test]"
 
 # the same checks through the CLI, once installed
 conformance:
-\t$(PYTHON) -m kvtiers.commands.cli conformance __NAME__
+\t$(PYTHON) -m kvtiers.commands conformance __NAME__ --strict
+'''
+
+GITIGNORE = '''\
+__pycache__/
+*.egg-info/
+build/
+dist/
+.hypothesis/
+.pytest_cache/
 '''
 
 README = '''\
@@ -259,14 +294,15 @@ scaffolded by `kvtiers new tier __NAME__`. It keeps one checksummed file per chu
 ## Try it
 
 ```sh
-make test        # the conformance suite: levels core and bounded
+make test        # the conformance suite, strict: levels core and bounded (installs pytest if missing)
 make install     # pip install -e . into the same interpreter
 kvtiers tiers    # now lists __NAME__
 kvtiers conformance __NAME__
 ```
 
-`make test` uses the Python that ran `kvtiers new`; give another with
-`make test PYTHON=/path/to/python` (it needs `kvtiers` and `pytest`).
+`make test` uses `python3` from `PATH` (an activated virtual environment's); give another
+with `make test PYTHON=/path/to/python`. That interpreter needs `kvtiers`; `make test`
+installs `pytest` into it if it is missing.
 
 ## Options
 
@@ -286,7 +322,9 @@ kvtiers conformance __NAME__
   `_read` and `_unlink` with your storage's client; keep the checksum, the copy of the slot
   before the first `await`, and `self.evicted(keys)` for whatever your tier drops itself.
 - `conformance_config(scratch)` gives the suite a test instance; `conformance_corrupt` lets
-  it damage a stored chunk to prove a load fails instead of returning wrong bytes.
+  it damage a stored chunk to prove a load fails instead of returning wrong bytes (without
+  it the tier is not certified); `conformance_cleanup(config)` removes what the suite
+  stored, so a run leaves nothing behind on your storage.
 - Claim more levels in `levels` once they pass: `durable` (data survives a new instance and
   a killed process), `shared` (two instances, in two processes, on one backend). The file
   layout as generated passes both: `kvtiers conformance __NAME__ --level durable,shared`.
@@ -299,5 +337,6 @@ FILES: dict[str, str] = {
     "__PKG__/__init__.py": TIER,
     "tests/test___NAME__.py": TESTS,
     "Makefile": MAKEFILE,
+    ".gitignore": GITIGNORE,
     "README.md": README,
 }
