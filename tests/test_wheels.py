@@ -43,7 +43,7 @@ def test_wheel_holds_only_its_own_packages(wheels) -> None:
     names = zipfile.ZipFile(wheels["kvtiers"]).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     # generic names such as `plugins`, `conformance` or `tests` must never land in site-packages
-    assert top == {"kvtiers", "kvtiers_fs", "kvtiers_obj", "kvtiers_p2p", "kvtiers_conformance"}, top
+    assert top == {"kvtiers", "kvtiers_fs", "kvtiers_obj", "kvtiers_p2p", "kvtiers_nixl", "kvtiers_conformance"}, top
     assert "kvtiers/engine/manager.py" in names and "kvtiers/hookspecs.py" in names
     entry_points = zipfile.ZipFile(wheels["kvtiers"]).read("kvtiers-0.1.0.dist-info/entry_points.txt").decode()
     for line in ("memory = kvtiers.memory", "fs = kvtiers_fs", "obj = kvtiers_obj", "p2p = kvtiers_p2p",
