@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import click
 
@@ -39,9 +38,14 @@ def p2p() -> None:
               help="Largest chunk; a bigger frame disconnects its sender.")
 @click.option("--handshake-timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True)
 @click.option("--idle-timeout", type=click.FloatRange(min=1), default=300.0, show_default=True)
+@click.option("--max-connections", type=click.IntRange(1), default=256, show_default=True,
+              help="Connections at once; more are closed at once, and one without HELLO after --handshake-timeout.")
+@click.option("--stall-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              help="Seconds a client may read nothing while replies wait for it before it is disconnected.")
 @click.option("--curve-secret", type=click.Path(dir_okay=False), help="The server's secret key file (CurveZMQ).")
-@click.option("--allow", "allow_dir", type=click.Path(file_okay=False),
-              help="Directory of allowed clients' public key files (CurveZMQ).")
+@click.option("--allow", "allow_dir", type=click.Path(),
+              help="CurveZMQ: a directory of allowed clients' public key files (any namespace), or an allowlist "
+                   "file binding each client key to its namespaces (docs/p2p.md).")
 @click.option("--nixl", is_flag=True, help="Also serve loads over NIXL (UCX) to clients with backend 'nixl'.")
 @click.option("--nixl-strict", is_flag=True,
               help="With --nixl: refuse to start if NIXL's canary crashes or hangs (default: serve over ZMQ only, "
@@ -53,13 +57,15 @@ def p2p() -> None:
 @click.option("--parent-pid", type=int, hidden=True)
 def serve(bind: str, capacity: int, namespace: str | None, chunk_bytes: int | None, max_clients: int,
           max_inflight: int, max_chunk_bytes: int, handshake_timeout: float, idle_timeout: float,
-          curve_secret: str | None, allow_dir: str | None, nixl: bool, nixl_strict: bool, test_faults: bool,
-          endpoint_file: str | None, exit_when_missing: str | None, parent_pid: int | None) -> None:  # fmt: skip
+          max_connections: int, stall_timeout: float, curve_secret: str | None, allow_dir: str | None, nixl: bool,
+          nixl_strict: bool, test_faults: bool, endpoint_file: str | None, exit_when_missing: str | None,
+          parent_pid: int | None) -> None:  # fmt: skip
     """Run a standalone peer cache in host memory until SIGTERM or Ctrl-C."""
     from .server import AuthConfigError, ServerLimits, run
 
     limits = ServerLimits(max_clients=max_clients, max_inflight=max_inflight, max_chunk_bytes=max_chunk_bytes,
-                          handshake_timeout=handshake_timeout, idle_timeout=idle_timeout)
+                          handshake_timeout=handshake_timeout, idle_timeout=idle_timeout,
+                          max_connections=max_connections, stall_timeout=stall_timeout)
 
     if nixl:  # NIXL's canary first: if it crashes, serve over ZMQ only (or, strict, refuse)
         from kvtiers_nixl import use_nixl
@@ -88,15 +94,27 @@ def serve(bind: str, capacity: int, namespace: str | None, chunk_bytes: int | No
 @p2p.command()
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--name", default="server", show_default=True, help="Base name of the key files.")
-def keygen(directory: str, name: str) -> None:
+@click.option("--force", is_flag=True, help="Replace an existing key pair of that name.")
+@click.option("--allow", "allowlist", type=click.Path(dir_okay=False),
+              help="Add the new public key to this allowlist file (serve --allow FILE) with --namespace.")
+@click.option("--namespace", "namespaces", multiple=True,
+              help="A namespace digest the key may use (repeatable; '*': any). Needs --allow.")
+def keygen(directory: str, name: str, force: bool, allowlist: str | None, namespaces: tuple[str, ...]) -> None:
     """Make a CurveZMQ key pair in DIRECTORY: NAME.key (public, give it to the other side)
-    and NAME.key_secret (keep it private)."""
-    import zmq.auth
+    and NAME.key_secret (keep it private; created readable by its owner only)."""
+    from .tenants import AllowlistError, add_to_allowlist, write_key_pair
 
-    os.makedirs(directory, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(directory, name)
-    os.chmod(secret, 0o600)
+    if bool(allowlist) != bool(namespaces):
+        raise click.UsageError("--allow FILE and --namespace go together")
+    try:
+        public, secret = write_key_pair(directory, name, force=force)
+        if allowlist:
+            add_to_allowlist(allowlist, public, list(namespaces))
+    except (FileExistsError, AllowlistError, OSError) as e:
+        raise click.ClickException(str(e)) from None
     click.echo(f"public key: {public}\nsecret key: {secret}")
+    if allowlist:
+        click.echo(f"allowed in {allowlist}: {', '.join(namespaces)}")
 
 
 # `kvtiers bench p2p`: the one tier-bench harness with the tier fixed (kvtiers.commands.bench.harness)

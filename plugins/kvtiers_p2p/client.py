@@ -287,6 +287,8 @@ class PeerClient:
         s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         s.setsockopt(zmq.MAXMSGSIZE, max(self.chunk_bytes, P.MAX_REPLY_HEADER))
+        if "[" in peer.url:  # an IPv6 literal: libzmq needs IPv6 on the socket
+            s.setsockopt(zmq.IPV6, 1)
         if self.curve is not None:
             server_key, public, secret = self.curve
             s.curve_serverkey = server_key

@@ -63,7 +63,7 @@ def boot_id() -> str | None:
 
 
 MAX_HEADER = 256 * 1024  #: a request header longer than this is malformed
-MAX_REPLY_HEADER = 64 << 20  #: replies may list many evicted keys
+MAX_REPLY_HEADER = 1 << 20  #: a reply lists at most MAX_BATCH keys (evicted ones), or one 0/1 per key
 MAX_BATCH = 1024  #: keys per LOOKUP or GET
 MAX_RID = (1 << 63) - 1
 
@@ -78,6 +78,8 @@ E_TOO_BIG = "too-big"
 E_CORRUPT = "corrupt"
 E_CAPACITY = "capacity"
 E_NONIXL = "no-nixl"
+E_FORBIDDEN = "forbidden"
+E_TOO_SMALL = "too-small"
 
 
 class ProtocolError(ValueError):

@@ -2,11 +2,16 @@
 
 One thread runs :meth:`PeerServer.serve_forever`. Every frame is checked before use: a
 malformed header or a frame count that does not fit its op drops the request, ends the
-sender's session and ignores that connection for ``ban_s``; the server keeps serving
-everyone else. Limits: the largest frame (ZMQ ``MAXMSGSIZE``: a bigger frame disconnects
-its sender inside libzmq), clients, GET streams in flight per client, the ZMTP handshake
-time and the idle time of a session. ``python -m kvtiers_p2p.server`` runs one (what
-``kvtiers p2p serve`` and the tests start).
+sender's session, closes its connection and ignores its routing id for ``ban_s``; the
+server keeps serving everyone else. Limits: the largest frame (ZMQ ``MAXMSGSIZE``: a bigger
+frame disconnects its sender inside libzmq), connections, clients, namespaces and chunk
+sizes, GET streams in flight per client, the ZMTP handshake and the HELLO after it, and the
+idle time of a session.
+
+No client can hold up another: each session has its own queue of replies its pipe had no
+room for (at most ``max_queued``); a client whose pipe is full is skipped, and one that
+reads nothing for ``stall_timeout`` seconds is disconnected, its streams cancelled.
+``python -m kvtiers_p2p.server`` runs one (what ``kvtiers p2p serve`` and the tests start).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from typing import Any
 import zmq
 
 from . import protocol as P
-from .store import MemoryStore
+from .conns import Connections
+from .store import MIN_CHUNK_BYTES, MemoryStore
 
 log = logging.getLogger("kvtiers.p2p")
 
@@ -31,6 +37,7 @@ E_NO_FAULTS = "no-test-faults"  #: the ERR code of a CORRUPT sent to a server wi
 
 BURST = 8  #: chunks one GET stream may send before the next stream's turn
 NIXL_AHEAD = 16  #: NIXL writes a GETN stream keeps posted ahead of what it announced
+NOT_READY = object()  #: what _nixl_source returns for a chunk that cannot be written yet (not pinned yet)
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,11 @@ class ServerLimits:
     handshake_timeout: float = 5.0  #: seconds a connection may take for the ZMTP handshake
     idle_timeout: float = 300.0  #: a session silent this long is dropped (the client says HELLO again)
     ban_s: float = 60.0  #: a connection that sent a malformed frame is ignored this long
+    max_connections: int = 256  #: connections at once (with or without a session); more are closed at once
+    stall_timeout: float = 10.0  #: a client whose pipe stays full this long (it reads nothing) is disconnected
+    max_queued: int = 64  #: replies queued per client behind its full pipe; one more disconnects it
+    max_namespaces: int = 64  #: namespaces at once; a HELLO for one more is refused with ``full``
+    max_chunk_sizes: int = 8  #: distinct chunk sizes at once; a HELLO for one more is refused with ``full``
 
 
 @dataclass
@@ -54,6 +66,9 @@ class Session:
     last_seen: float
     streams: int = 0
     nixl: tuple[str, int, int, int] | None = None  # remote agent, staging base, count, stride
+    fd: int | None = None  # its connection (see kvtiers_p2p.conns)
+    outbox: deque = field(default_factory=deque)  # replies its full pipe had no room for
+    pins: int = 0  # serve block: arena slots pinned for its GETs
 
 
 @dataclass
@@ -72,6 +87,10 @@ class Stream:
 
 class AuthConfigError(ValueError):
     """A bind the server refuses: off loopback without CurveZMQ, or bad key files."""
+
+
+class BindError(ValueError):
+    """The address cannot be bound (in use, no such interface, IPv6 off)."""
 
 
 def loopback_refusal(url: str) -> str:
@@ -112,8 +131,12 @@ class PeerServer:
         self.ns_chunk: dict[str, int] = {}
         self.streams: deque[Stream] = deque()
         self._gone: set[bytes] = set()
-        self.outbox: deque[tuple[bytes, tuple[Any, ...]]] = deque()  # replies that met a full pipe
-        self.stats = {"malformed": 0, "refused": 0, "chunks_sent": 0, "chunks_stored": 0}
+        self.waiting: dict[bytes, Session] = {}  # sessions with replies queued (Session.outbox)
+        self.stalled: dict[bytes, float] = {}  # routing id -> since when its pipe has been full
+        self.tenants: dict[str, frozenset[str] | None] | None = None  # CurveZMQ key -> namespaces (None: any)
+        self._fd: int | None = None  # the connection of the message being handled
+        self.conns: Connections | None = None
+        self.stats = {"malformed": 0, "refused": 0, "chunks_sent": 0, "chunks_stored": 0, "disconnected": 0}
         self._stop = False
         self.nixl = None
         self.orphans: list[tuple] = []  # (write, source, stream, pos) of ended GETNs: kept until NIXL is done
@@ -134,13 +157,20 @@ class PeerServer:
             max_frame = max(chunk_bytes or limits.max_chunk_bytes, P.MAX_HEADER)
             s.setsockopt(zmq.MAXMSGSIZE, max_frame)
             s.setsockopt(zmq.HANDSHAKE_IVL, int(limits.handshake_timeout * 1000))
-            s.setsockopt(zmq.SNDHWM, 1024)
-            s.setsockopt(zmq.RCVHWM, 256)
+            s.setsockopt(zmq.SNDHWM, 128)  # messages queued per client: one that reads nothing stalls soon
+            s.setsockopt(zmq.RCVHWM, 64)  # PUTs libzmq holds per connection before we read them
             s.setsockopt(zmq.HEARTBEAT_IVL, 2000)
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
+            if ep.host.startswith("["):
+                s.setsockopt(zmq.IPV6, 1)
+            self._setup_socket(s)
             if curve_secret is not None:
                 self._setup_curve(curve_secret, allow_dir)
-            s.bind(bind)
+            self.conns = Connections(s, limit=limits.max_connections, hello_timeout=limits.handshake_timeout)
+            try:
+                s.bind(bind)
+            except zmq.ZMQError as e:
+                raise BindError(f"cannot bind {bind}: {e.strerror}") from None
             self.endpoint = s.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException:
             self.close()
@@ -158,14 +188,24 @@ class PeerServer:
             raise AuthConfigError(f"--curve-secret {secret_file}: {e}") from None
         if not secret:
             raise AuthConfigError(f"--curve-secret {secret_file}: holds no secret key (use the .key_secret file)")
-        if not allow_dir or not os.path.isdir(allow_dir):
-            raise AuthConfigError(f"--allow {allow_dir}: not a directory of client public keys")
+        if not allow_dir or not (os.path.isdir(allow_dir) or os.path.isfile(allow_dir)):
+            raise AuthConfigError(f"--allow {allow_dir}: not a directory of client public keys nor an allowlist file")
+        if os.path.isfile(allow_dir):  # keys bound to namespaces (kvtiers_p2p.tenants)
+            from .tenants import AllowlistAuth, load_allowlist
+
+            self.tenants = load_allowlist(allow_dir)
         self._auth = ThreadAuthenticator(self.ctx)
         self._auth.start()
-        self._auth.configure_curve(domain="*", location=allow_dir)
+        if self.tenants is not None:
+            self._auth.configure_curve_callback(domain="*", credentials_provider=AllowlistAuth(self.tenants))
+        else:
+            self._auth.configure_curve(domain="*", location=allow_dir)
         self.sock.curve_secretkey = secret
         self.sock.curve_publickey = public
         self.sock.curve_server = True
+
+    def _setup_socket(self, sock: zmq.Socket) -> None:
+        """Socket options of a subclass, set before the bind (the serve block bounds queued bytes)."""
 
     # -- the loop ------------------------------------------------------------------------
     def stop(self) -> None:
@@ -176,19 +216,24 @@ class PeerServer:
         """Serve until :meth:`stop`, or until ``watch()`` returns False (checked twice a second)."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        mon = self.conns.mon
+        poller.register(mon, zmq.POLLIN)
         next_check = 0.0
+        stuck = False  # the last round sent nothing it had to send (full pipes, pins or writes pending)
         while not self._stop:
-            events = poller.poll(0 if self._sendable() else poll_ms)
-            if events:
+            timeout = (1 if stuck else 0) if self._sendable() else poll_ms
+            events = dict(poller.poll(timeout))
+            if mon in events:
+                for ident in self.conns.events():
+                    self._drop(ident)
+            if self.sock in events:
                 self._receive_some()
-            if not self._flush():
-                time.sleep(0.0005)
-                continue
+            progressed = self._flush()
             if self.draining:
                 self._drain()
             if self.streams:
-                if not self._pump():  # every stream's pipe is full, or NIXL writes are under way
-                    time.sleep(0 if self._nixl_pending() else 0.0005)
+                progressed = self._pump() or progressed
+            stuck = not progressed and not self._nixl_pending()
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + 0.5
@@ -197,7 +242,7 @@ class PeerServer:
                     break
 
     def _sendable(self) -> bool:
-        return bool(self.streams or self.outbox)
+        return bool(self.streams or self.waiting)
 
     def _nixl_pending(self) -> bool:
         return self.nixl is not None and (bool(self.draining) or any(st.posted for st in self.streams))
@@ -213,19 +258,48 @@ class PeerServer:
         self.draining = left
 
     def _reply(self, ident: bytes, *frames: Any) -> None:
-        """Send a reply now, or queue it behind earlier ones when the client's pipe is full."""
-        if self.outbox or not self._send(ident, *frames):
-            self.outbox.append((ident, frames))
+        """Send a reply now, or queue it behind the client's earlier ones when its pipe is
+        full (at most ``max_queued``: one more disconnects it). A client without a session
+        whose pipe is full loses the reply."""
+        sess = self.sessions.get(ident)
+        if sess is None:
+            self._send(ident, *frames)
+        elif sess.outbox or not self._send(ident, *frames):
+            if len(sess.outbox) >= self.limits.max_queued:
+                self._kick(ident, f"it left {len(sess.outbox)} replies unread")
+            else:
+                sess.outbox.append(frames)
+                self.waiting[ident] = sess
         self._forget_gone()
 
     def _flush(self) -> bool:
-        while self.outbox:
-            ident, frames = self.outbox[0]
-            if not self._send(ident, *frames):
-                return False
-            self.outbox.popleft()
+        """Send what each client's queue holds, as far as its pipe takes it; True when any was sent."""
+        progressed = False
+        for ident, sess in list(self.waiting.items()):
+            box = sess.outbox
+            while box and self._send(ident, *box[0]):
+                box.popleft()
+                progressed = True
+            if not box:
+                self.waiting.pop(ident, None)
         self._forget_gone()
-        return True
+        return progressed
+
+    def _kick(self, ident: bytes, why: str) -> None:
+        """Disconnect a client: end its session and streams, close its connection, ignore
+        what it still sends for ``ban_s``."""
+        sess = self.sessions.get(ident)
+        log.info("p2p server: disconnecting client %s: %s", ident.hex(), why)
+        self.stats["disconnected"] += 1
+        self._drop(ident)
+        self._ban(ident)
+        if sess is not None:
+            self.conns.close(sess.fd, why)
+
+    def _ban(self, ident: bytes) -> None:
+        self.banned[ident] = time.monotonic() + self.limits.ban_s
+        while len(self.banned) > 4096:
+            self.banned.popitem(last=False)
 
     def _forget_gone(self) -> None:
         while self._gone:
@@ -235,9 +309,14 @@ class PeerServer:
         sock = self.sock
         for _ in range(256):
             try:
-                ident = sock.recv(zmq.NOBLOCK)
+                frame = sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            ident = frame.bytes
+            try:
+                self._fd = frame.get(zmq.SRCFD)
+            except zmq.ZMQError:  # libzmq knows no descriptor for this message
+                self._fd = None
             try:
                 self._handle(ident)
             except P.ProtocolError as e:
@@ -250,14 +329,13 @@ class PeerServer:
         self.stats["malformed"] += 1
         log.info("p2p server: dropping connection %s: %s", ident.hex(), why)
         self._drop(ident)
-        self.banned[ident] = time.monotonic() + self.limits.ban_s
-        while len(self.banned) > 4096:
-            self.banned.popitem(last=False)
+        self._ban(ident)
+        self.conns.close(self._fd, f"malformed frame: {why}")
 
     def _drop(self, ident: bytes) -> None:
         self.sessions.pop(ident, None)
-        if any(i == ident for i, _ in self.outbox):
-            self.outbox = deque(x for x in self.outbox if x[0] != ident)
+        self.waiting.pop(ident, None)
+        self.stalled.pop(ident, None)
         if any(st.session.ident == ident for st in self.streams):
             for st in self.streams:
                 if st.session.ident == ident:
@@ -292,14 +370,17 @@ class PeerServer:
     def _send(self, ident: bytes, *frames: Any) -> bool:
         try:
             self.sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=False)
-            return True
         except zmq.Again:
+            self.stalled.setdefault(ident, time.monotonic())
             return False
         except zmq.ZMQError as e:  # EHOSTUNREACH: the client is gone
             if e.errno == zmq.EHOSTUNREACH:
                 self._gone.add(ident)  # dropped by the caller, once it is done iterating
                 return True
             raise
+        if self.stalled:
+            self.stalled.pop(ident, None)
+        return True
 
     def _nixl_source(self, st: Stream, p: int) -> tuple[Any, int] | None:
         """The buffer and xxh3 of ``st.keys[p]`` for a NIXL write, or None (missing). The
@@ -320,6 +401,8 @@ class PeerServer:
             if p in st.posted:
                 continue
             src = self._nixl_source(st, p)
+            if src is NOT_READY:
+                break
             write = None if src is None else self.nixl.write(src[0], peer, base + st.stage[p] * stride)
             if write is None:
                 if src is not None:
@@ -327,7 +410,9 @@ class PeerServer:
                 st.posted[p] = ("miss",)
             else:
                 st.posted[p] = ("w", write, src)
-        cur = st.posted[st.pos]
+        cur = st.posted.get(st.pos)
+        if cur is None:
+            return None
         if cur[0] == "w":
             state = cur[1].poll()
             if state == "PROC":
@@ -352,12 +437,15 @@ class PeerServer:
             item[3] = True
             self.sock.send_multipart([ident, head, item[0]], zmq.NOBLOCK, copy=False)
         except zmq.Again:
+            self.stalled.setdefault(ident, time.monotonic())
             return False
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 self._gone.add(ident)
                 return True
             raise
+        if self.stalled:
+            self.stalled.pop(ident, None)
         self.stats["chunks_sent"] += 1
         return True
 
@@ -389,7 +477,7 @@ class PeerServer:
         elif self._more():
             raise P.ProtocolError(f"{P.REQUEST_OPS[op]} with more than one frame")
         if op == P.HELLO:
-            return self._hello(ident, rid, hdr)
+            return self._hello(ident, rid, hdr, head)
         if op == P.CORRUPT:  # no session: the caller (conformance_corrupt) knows no chunk size
             return self._corrupt(ident, rid, hdr)
         sess = self.sessions.get(ident)
@@ -434,7 +522,7 @@ class PeerServer:
         elif op == P.BYE:
             self._drop(ident)
 
-    def _hello(self, ident: bytes, rid: int, hdr: list) -> None:
+    def _hello(self, ident: bytes, rid: int, hdr: list, head: Any = None) -> None:
         if len(hdr) not in (6, 7):
             raise P.ProtocolError(f"HELLO header has {len(hdr)} items, expected 6 or 7")
         _, _, version, ns, chunk, max_bytes = hdr[:6]
@@ -452,6 +540,19 @@ class PeerServer:
         if self.namespace is not None and ns != self.namespace:
             return self._error(ident, rid, P.E_MISMATCH,
                                f"namespace mismatch: client {ns}, server {self.namespace}")
+        if self.tenants is not None:
+            user = head.get("User-Id") if head is not None else None
+            allowed = self.tenants.get(user or "", frozenset())
+            if allowed is not None and ns not in allowed:
+                return self._error(ident, rid, P.E_FORBIDDEN,
+                                   f"namespace {ns} is not among this client key's namespaces on the server")
+        if chunk < MIN_CHUNK_BYTES:
+            return self._error(ident, rid, P.E_TOO_SMALL,
+                               f"chunk of {chunk} bytes is below the server's minimum of {MIN_CHUNK_BYTES}")
+        if self.store is not None:
+            refusal = self._room_for(ns, chunk)
+            if refusal is not None:
+                return self._error(ident, rid, P.E_FULL, refusal)
         want = self.pinned_chunk or self.ns_chunk.get(ns)
         if want is not None and chunk != want:
             return self._error(ident, rid, P.E_MISMATCH,
@@ -482,10 +583,27 @@ class PeerServer:
             sess.max_bytes, sess.last_seen, sess.nixl = max_bytes, time.monotonic(), nixl
         else:
             self._drop(ident)
-            self.sessions[ident] = Session(ident, ns, chunk, max_bytes, time.monotonic(), nixl=nixl)
+            self.sessions[ident] = Session(ident, ns, chunk, max_bytes, time.monotonic(), nixl=nixl, fd=self._fd)
+            self.conns.bind(self._fd, ident)
         info = {"version": P.VERSION, "instance": self.instance, "max_inflight": self.limits.max_inflight,
                 "max_batch": P.MAX_BATCH, "nixl": nixl is not None, "pid": os.getpid(), "boot": P.boot_id()}
         self._reply(ident, P.pack(P.OK, rid, info))
+
+    def _room_for(self, ns: str, chunk: int) -> str | None:
+        """Why a HELLO for the new namespace ``ns`` of ``chunk``-byte chunks is refused, or
+        None. Namespaces holding no chunk and no session are forgotten first (with their
+        chunk size)."""
+        live = self.store.namespaces() | {s.ns for s in self.sessions.values()}
+        for old in [n for n in self.ns_chunk if n not in live]:
+            del self.ns_chunk[old]
+        if ns in self.ns_chunk:
+            return None
+        if len(self.ns_chunk) >= self.limits.max_namespaces:
+            return f"server has its maximum of {self.limits.max_namespaces} namespaces"
+        sizes = set(self.ns_chunk.values())
+        if chunk not in sizes and len(sizes) >= self.limits.max_chunk_sizes:
+            return f"server has its maximum of {self.limits.max_chunk_sizes} distinct chunk sizes"
+        return None
 
     def quota(self, ns: str) -> int | None:
         """The cap of a namespace: the smallest ``max_bytes`` of its connected clients."""
@@ -500,10 +618,14 @@ class PeerServer:
             if n != size:
                 return self._error(sess.ident, rid, P.E_MALFORMED, f"chunk of {n} bytes, the namespace's are {size}")
             return self._reply(sess.ident, P.pack(P.OK, rid, []))
-        got = store.reserve(sess.ns, size, self.quota(sess.ns))
+        quota = self.quota(sess.ns)
+        got = store.reserve(sess.ns, size, quota)
         if got is None:
             self.sock.recv(copy=False)
-            return self._error(sess.ident, rid, P.E_CAPACITY, f"a chunk of {size} bytes never fits the capacity")
+            limit = store.capacity if quota is None else min(quota, store.capacity)
+            return self._error(sess.ident, rid, P.E_CAPACITY, f"no room for a chunk of {size} bytes (capacity "
+                                                              f"{limit} bytes, the rest still being sent)"
+                               if size <= limit else f"a chunk of {size} bytes never fits the capacity")
         buf, evicted = got
         n = self.sock.recv_into(buf)
         if n != size or self._more():
@@ -516,7 +638,7 @@ class PeerServer:
             return self._error(sess.ident, rid, P.E_CORRUPT, "chunk arrived with a wrong xxh3")
         store.commit(sess.ns, key, buf, digest)
         self.stats["chunks_stored"] += 1
-        self._reply(sess.ident, P.pack(P.OK, rid, evicted))
+        self._reply(sess.ident, P.pack(P.OK, rid, evicted[: P.MAX_BATCH]))  # the client's HITs of the rest expire
 
     def _corrupt(self, ident: bytes, rid: int, hdr: list) -> None:
         """CORRUPT (servers started with ``test_faults`` only): flip the first, middle and
@@ -579,6 +701,13 @@ class PeerServer:
         idle = [i for i, s in self.sessions.items() if now - s.last_seen > self.limits.idle_timeout and not s.streams]
         for ident in idle:
             self._drop(ident)
+        for ident, since in list(self.stalled.items()):
+            if now - since > self.limits.stall_timeout:
+                if ident in self.sessions:
+                    self._kick(ident, f"it read nothing for {self.limits.stall_timeout:g} s")
+                else:
+                    self.stalled.pop(ident, None)
+        self.conns.expire(now)
         while self.banned and next(iter(self.banned.values())) < now:
             self.banned.popitem(last=False)
 
@@ -603,6 +732,9 @@ class PeerServer:
         """Close the socket and the context (pending replies are dropped)."""
         sock = getattr(self, "sock", None)
         if sock is not None:
+            if self.conns is not None:
+                self.conns.stop(sock)
+                self.conns = None
             sock.close(0)
         if self._auth is not None:
             self._auth.stop()

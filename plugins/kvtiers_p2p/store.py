@@ -1,58 +1,134 @@
 """The host-memory chunk store of a standalone peer server: LRU under a byte capacity,
 chunks kept per namespace, each namespace optionally capped by its clients' ``max_bytes``.
 
-Chunks live in buffers of a per-size pool, carved from pre-faulted anonymous mappings and
-reused after eviction, so a PUT is received straight into memory that is already mapped (a
-fresh allocation per chunk costs page faults that halve the push rate). GETs send a buffer
-zero-copy: pyzmq holds a reference to the buffer's memoryview until libzmq has sent it, so a
-buffer whose chunk was evicted meanwhile is reused only once that reference is gone (its
-reference count is back to ours). That costs nothing per send, where a MessageTracker per
-message costs about 30 us.
+Chunks live in buffers of a per-size pool, carved from pre-faulted anonymous mappings
+(slabs) and reused after eviction, so a PUT is received straight into memory that is already
+mapped (a fresh allocation per chunk costs page faults that halve the push rate). The slabs
+of all pools together never map more than ``capacity`` bytes: a chunk size that needs a new
+slab when the capacity is mapped evicts least recently used chunks until a whole slab of
+another size is free and unmaps it. Buffers are carved from a slab as they are needed, so
+a small chunk size costs no bookkeeping for buffers nobody uses.
+
+GETs send a buffer zero-copy: pyzmq holds a reference to the buffer's memoryview until
+libzmq has sent it, so a buffer whose chunk was evicted meanwhile is reused only once that
+reference is gone (its reference count is back to ours). That costs nothing per send, where
+a MessageTracker per message costs about 30 us.
+
+Eviction is fair between namespaces: a chunk of namespace A that needs room evicts A's own
+least recently used chunk while A holds its share of the capacity or more (``capacity``
+divided by the namespaces holding chunks), and otherwise the least recently used chunk of a
+namespace above its share, so one namespace's pushes cannot flush another's chunks below
+that share.
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import sys
 from collections import OrderedDict, deque
 from typing import Any
 
-SLAB_BYTES = 64 << 20  #: buffers are mapped this many bytes at a time
+SLAB_BYTES = 64 << 20  #: buffers are mapped this many bytes at a time (at most)
+MIN_CHUNK_BYTES = 4096  #: the smallest chunk a store keeps (an arena slot's granularity)
 IDLE_REFS = 2  #: sys.getrefcount of a pooled buffer nobody else holds (a local name + the argument)
 
 
-class _Pool:
-    """Free buffers of one size."""
+class _Slab:
+    """One mapping, carved into buffers of its pool's size as they are needed."""
 
-    def __init__(self, size: int, on_slab: Any = None) -> None:
+    __slots__ = ("mm", "view", "n", "carved", "out")
+
+    def __init__(self, nbytes: int, size: int) -> None:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        self.mm = mmap.mmap(-1, nbytes, flags=flags)
+        self.view = memoryview(self.mm)
+        self.n = nbytes // size
+        self.carved = 0
+        self.out = 0  # buffers handed out (reserved, stored, or evicted and maybe still being sent)
+
+
+class _Pool:
+    """Buffers of one size: free ones, evicted ones maybe still being sent, their slabs."""
+
+    def __init__(self, size: int) -> None:
         self.size = size
-        self.on_slab = on_slab
         self.free: list[memoryview] = []
         self.busy: deque[memoryview] = deque()  # evicted, maybe still being sent
-        self.maps: list[mmap.mmap] = []
+        self.slabs: list[_Slab] = []
+        self._slab_of: dict[int, _Slab] = {}  # id(buffer) -> its slab
 
-    def take(self, budget: int) -> memoryview:
+    @property
+    def mapped(self) -> int:
+        return sum(len(s.view) for s in self.slabs)
+
+    def _reclaim(self) -> None:
+        keep: deque = deque()
+        while self.busy:
+            buf = self.busy.popleft()
+            # references: `buf` here and getrefcount's argument; more means ZMQ still sends it
+            if sys.getrefcount(buf) <= IDLE_REFS:
+                self._slab_of[id(buf)].out -= 1
+                self.free.append(buf)
+            else:
+                keep.append(buf)
+        self.busy = keep
+
+    def take(self) -> memoryview | None:
+        """A free buffer, or None when every mapped one is in use (map a slab with :meth:`grow`)."""
         if not self.free and self.busy:
-            keep: deque = deque()
-            while self.busy:
-                buf = self.busy.popleft()
-                # references: `buf` here and getrefcount's argument; more means ZMQ still sends it
-                (self.free if sys.getrefcount(buf) <= IDLE_REFS else keep).append(buf)
-            self.busy = keep
-        if not self.free:
-            n = max(1, min(SLAB_BYTES, budget) // self.size)
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-            m = mmap.mmap(-1, n * self.size, flags=flags)
-            self.maps.append(m)
-            mv = memoryview(m)
-            if self.on_slab is not None:
-                self.on_slab(mv)
-            self.free.extend(mv[i * self.size : (i + 1) * self.size] for i in range(n))
-        return self.free.pop()
+            self._reclaim()
+        if self.free:
+            buf = self.free.pop()
+            self._slab_of[id(buf)].out += 1
+            return buf
+        for slab in self.slabs:
+            if slab.carved < slab.n:
+                i, size = slab.carved, self.size
+                buf = slab.view[i * size : (i + 1) * size]
+                slab.carved += 1
+                slab.out += 1
+                self._slab_of[id(buf)] = slab
+                return buf
+        return None
+
+    def grow(self, nbytes: int) -> memoryview:
+        """Map a slab of ``nbytes`` (a multiple of the size); returns its view."""
+        slab = _Slab(nbytes, self.size)
+        self.slabs.append(slab)
+        return slab.view
 
     def give(self, buf: memoryview, sent: bool) -> None:
         """Take back ``buf``; ``sent``: it may still be referenced by a zero-copy send."""
-        (self.busy if sent else self.free).append(buf)
+        if sent:
+            self.busy.append(buf)
+        else:
+            self._slab_of[id(buf)].out -= 1
+            self.free.append(buf)
+
+    def trim(self) -> int:
+        """Unmap every slab none of whose buffers is out; returns the bytes unmapped."""
+        if self.busy:
+            self._reclaim()
+        idle = [s for s in self.slabs if s.out == 0]
+        if not idle:
+            return 0
+        gone = {id(s) for s in idle}
+        keep = []
+        for buf in self.free:
+            if id(self._slab_of[id(buf)]) in gone:
+                del self._slab_of[id(buf)]
+                buf.release()
+            else:
+                keep.append(buf)
+        self.free = keep
+        freed = 0
+        for s in idle:
+            self.slabs.remove(s)
+            freed += len(s.view)
+            s.view.release()
+            s.mm.close()
+        return freed
 
 
 class MemoryStore:
@@ -61,7 +137,8 @@ class MemoryStore:
 
     A PUT takes a buffer with :meth:`reserve` (evicting to fit ``capacity`` and the
     namespace's ``quota``), receives into it, then :meth:`commit`s it or gives it back with
-    :meth:`release`. ``evictions`` counts what was dropped.
+    :meth:`release`. ``evictions`` counts what was dropped. ``mapped`` is what the pools
+    have mapped, never more than ``capacity``.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -69,49 +146,98 @@ class MemoryStore:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
         self.bytes = 0  # committed and reserved
-        self._lru: OrderedDict[tuple[str, bytes], list[Any]] = OrderedDict()  # [buf, digest, size, sent]
+        self.mapped = 0
+        self._lru: dict[str, OrderedDict[bytes, list[Any]]] = {}  # ns -> key -> [buf, digest, size, sent, used]
+        self._count = 0
         self._ns_bytes: dict[str, int] = {}
         self._pools: dict[int, _Pool] = {}
+        self._tick = itertools.count()
         self.evictions = 0
-        self.on_slab: Any = None  #: called with each newly mapped slab (NIXL registers it)
+        self.on_slab: Any = None  #: called with each newly mapped slab (NIXL registers it; slabs then stay)
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return self._count
+
+    def namespaces(self) -> set[str]:
+        """The namespaces holding chunks (or reserved buffers)."""
+        return {ns for ns, b in self._ns_bytes.items() if b > 0}
+
+    def chunk_sizes(self) -> set[int]:
+        """The buffer sizes of the pools that have memory mapped."""
+        return {size for size, p in self._pools.items() if p.slabs}
 
     def has(self, ns: str, key: bytes) -> bool:
-        return (ns, key) in self._lru
+        d = self._lru.get(ns)
+        return d is not None and key in d
 
     def get(self, ns: str, key: bytes) -> list[Any] | None:
-        """``[buffer, xxh3, size, sent]`` of a chunk, marked recently used; ``None`` when
-        absent. Set ``sent`` when the buffer is handed to a zero-copy send."""
-        k = (ns, key)
-        item = self._lru.get(k)
+        """``[buffer, xxh3, size, sent, ...]`` of a chunk, marked recently used; ``None``
+        when absent. Set ``sent`` when the buffer is handed to a zero-copy send."""
+        d = self._lru.get(ns)
+        item = None if d is None else d.get(key)
         if item is None:
             return None
-        self._lru.move_to_end(k)
+        d.move_to_end(key)
+        item[4] = next(self._tick)
         return item
 
     def reserve(self, ns: str, size: int, quota: int | None) -> tuple[memoryview, list[bytes]] | None:
         """A buffer of ``size`` bytes for a chunk of ``ns`` and the keys of ``ns`` evicted to
-        make room; ``None`` when such a chunk can never fit."""
+        make room; ``None`` when such a chunk can never fit, or when every buffer that could
+        hold it is still being sent (try again later)."""
         limit = min(self.capacity, quota) if quota is not None else self.capacity
-        if size > limit:
+        if size > limit or size < MIN_CHUNK_BYTES:
             return None
         evicted: list[bytes] = []
-        while self._lru and self.bytes + size > self.capacity:
-            (ens, ekey) = self._evict(None)
+        while self._count and self.bytes + size > self.capacity:
+            ens, ekey = self._evict(self._victim(ns, size))
             if ens == ns:
                 evicted.append(ekey)
-        while quota is not None and self._ns_bytes.get(ns, 0) + size > quota:
-            if not any(k[0] == ns for k in self._lru):
-                break
+        while quota is not None and self._ns_bytes.get(ns, 0) + size > quota and self._lru.get(ns):
             evicted.append(self._evict(ns)[1])
         pool = self._pools.get(size)
         if pool is None:
-            pool = self._pools[size] = _Pool(size, self.on_slab)
+            pool = self._pools[size] = _Pool(size)
+        buf = pool.take()
+        while buf is None:
+            if not self._map(pool):
+                if not self._count:
+                    return None
+                ens, ekey = self._evict(self._victim(ns, size))
+                if ens == ns:
+                    evicted.append(ekey)
+            buf = pool.take()
         self.bytes += size
         self._ns_bytes[ns] = self._ns_bytes.get(ns, 0) + size
-        return pool.take(max(size, self.capacity - self.bytes + size)), evicted
+        return buf, evicted
+
+    def _map(self, pool: _Pool) -> bool:
+        """Map one more slab for ``pool`` within the capacity (unmapping other pools' idle
+        slabs to make room); False when there is no room."""
+        size = pool.size
+        room = self.capacity - self.mapped
+        if room < size and self.on_slab is None:
+            for other in list(self._pools.values()):
+                if other is not pool and other.slabs:
+                    self.mapped -= other.trim()
+            room = self.capacity - self.mapped
+        if room < size:
+            return False
+        nbytes = min(SLAB_BYTES, room) // size * size
+        view = pool.grow(nbytes)
+        self.mapped += nbytes
+        if self.on_slab is not None:
+            self.on_slab(view)
+        return True
+
+    def _victim(self, ns: str, size: int) -> str:
+        """The namespace whose least recently used chunk goes next (see the module docstring)."""
+        held = [n for n, d in self._lru.items() if d]
+        share = self.capacity // max(1, len(held) + (ns not in held))
+        if self._lru.get(ns) and self._ns_bytes.get(ns, 0) + size > share:
+            return ns
+        over = [n for n in held if self._ns_bytes.get(n, 0) > share] or held
+        return min(over, key=lambda n: next(iter(self._lru[n].values()))[4])
 
     def release(self, ns: str, buf: memoryview) -> None:
         """Give back a reserved buffer that was not committed."""
@@ -119,27 +245,38 @@ class MemoryStore:
         self.bytes -= size
         self._ns_bytes[ns] -= size
         self._pools[size].give(buf, False)
+        self._forget(ns)
 
     def commit(self, ns: str, key: bytes, buf: memoryview, digest: int) -> None:
         """Keep the reserved ``buf`` under ``(ns, key)``; a key already stored keeps its
         copy (idempotent) and ``buf`` goes back to the pool."""
-        k = (ns, key)
-        if k in self._lru:
-            self._lru.move_to_end(k)
+        d = self._lru.setdefault(ns, OrderedDict())
+        if key in d:
+            d.move_to_end(key)
             self.release(ns, buf)
             return
-        self._lru[k] = [buf, digest, len(buf), False]
+        d[key] = [buf, digest, len(buf), False, next(self._tick)]
+        self._count += 1
 
-    def _evict(self, ns: str | None) -> tuple[str, bytes]:
-        if ns is None:
-            k, item = self._lru.popitem(last=False)
-        else:
-            k = next(x for x in self._lru if x[0] == ns)
-            item = self._lru.pop(k)
-        buf, _, size, sent = item
+    def _evict(self, ns: str) -> tuple[str, bytes]:
+        key, item = self._lru[ns].popitem(last=False)
+        buf, _, size, sent, _ = item
         del item[:]  # no reference to buf left but the pool's
+        self._count -= 1
         self.bytes -= size
-        self._ns_bytes[k[0]] -= size
+        self._ns_bytes[ns] -= size
         self._pools[size].give(buf, sent)
         self.evictions += 1
-        return k
+        self._forget(ns)
+        return ns, key
+
+    def _forget(self, ns: str) -> None:
+        """``ns`` holds nothing any more: forget it, and unmap the pools nobody uses."""
+        if self._ns_bytes.get(ns) or self._lru.get(ns):
+            return
+        self._ns_bytes.pop(ns, None)
+        self._lru.pop(ns, None)
+        if self.on_slab is None:
+            for pool in self._pools.values():
+                if pool.slabs and not pool.busy and all(s.out == 0 for s in pool.slabs):
+                    self.mapped -= pool.trim()
