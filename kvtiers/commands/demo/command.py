@@ -45,11 +45,14 @@ import click
               help="With --engine vllm: the tiers to take prefixes from (fs, p2p, obj).")
 @click.option("--p2p-backend", type=click.Choice(["zmq", "nixl"]), default="zmq", show_default=True,
               help="With --scenario pd: the p2p data path (nixl: the prefill writes into decode's slots).")
+@click.option("--tier", "pd_tier", type=click.Choice(["p2p", "mooncake"]), default="p2p", show_default=True,
+              help="With --scenario pd: p2p (decode pulls from the prefill process) or mooncake (both share "
+                   "one Mooncake Store pool, started for the run).")
 def demo(turns: int, conversations: int, directory: str | None, keep: bool, config_text: str | None, seed: int,
          device: str | None, model: str, events_endpoint: str | None, events_replay: str | None,
          metrics_port: int | None, linger: float, as_json: bool, scenario: str = "chat",
          p2p_backend: str = "zmq", engine: str = "sim", lengths: str = "1024,4096,8192",
-         vllm_tiers: str = "fs,p2p,obj") -> None:
+         vllm_tiers: str = "fs,p2p,obj", pd_tier: str = "p2p") -> None:
     """Serve simulated multi-turn conversations through the host arena and a persistent
     tier, verify every loaded byte, and print hits, bandwidth and prefill tokens saved.
 
@@ -65,6 +68,10 @@ def demo(turns: int, conversations: int, directory: str | None, keep: bool, conf
                                      param_hint="--lengths") from None
         raise click.exceptions.Exit(vllm_command(lens, [t.strip() for t in vllm_tiers.split(",") if t.strip()],
                                                  as_json, directory))
+    if scenario == "pd" and pd_tier == "mooncake":  # both processes on one Mooncake pool (docs/mooncake.md)
+        from .pd_mooncake import pd_mooncake_command
+
+        return pd_mooncake_command(prompts=conversations, seed=seed, device=device, as_json=as_json)
     if scenario == "pd":  # prefill/decode disaggregation over the p2p tier (docs/p2p.md)
         from .pd import pd_command
 
