@@ -9,7 +9,7 @@ from .asynctier import AsyncTier
 from .errors import ConfigError, TierError
 from .hookspecs import hookimpl, hookspec
 from .registry import TierHandle, TierInfo, get_registry, open_tier
-from .types import Arena, Baseline, Job, JobResult, Lookup, Namespace, TierContext, accept_job
+from .types import Arena, Baseline, Job, JobResult, Lookup, Namespace, TierContext, accept_job, prefix_chunk_keys
 
 __version__ = "0.1.0"
 
@@ -47,4 +47,5 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "open_tier",
+    "prefix_chunk_keys",
 ]

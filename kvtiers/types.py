@@ -64,6 +64,52 @@ def check_keys(keys: Sequence[bytes]) -> tuple[bytes, ...]:
     return tuple(check_key(k) for k in keys)
 
 
+PREFIX_KEY_DOMAIN = b"kvtiers-prefix-v1\0"  # the seed of every chain of prefix keys
+
+
+def prefix_chunk_keys(token_ids: Any, tokens_per_chunk: int, *, salt: bytes = b"") -> list[bytes]:
+    """One chunk key per *full* chunk of ``token_ids``: chained SHA-256 hashes, 32 bytes each.
+
+    ``h[-1] = sha256(b"kvtiers-prefix-v1\\0" + salt)``; ``h[i] = sha256(h[i-1] + tokens of
+    chunk i)``, the tokens encoded as unsigned 32-bit little-endian integers; key ``i`` is
+    ``h[i]`` (its 32-byte digest). So key ``i`` names the whole prefix ``token_ids[:(i + 1) *
+    tokens_per_chunk]``: two prompts share key ``i`` exactly when they share that prefix (and
+    the salt). A trailing partial chunk gets no key. ``salt``: anything else the KV bytes
+    depend on that the namespace does not say (a LoRA adapter, a multimodal input's hash);
+    ``b""`` for none.
+
+    ``token_ids``: a flat sequence of ints (a list, a 1-D numpy array or torch tensor).
+    Errors are :class:`ValueError` / :class:`TypeError` naming what was wrong.
+    """
+    import numpy as np
+
+    tpc = operator.index(tokens_per_chunk)
+    if tpc <= 0:
+        raise ValueError(f"prefix_chunk_keys: tokens_per_chunk must be positive, got {tpc}")
+    if not isinstance(salt, (bytes, bytearray, memoryview)):
+        raise TypeError(f"prefix_chunk_keys: salt must be bytes, got {type(salt).__name__}")
+    if isinstance(token_ids, (str, bytes, bytearray)):
+        raise TypeError(f"prefix_chunk_keys: token_ids must be a sequence of ints, not {type(token_ids).__name__}")
+    if hasattr(token_ids, "detach"):  # a torch tensor, on any device
+        token_ids = token_ids.detach().cpu().numpy()
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"prefix_chunk_keys: token_ids must be flat (1-D), got shape {tuple(arr.shape)}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"prefix_chunk_keys: token_ids must be ints, got {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
+        raise ValueError("prefix_chunk_keys: token ids must be in 0 .. 2**32 - 1")
+    n = len(arr) // tpc
+    data = arr[: n * tpc].astype("<u4").tobytes()
+    step = 4 * tpc
+    h = hashlib.sha256(PREFIX_KEY_DOMAIN + bytes(salt)).digest()
+    keys = []
+    for i in range(n):
+        h = hashlib.sha256(h + data[i * step : (i + 1) * step]).digest()
+        keys.append(h)
+    return keys
+
+
 @dataclass(frozen=True)
 class Job:
     """A store or load of ``keys[i]`` from/into arena slot ``slots[i]``.

@@ -25,7 +25,7 @@ from kvtiers.engine.manager import CacheEvent, Request, TieringManager
 from kvtiers.errors import TierError
 
 NUM_LAYERS = 2
-BLOCK_SHAPE = (4, 64)  # float32: 1 KiB per block per tensor
+BLOCK_SHAPE = (16, 16)  # float32: 1 KiB per block per tensor, a block of TOKENS_PER_BLOCK tokens
 BPC = 2  # chunk = 2 layers x K,V x 2 blocks x 1 KiB = 8 KiB = 2 slots' worth of pages
 NUM_BLOCKS = 96
 TOKENS_PER_BLOCK = 16

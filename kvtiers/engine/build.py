@@ -28,6 +28,7 @@ def build_from_config(
     num_workers: int,
     pin: bool | None,
     tier_job_timeout: float,
+    dma: Any = None,
 ) -> TieringManager:
     """What :meth:`TieringManager.from_config <kvtiers.engine.manager.TieringManager.from_config>`
     does (see there), for the manager class ``cls``."""
@@ -42,7 +43,11 @@ def build_from_config(
     from .kvevents import parse_kv_events
 
     kv_events, metrics = parse_kv_events(cfg.kv_events), parse_metrics(cfg.metrics)  # errors before building
+    if kv_caches is None and (layout is None or dma is None):
+        raise ValueError("from_config: kv_caches may be None only with both layout= and dma= (a DMA engine factory)")
     layout = layout if layout is not None else KVLayout.from_tensors(kv_caches)
+    if tokens_per_block:
+        layout.check_tokens_per_block(tokens_per_block)
     bpc = cfg.blocks_per_chunk
     tokens_per_chunk = None
     if cfg.block_size is not None:  # vLLM: tokens per offloaded block
@@ -58,11 +63,15 @@ def build_from_config(
         tokens_per_chunk = tokens_per_block * bpc
     chunk_bytes = layout.chunk_bytes(bpc)
     slot_bytes = slot_bytes_for(chunk_bytes)
-    device_chunks = _device_blocks(kv_caches) // bpc
-    num_slots = arena_size(
-        cfg.host_bytes, slot_bytes, host_blocks_factor=cfg.host_blocks_factor,
-        device_chunk_capacity=device_chunks, num_workers=num_workers,
-    )
+    device_chunks = _device_blocks(kv_caches) // bpc if kv_caches is not None else None
+    try:
+        num_slots = arena_size(
+            cfg.host_bytes, slot_bytes, host_blocks_factor=cfg.host_blocks_factor,
+            device_chunk_capacity=device_chunks, num_workers=num_workers,
+        )
+    except ConfigError as e:  # say how the slot size was computed
+        raise ConfigError(f"{e}; a slot is one chunk padded to a multiple of 4096 bytes: {slot_bytes} bytes, "
+                          f"from blocks_per_chunk={bpc} and the KV layout: {layout.explain_chunk_bytes(bpc)}") from None
     fields = {**cfg.namespace, **dict(namespace_fields or {})}
     fields.update(layout=layout.describe(), blocks_per_chunk=bpc, chunk_bytes=chunk_bytes)
     namespace = Namespace(fields)
@@ -72,7 +81,7 @@ def build_from_config(
     )
     mgr = None
     try:
-        dma = DmaEngine(layout, kv_caches, host, bpc)
+        dma = DmaEngine(layout, kv_caches, host, bpc) if dma is None else dma(layout, host, bpc)
         mgr = cls(
             arena=host.arena, dma=dma, blocks_per_chunk=bpc, chunk_bytes=chunk_bytes,
             tokens_per_chunk=tokens_per_chunk, eviction_policy=cfg.eviction_policy,

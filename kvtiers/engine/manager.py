@@ -104,6 +104,7 @@ class TieringManager:
         self._loads = LoadPath(self.cache, self._tiers, self._transfers, self._events, self.stats, self.chunk_bytes)
         self._stores = StorePath(self.cache, self._tiers, self._transfers, self._loads, self._events, self.stats,
                                  self.chunk_bytes)
+        self._stores.wave_timeout = tier_job_timeout  # a later store wave waits this long for a free slot
         # what a completed device copy or tier job means is up to the path that started it
         self._transfers.on_copied("store", self._stores.copied)
         self._transfers.on_copied("load", self._loads.copied)
@@ -141,6 +142,7 @@ class TieringManager:
         num_workers: int = 1,
         pin: bool | None = None,
         tier_job_timeout: float = 30.0,
+        dma: Callable[[Any, Any, int], Any] | None = None,
     ) -> TieringManager:
         """Build the arena, the DMA engine and every tier from a JSON config (ours or
         vLLM's ``kv_connector_extra_config``; a mapping, JSON text or a file path).
@@ -149,11 +151,20 @@ class TieringManager:
         (see :class:`kvtiers.engine.layout.KVLayout`). ``namespace_fields``: what else changes a
         chunk's bytes (model, dtype, parallel layout, hash seed); the layout description,
         ``blocks_per_chunk`` and the chunk size are added. ``tokens_per_block``: the
-        engine's block size in tokens (needed for token limits and vLLM's ``block_size``).
+        engine's block size in tokens (needed for token limits and vLLM's ``block_size``); each
+        attention group's block shape must have a dimension of that many tokens.
+
+        ``dma``: build the DMA engine yourself: ``dma(layout, host, blocks_per_chunk)`` is called
+        with the KV layout, the host arena (:class:`kvtiers.engine.arena.HostArena`) and the
+        blocks per chunk, and returns an object with ``submit_store(transfer_id, chunks)``,
+        ``submit_load(transfer_id, chunks)`` and ``poll() -> [transfer_id]`` (``chunks``: one
+        ``(device block ids, slot)`` per chunk; every id reported by ``poll`` exactly once, never
+        blocking) and optionally ``close()``. ``kv_caches`` may then be None when ``layout`` is given.
         """
         return build_from_config(
             cls, config, kv_caches, layout=layout, namespace_fields=namespace_fields,
             tokens_per_block=tokens_per_block, num_workers=num_workers, pin=pin, tier_job_timeout=tier_job_timeout,
+            dma=dma,
         )
 
     def add_tier(self, tier: str | type | TierHandle, options: Mapping[str, Any] | None = None,
@@ -210,7 +221,10 @@ class TieringManager:
 
         ``device_blocks``: one sequence of ``blocks_per_chunk`` block ids per key, or one
         flat sequence of them. ``first_chunk``: the index of ``keys[0]`` in the request's
-        token sequence (for the token limits of ``request``).
+        token sequence (for the token limits of ``request``). A store longer than the arena
+        has free slots runs in waves, as loads do: it is reported once its last wave is on the
+        host; chunks that found no slot at all (every slot pinned by other transfers) are
+        ``skipped_keys`` and the result's ``error`` says so.
 
         Hybrid models (see :mod:`kvtiers.engine.hybrid`): ``device_blocks`` may map each
         attention group's name to its blocks; ``state_slots``: one engine state slot per chunk,
@@ -297,7 +311,7 @@ class TieringManager:
 
     def pending(self) -> int:
         """Transfers and tier jobs not finished yet."""
-        return self._transfers.pending() + self._loads.pending() + self._tiers.pending()
+        return self._transfers.pending() + self._loads.pending() + self._stores.pending() + self._tiers.pending()
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish what is in flight (up to ``timeout`` seconds), then close the DMA engine,
@@ -325,6 +339,7 @@ class TieringManager:
         self._tiers.close(max(0.0, deadline - time.monotonic()) + CLOSE_GRACE)
         self._tiers.poll()  # rule 9: results of jobs finished by close
         abandoned = self._tiers.abandon(f"abandoned at close: not reported within {time.monotonic() - t0:.3g} s")
+        self._stores.close()  # store waves still waiting for slots: the rest is skipped
         drain = time.monotonic() + CLOSE_DRAIN  # the device copies of loads those failures ended
         while self._transfers.pending() and time.monotonic() < drain:
             self._transfers.poll_dma()
@@ -352,6 +367,7 @@ class TieringManager:
         """Poll the DMA engine and every tier; advance whatever finished."""
         self._transfers.poll_dma()
         self._tiers.poll()
+        self._stores.poll()  # store waves waiting for slots the tiers just released
         for service in self.services.values():
             service.poll()
         self._tiers.check_lost(self.tier_job_timeout)
