@@ -9,7 +9,8 @@
   :mod:`.transfers` (transfer ids and results), :mod:`.tiers` (the tier stack, its jobs and
   timeouts), :mod:`.events` (cache events) and :mod:`.build` (``from_config``);
   :mod:`.types` holds the values the engine sees (``Request``, ``LookupResult``, ...);
-- :mod:`.demo`, :mod:`.bench`: ``kvtiers demo`` and ``kvtiers bench arena``.
+- :mod:`.weights`: model weights through the tiers (sleep, wake, publish and fork), with
+  :mod:`.weights_chunks` (tensor table, chunks, manifest, copier) and :mod:`.weights_memory`.
 
 This package is the only place kvtiers imports torch; the tier contract and SDK one level up
 never do. Names are imported on first use, so ``import kvtiers.engine`` costs nothing until
@@ -33,6 +34,8 @@ _LAZY = {
     "create_host_arena": "kvtiers.engine.arena",
     "arena_size": "kvtiers.engine.arena",
     "slot_bytes_for": "kvtiers.engine.arena",
+    "ModelWeights": "kvtiers.engine.weights",
+    "WeightsIdentity": "kvtiers.engine.weights",
 }
 
 
