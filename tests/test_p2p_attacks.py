@@ -431,3 +431,35 @@ def test_client_bounds_reply_headers():
     with pytest.raises(P.ProtocolError, match="exceeds"):
         P.unpack(P.pack(P.OK, 1, [b"k" * 60] * 20000), reply=True)  # ~1.3 MiB of "evicted keys"
     assert P.unpack(P.pack(P.OK, 1, [b"k" * 64] * P.MAX_BATCH), reply=True)[0] == P.OK
+
+
+def test_zero_copy_pushes_to_a_silent_peer_fail_in_time_and_the_tier_recovers():
+    import signal
+
+    srv = start_server(capacity=256 * MiB)
+    arena = Arena.allocate(64, MiB)  # 1 MiB chunks go out of their slots zero-copy
+    fill(arena, 3)
+    h = tier(srv.port, arena, timeout=2.0)
+    try:
+        h.submit_store(Job(1, (b"warm",), (0,)))
+        assert wait(h, 1).ok
+        os.kill(srv.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            h.submit_store(Job(2, tuple(b"silent-%d" % i for i in range(64)), tuple(range(64))))
+            r = wait(h, 2, timeout=30)
+            # ZMQ held some chunks in the silent peer's pipe: the socket was reset to let go of the slots
+            assert not r.ok and time.monotonic() - t0 < 2.0 + 1.0 + BOUND_S, r
+        finally:
+            os.kill(srv.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        jid = 3
+        while True:  # served again once it wakes up (after the reconnect)
+            h.submit_store(Job(jid, (b"after",), (0,)))
+            if wait(h, jid).ok:
+                break
+            assert time.monotonic() < deadline
+            jid += 1
+    finally:
+        h.close()
+        srv.stop()

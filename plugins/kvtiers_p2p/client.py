@@ -41,6 +41,8 @@ log = logging.getLogger("kvtiers.p2p")
 GET_BATCH = 64  #: keys per GET request
 LOOKUP_BATCH = 1024
 WINDOW = 64  #: requests in flight per peer (GETs also within the server's max_inflight)
+ZERO_COPY_MIN = 256 << 10  #: a PUT's chunk this big is sent from its slot (zero-copy), smaller ones copied
+UNSENT_GRACE_S = 1.0  #: a failed PUT whose chunk ZMQ still holds this long resets the peer's socket
 
 
 @dataclass
@@ -80,6 +82,7 @@ class Request:
     instance: str | None = None  # getn: the server instance it was sent to
     why: str = ""  # getn being fenced: why it failed
     fence: float = 0.0  # getn being fenced: when to give up waiting for the server
+    tracker: Any = None  # put sent zero-copy: done once ZMQ no longer reads the slot
 
 
 @dataclass
@@ -140,6 +143,7 @@ class PeerClient:
         self._pidfds: dict[str, int] = {}  # server instance -> pidfd (servers on this host)
         self.late_fences = 0  # fences given up on with the server still silent
         self.peers: dict[str, Peer] = {}
+        self.unsent: list[tuple[Request, bool, str | None, float]] = []  # puts over whose slot ZMQ still reads
         self._rids = itertools.count(1)
         self._commands: deque[Callable[[], None]] = deque()
         self._rfd, self._wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -195,6 +199,7 @@ class PeerClient:
                 except Exception:
                     log.exception("p2p client: late command failed")
             self.ctx.term()
+            self._puts_over(force=True)  # every socket is closed: ZMQ holds no slot any more
             for fd in self._pidfds.values():
                 os.close(fd)
             if self.nx is not None:
@@ -217,6 +222,8 @@ class PeerClient:
             if peer.sock is not None and peer.sock in events:
                 self._receive(peer)
         now = time.monotonic()
+        if self.unsent:
+            self._puts_over(now)
         self._expire(now)
         if now >= self._next_tick:
             self._next_tick = now + 0.5
@@ -252,6 +259,8 @@ class PeerClient:
     def _poll_timeout(self) -> int:
         if self._commands:
             return 0
+        if self.unsent:
+            return 1  # trackers are no socket events
         if self.nx is not None and self._loading():
             return 1  # UCX is progressed from this loop while writes may be arriving
         now = time.monotonic()
@@ -381,11 +390,9 @@ class PeerClient:
                 self._finish(it, False, "no peer to store to")
             return
         peer = self.peers[url]
-        for it in items:
+        for it in items:  # the header (with the chunk's xxh3) is made as it is sent: see _pump
             rid = next(self._rids)
-            data = self.arena[it.slot]
-            frames = [P.pack(P.PUT, rid, it.key, P.checksum(data)), data]
-            peer.queue.append(Request("put", rid, it.job.deadline, frames, items=[it]))
+            peer.queue.append(Request("put", rid, it.job.deadline, [None, self.arena[it.slot]], items=[it]))
 
     def probe(self, keys: list[bytes]) -> None:
         live = [p for p in self.peers.values() if p.error is None]
@@ -418,17 +425,24 @@ class PeerClient:
                     continue
                 if peer.gets >= peer.max_inflight:
                     return
+            elif req.frames[0] is None:  # a PUT: its xxh3 now, while the previous chunks are on their way
+                it = req.items[0]
+                req.frames[0] = P.pack(P.PUT, req.rid, it.key, P.checksum(req.frames[1]))
             try:
-                peer.sock.send_multipart(req.frames, zmq.NOBLOCK, copy=True)
+                if req.kind == "put" and len(req.frames[1]) >= ZERO_COPY_MIN:  # sent from the slot itself
+                    req.tracker = peer.sock.send_multipart(req.frames, zmq.NOBLOCK, copy=False, track=True)
+                else:
+                    peer.sock.send_multipart(req.frames, zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
             peer.queue.popleft()
             req.sent = True
-            req.frames = req.frames[:1]  # the chunk was copied into ZMQ: the slot is ours no more
+            req.frames = req.frames[:1]  # copied into ZMQ, or held by it until req.tracker is done
             peer.inflight[req.rid] = req
+            req.peer = peer
             if req.kind in ("get", "getn"):
                 peer.gets += 1
-                req.peer, req.instance = peer, peer.instance
+                req.instance = peer.instance
 
     # -- receiving -----------------------------------------------------------------------
     def _discard_rest(self, sock: zmq.Socket) -> None:
@@ -594,7 +608,7 @@ class PeerClient:
             it = req.items[0]
             evicted = body if isinstance(body, list) else []
             evicted = [k for k in evicted if type(k) is bytes]
-            self._finish(it, True, None, len(self.arena[it.slot]))
+            self._put_over(req, True, None)
             self.cb["on_stored"](it.key, peer.url)
             if evicted:
                 self.cb["on_evicted"](evicted)
@@ -642,8 +656,44 @@ class PeerClient:
             for it in req.items:
                 self._retry(it, why)
         elif req.kind == "put":
-            for it in req.items:
-                self._finish(it, False, why)
+            self._put_over(req, False, why)
+
+    def _put_over(self, req: Request, ok: bool, why: str | None) -> None:
+        """A PUT is answered or failed: report its key once ZMQ reads its slot no more (rule 6)."""
+        if req.tracker is not None and not req.tracker.done:
+            self.unsent.append((req, ok, why, time.monotonic()))
+            return
+        for it in req.items:
+            self._finish(it, ok, why, len(self.arena[it.slot]) if ok else 0)
+
+    def _puts_over(self, now: float = 0.0, force: bool = False) -> None:
+        """Report the PUTs whose chunks ZMQ let go of; a failed one it still holds after
+        ``UNSENT_GRACE_S`` (a silent peer's full pipe) resets that peer's socket, which drops it."""
+        left, stuck = [], []
+        for entry in self.unsent:
+            req, ok, why, since = entry
+            if force or req.tracker.done:
+                req.tracker = None
+                self._put_over(req, ok, why)
+            else:
+                left.append(entry)
+                if not ok and now - since > UNSENT_GRACE_S and req.peer is not None:
+                    stuck.append(req.peer)
+        self.unsent = left
+        if stuck:
+            self._reset_unsent(stuck)
+
+    def _reset_unsent(self, peers: list[Peer]) -> None:
+        """Close and reopen these peers' sockets: ZMQ drops the chunks it still held."""
+        for peer in dict.fromkeys(peers):
+            if peer.sock is None:
+                continue
+            log.warning("p2p: peer %s took no chunk for %s s: reconnecting", peer.url, UNSENT_GRACE_S)
+            self._fail_peer(peer, f"peer {peer.url} disconnected", queued=False)
+            peer.sock.setsockopt(zmq.LINGER, 0)
+            self._close_socket(peer)
+            if not self._closing and self.peers.get(peer.url) is peer:
+                self._open(peer)
 
     def _fail_peer(self, peer: Peer, why: str, *, queued: bool) -> None:
         reqs = list(peer.inflight.values())

@@ -605,6 +605,10 @@ class PeerServer:
             return f"server has its maximum of {self.limits.max_chunk_sizes} distinct chunk sizes"
         return None
 
+    def _active_ns(self) -> set[str]:
+        """The namespaces with a session (eviction keeps their share)."""
+        return {s.ns for s in self.sessions.values()}
+
     def quota(self, ns: str) -> int | None:
         """The cap of a namespace: the smallest ``max_bytes`` of its connected clients."""
         caps = [s.max_bytes for s in self.sessions.values() if s.ns == ns and s.max_bytes is not None]
@@ -619,7 +623,7 @@ class PeerServer:
                 return self._error(sess.ident, rid, P.E_MALFORMED, f"chunk of {n} bytes, the namespace's are {size}")
             return self._reply(sess.ident, P.pack(P.OK, rid, []))
         quota = self.quota(sess.ns)
-        got = store.reserve(sess.ns, size, quota)
+        got = store.reserve(sess.ns, size, quota, self._active_ns())
         if got is None:
             self.sock.recv(copy=False)
             limit = store.capacity if quota is None else min(quota, store.capacity)

@@ -14,11 +14,12 @@ libzmq has sent it, so a buffer whose chunk was evicted meanwhile is reused only
 reference is gone (its reference count is back to ours). That costs nothing per send, where
 a MessageTracker per message costs about 30 us.
 
-Eviction is fair between namespaces: a chunk of namespace A that needs room evicts A's own
-least recently used chunk while A holds its share of the capacity or more (``capacity``
-divided by the namespaces holding chunks), and otherwise the least recently used chunk of a
-namespace above its share, so one namespace's pushes cannot flush another's chunks below
-that share.
+Eviction is fair between the namespaces clients are using (``active``, those with a
+session): a chunk of namespace A that needs room evicts A's own least recently used chunk
+while A holds its share of the capacity or more (``capacity`` divided by the active
+namespaces holding chunks), and otherwise the least recently used chunk of a namespace
+nobody is using or of one above its share, so one namespace's pushes cannot flush another
+active namespace's chunks below that share.
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ class MemoryStore:
         self._ns_bytes: dict[str, int] = {}
         self._pools: dict[int, _Pool] = {}
         self._tick = itertools.count()
+        self._active: set[str] | None = None
         self.evictions = 0
         self.on_slab: Any = None  #: called with each newly mapped slab (NIXL registers it; slabs then stay)
 
@@ -181,10 +183,13 @@ class MemoryStore:
         item[4] = next(self._tick)
         return item
 
-    def reserve(self, ns: str, size: int, quota: int | None) -> tuple[memoryview, list[bytes]] | None:
+    def reserve(self, ns: str, size: int, quota: int | None,
+                active: set[str] | None = None) -> tuple[memoryview, list[bytes]] | None:  # fmt: skip
         """A buffer of ``size`` bytes for a chunk of ``ns`` and the keys of ``ns`` evicted to
         make room; ``None`` when such a chunk can never fit, or when every buffer that could
-        hold it is still being sent (try again later)."""
+        hold it is still being sent (try again later). ``active``: the namespaces in use,
+        whose share eviction keeps (default: every namespace holding chunks)."""
+        self._active = active
         limit = min(self.capacity, quota) if quota is not None else self.capacity
         if size > limit or size < MIN_CHUNK_BYTES:
             return None
@@ -233,11 +238,14 @@ class MemoryStore:
     def _victim(self, ns: str, size: int) -> str:
         """The namespace whose least recently used chunk goes next (see the module docstring)."""
         held = [n for n, d in self._lru.items() if d]
-        share = self.capacity // max(1, len(held) + (ns not in held))
+        active = self._active
+        using = [n for n in held if active is None or n in active or n == ns]
+        share = self.capacity // max(1, len(using) + (ns not in using))
         if self._lru.get(ns) and self._ns_bytes.get(ns, 0) + size > share:
             return ns
-        over = [n for n in held if self._ns_bytes.get(n, 0) > share] or held
-        return min(over, key=lambda n: next(iter(self._lru[n].values()))[4])
+        fair = [n for n in held if (active is not None and n not in active and n != ns)
+                or self._ns_bytes.get(n, 0) > share] or held
+        return min(fair, key=lambda n: next(iter(self._lru[n].values()))[4])
 
     def release(self, ns: str, buf: memoryview) -> None:
         """Give back a reserved buffer that was not committed."""
