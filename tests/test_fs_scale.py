@@ -264,3 +264,22 @@ def test_bench_fs_scale_prints_the_figures_as_json(tmp_path):
     assert steady["instances"] == 2 and [p["cleaner"] for p in steady["per_instance"]].count(True) == 1
     assert steady["projected_entries_per_s"] > 0
     assert "projected at 10,000,000 chunks x 100 instances" in r.stderr
+
+
+def test_a_key_lookups_found_lately_answers_miss_once_removed(tmp_path):
+    """Lookups answer recently found keys from a small set in front of the table: every
+    removal (a drop, an eviction, a listing that finds the file gone) takes the key out."""
+    e = Env(str(tmp_path), slot_bytes=SLOT)
+    try:
+        t = e.open(max_bytes=2 * FILE, rescan_seconds=3600.0)
+        assert t.scanned.wait(30)
+        assert e.store(t, [b"a"]).ok and e.store(t, [b"b"]).ok
+        assert resolve(t, [b"a", b"b"]) == [Lookup.HIT, Lookup.HIT] and b"a" in t.index.hot
+        assert e.store(t, [b"c"]).ok  # evicts "a", the least recently used
+        assert resolve(t, [b"a"]) == [Lookup.MISS]
+        os.unlink(t.path(b"b"))  # removed by hand: the next listing of its directory notices
+        t._scan_once(clean=False, full=False)
+        assert b"b" not in t.index.hot and resolve(t, [b"b"]) == [Lookup.MISS]
+        assert resolve(t, [b"c"]) == [Lookup.HIT]
+    finally:
+        e.close()

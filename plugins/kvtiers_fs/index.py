@@ -27,7 +27,7 @@ import os
 import stat as _stat
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -35,6 +35,8 @@ from . import layout
 from .keytable import KeyTable, fingerprint, fingerprints
 
 log = logging.getLogger("kvtiers.fs")
+
+HOT_KEYS = 16384  # at most this many keys in Index.hot (about 2 MiB)
 
 
 class Index:
@@ -57,6 +59,10 @@ class Index:
         self.dropped: dict[int, float] = {}  # fingerprint -> wall time it was dropped (for listings under way)
         self._clock = 0.0
         self._cand: list[tuple[int, float]] = []  # eviction candidates, oldest last
+        # keys lookups found lately: answered by one dict membership test, like a plain dict
+        # index; bounded (cleared when full), emptied of a key (or cleared) by any removal
+        self.hot: dict[bytes, None] = {}
+        self.removals = 0  # counts removals, so a lookup never caches a key removed meanwhile
 
     @property
     def used(self) -> int:
@@ -73,6 +79,27 @@ class Index:
         """Whether each key is in the index (no lock, no I/O)."""
         return (self.table.find(fingerprints(keys)) >= 0).tolist()
 
+    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        """:meth:`known`, through the bounded set of keys found lately (no lock, no I/O)."""
+        hot = self.hot
+        out = [k in hot for k in keys]
+        if all(out):
+            return out
+        rest = [i for i, h in enumerate(out) if not h]
+        before = self.removals
+        found = self.known([keys[i] for i in rest])
+        new = [keys[i] for i, f in zip(rest, found, strict=True) if f]
+        if len(hot) + len(new) > HOT_KEYS:
+            hot.clear()
+        for k in new:
+            hot[k] = None
+        if self.removals != before:  # a removal raced with this lookup: keep nothing it found
+            for k in new:
+                hot.pop(k, None)
+        for i, f in zip(rest, found, strict=True):
+            out[i] = f
+        return out
+
     def clock_of(self, key: bytes) -> float | None:
         """The LRU clock of ``key`` (negative: foreign), or None."""
         return self.table.get(fingerprint(key))
@@ -88,7 +115,15 @@ class Index:
         old = self.table.put(fp, clock)
         self.placed += (clock > 0) - (old is not None and old > 0)
 
-    def _remove(self, fp: int) -> float | None:
+    def _forget_hot(self, key: bytes | None) -> None:
+        self.removals += 1  # before the hot set changes (see lookup)
+        if key is None:
+            self.hot.clear()
+        else:
+            self.hot.pop(key, None)
+
+    def _remove(self, fp: int, key: bytes | None = None) -> float | None:
+        self._forget_hot(key)
         old = self.table.remove(fp)
         if old is not None and old > 0:
             self.placed -= 1
@@ -128,7 +163,7 @@ class Index:
         """Forget ``key`` (gone from disk); True if it was known."""
         fp = fingerprint(key)
         with self.lock:
-            old = self._remove(fp)
+            old = self._remove(fp, key)
             self._dropped(fp)
             if absent:
                 self.absent[key] = time.monotonic() + self.negative_ttl
@@ -183,6 +218,8 @@ class Index:
             gone = cand[~np.isin(t.fp[cand], fps) & (np.abs(t.clock[cand]) < started)]
             if len(gone) and self._writing_fp:
                 gone = gone[~np.isin(t.fp[gone], np.array(list(self._writing_fp), np.uint64))]
+            if len(gone):
+                self._forget_hot(None)
             t.remove_slots(gone)
             self.placed = t.placed_count()
             self._cand = []
@@ -198,6 +235,7 @@ class Index:
             live = np.flatnonzero(mine.fp > 1)
             if len(live):
                 table.put_many(mine.fp[live], mine.clock[live])
+            self._forget_hot(None)
             self.table = table
             self.placed = table.placed_count()
             self._cand = []
@@ -285,7 +323,7 @@ class Index:
         with self.lock:
             if self.table.get(fp) != clock or fp in self.reading or fp in self._writing_fp:
                 return False
-            self._remove(fp)
+            self._remove(fp, key)
             self._dropped(fp)
             self.absent[key] = time.monotonic() + self.negative_ttl
             return True

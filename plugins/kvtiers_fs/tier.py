@@ -390,7 +390,13 @@ class FsTier:
     def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
         keys = check_keys(keys)
         index = self.index
-        out = [_HIT if known else None for known in index.known(keys)]
+        hot = index.hot  # keys found lately: one dict membership test each
+        out = [_HIT if k in hot else None for k in keys]
+        if None in out:
+            rest = [i for i, a in enumerate(out) if a is None]
+            for i, known in zip(rest, index.lookup([keys[i] for i in rest]), strict=True):
+                if known:
+                    out[i] = _HIT
         if None in out:
             absent, unread = self.index.absent, self.index.unread
             now = time.monotonic()
