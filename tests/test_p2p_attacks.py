@@ -284,10 +284,10 @@ def test_a_namespace_forgets_its_chunk_size_when_it_empties(tmp_path):
 def test_store_keeps_a_namespaces_share_against_anothers_pushes():
     store = MemoryStore(8 * 4096)
     for i in range(4):
-        buf, _ = store.reserve("a", 4096, None)
+        buf, _ = store.reserve("a", 4096, None, {"a", "b"})
         store.commit("a", b"a%d" % i, buf, 0)
     for i in range(40):  # namespace b pushes ten times its share
-        buf, _ = store.reserve("b", 4096, None)
+        buf, _ = store.reserve("b", 4096, None, {"a", "b"})  # both in use (a server with tenants)
         store.commit("b", b"b%d" % i, buf, 0)
     assert all(store.has("a", b"a%d" % i) for i in range(4)), "b's pushes evicted a below its share"
     assert sum(store.has("b", b"b%d" % i) for i in range(40)) == 4

@@ -605,8 +605,11 @@ class PeerServer:
             return f"server has its maximum of {self.limits.max_chunk_sizes} distinct chunk sizes"
         return None
 
-    def _active_ns(self) -> set[str]:
-        """The namespaces with a session (eviction keeps their share)."""
+    def _active_ns(self) -> set[str] | None:
+        """With tenants, the namespaces with a session (eviction keeps their share); else
+        None (least recently used first: every client is trusted, docs/p2p.md)."""
+        if self.tenants is None:
+            return None
         return {s.ns for s in self.sessions.values()}
 
     def quota(self, ns: str) -> int | None:

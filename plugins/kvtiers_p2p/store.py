@@ -14,8 +14,9 @@ libzmq has sent it, so a buffer whose chunk was evicted meanwhile is reused only
 reference is gone (its reference count is back to ours). That costs nothing per send, where
 a MessageTracker per message costs about 30 us.
 
-Eviction is fair between the namespaces clients are using (``active``, those with a
-session): a chunk of namespace A that needs room evicts A's own least recently used chunk
+Eviction is least recently used first across namespaces, or, given the namespaces clients
+are using (``active``: a server with tenants passes those with a session), fair between
+them: a chunk of namespace A that needs room evicts A's own least recently used chunk
 while A holds its share of the capacity or more (``capacity`` divided by the active
 namespaces holding chunks), and otherwise the least recently used chunk of a namespace
 nobody is using or of one above its share, so one namespace's pushes cannot flush another
@@ -188,7 +189,7 @@ class MemoryStore:
         """A buffer of ``size`` bytes for a chunk of ``ns`` and the keys of ``ns`` evicted to
         make room; ``None`` when such a chunk can never fit, or when every buffer that could
         hold it is still being sent (try again later). ``active``: the namespaces in use,
-        whose share eviction keeps (default: every namespace holding chunks)."""
+        whose share eviction keeps (``None``: least recently used first, whatever the namespace)."""
         self._active = active
         limit = min(self.capacity, quota) if quota is not None else self.capacity
         if size > limit or size < MIN_CHUNK_BYTES:
@@ -239,12 +240,13 @@ class MemoryStore:
         """The namespace whose least recently used chunk goes next (see the module docstring)."""
         held = [n for n, d in self._lru.items() if d]
         active = self._active
-        using = [n for n in held if active is None or n in active or n == ns]
+        if active is None:
+            return min(held, key=lambda n: next(iter(self._lru[n].values()))[4])
+        using = [n for n in held if n in active or n == ns]
         share = self.capacity // max(1, len(using) + (ns not in using))
         if self._lru.get(ns) and self._ns_bytes.get(ns, 0) + size > share:
             return ns
-        fair = [n for n in held if (active is not None and n not in active and n != ns)
-                or self._ns_bytes.get(n, 0) > share] or held
+        fair = [n for n in held if (n not in active and n != ns) or self._ns_bytes.get(n, 0) > share] or held
         return min(fair, key=lambda n: next(iter(self._lru[n].values()))[4])
 
     def release(self, ns: str, buf: memoryview) -> None:
