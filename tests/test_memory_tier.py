@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
+from tier_helpers import wait_job
 
 from kvtiers import Arena, Job, JobResult, Lookup, TierContext, TierError, open_tier
-from kvtiers.memory import MemoryTier
+from kvtiers.memory import INLINE_BYTES, MemoryTier
 
 SLOT = 4096
 
@@ -34,9 +37,7 @@ def fill(ctx: TierContext, slot: int, tag: int) -> bytes:
 
 
 def one(tier, job_id: int) -> JobResult:
-    (r,) = tier.get_finished_jobs()
-    assert r.job_id == job_id
-    return r
+    return wait_job(tier, job_id)
 
 
 def store(tier, ctx: TierContext, job_id: int, keys: list[bytes]) -> JobResult:
@@ -169,6 +170,7 @@ def test_empty_job_is_reported(ctx) -> None:
     tier = MemoryTier(ctx)
     tier.submit_store(Job(1, (), ()))
     tier.submit_load(Job(2, (), ()))
+    tier.close()  # waits for both: their results come with the next call
     assert [(r.job_id, r.ok, r.nbytes) for r in tier.get_finished_jobs()] == [(1, True, 0), (2, True, 0)]
 
 
@@ -189,3 +191,75 @@ def test_claims_core_and_bounded(ctx) -> None:
     assert h.levels == {"core", "bounded"}
     assert MemoryTier.conformance_config(None) == {}
     h.close()
+
+
+class WatchedArena(Arena):
+    """An arena that records which thread takes each slot view, and can hold those takers
+    (fault injection: a copy that takes long)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.takers: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __getitem__(self, i):
+        if threading.current_thread() is not threading.main_thread():
+            self.gate.wait()
+        self.takers.append(threading.current_thread().name)
+        return super().__getitem__(i)
+
+
+def test_copies_run_off_the_submitting_thread_and_close_waits_for_them() -> None:
+    # rule 8: a submit returns before its copies (a 64-key job of 4 MiB chunks is 256 MiB of memcpy)
+    big = INLINE_BYTES // 2  # a 4-key job of twice INLINE_BYTES goes to the worker
+    arena = WatchedArena.allocate(4, big)
+    ctx = TierContext(arena)
+    tier = MemoryTier(ctx)
+    for i in range(4):
+        arena[i][:] = bytes([i + 1]) * big
+    arena.takers.clear()
+    arena.gate.clear()  # the worker's copies wait here
+    tier.submit_store(Job(1, (b"a", b"b", b"c", b"d"), (0, 1, 2, 3)))
+    assert tier.get_finished_jobs() == [] and tier.backlog() == 1  # accepted, copy held, submit returned
+    worker = tier._worker
+    closer = threading.Thread(target=tier.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive()  # rule 9: close waits for the accepted job
+    arena.gate.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    (r,) = tier.get_finished_jobs()  # reported once, by the call after close
+    assert r.job_id == 1 and r.ok and r.nbytes == 4 * big
+    assert arena.takers and set(arena.takers) == {"kvtiers-memory-tier"}, arena.takers
+    assert worker is not None and not worker.is_alive()  # rule 9: no thread left behind
+
+
+def test_a_failing_copy_is_a_failed_job_not_a_lost_one(ctx: TierContext) -> None:
+    tier = MemoryTier(ctx)
+    tier.submit_store(Job(1, (b"a",), (0,)))
+    assert one(tier, 1).ok
+    tier._data[b"a"] = b"short"  # fault injection: a stored blob of the wrong length
+    tier.submit_load(Job(2, (b"a",), (1,)))
+    r = one(tier, 2)
+    assert r.failed_keys == (b"a",) and "memory tier: ValueError" in (r.error or "")
+    tier.close()
+
+
+def test_a_small_job_is_copied_in_the_call_and_a_queued_one_keeps_submit_order() -> None:
+    arena = WatchedArena.allocate(6, INLINE_BYTES // 2)
+    ctx = TierContext(arena)
+    tier = MemoryTier(ctx)
+    arena[0][:] = b"\x01" * arena.slot_bytes
+    tier.submit_store(Job(1, (b"small",), (0,)))  # half of INLINE_BYTES: done when submit returns
+    assert [r.job_id for r in tier.get_finished_jobs()] == [1]
+    assert set(arena.takers) == {threading.main_thread().name}
+    arena.gate.clear()
+    tier.submit_store(Job(2, (b"a", b"b", b"c"), (1, 2, 3)))  # large: the worker, held at the gate
+    tier.submit_load(Job(3, (b"small",), (4,)))  # small, but queued behind job 2
+    assert tier.get_finished_jobs() == [] and tier.backlog() == 2
+    arena.gate.set()
+    tier.close()  # waits for both
+    assert [(r.job_id, r.ok) for r in tier.get_finished_jobs()] == [(2, True), (3, True)]  # in submit order
+    assert bytes(arena[4]) == b"\x01" * arena.slot_bytes
