@@ -422,10 +422,10 @@ class Baseline:
     out)`` writes them back into ``out`` (both may be coroutine functions; those run on the
     SDK's I/O loop). ``concurrency``: how many calls the tier itself would have in flight
     (its threads or connection limit); ``load_concurrency`` if loads differ. ``close(keys)``,
-    called once at the end with the keys the bench stored through the tier, removes what
-    the baseline wrote (and may remove the tier's keys where the tier has no ``delete``:
-    an :class:`~kvtiers.AsyncTier`'s ``delete`` is called for them afterwards anyway).
-    ``name`` says what the baseline is.
+    called once at the end with every key the baseline's own ``put`` was given, removes
+    what the baseline wrote (the tier's keys go through an :class:`~kvtiers.AsyncTier`'s
+    ``delete``); a plain function runs on the bench's thread, a coroutine function on the
+    I/O loop. ``name`` says what the baseline is.
     """
 
     name: str
