@@ -6,8 +6,9 @@ Chunks live in buffers of a per-size pool, carved from pre-faulted anonymous map
 mapped (a fresh allocation per chunk costs page faults that halve the push rate). The slabs
 of all pools together never map more than ``capacity`` bytes: a chunk size that needs a new
 slab when the capacity is mapped evicts least recently used chunks until a whole slab of
-another size is free and unmaps it. Buffers are carved from a slab as they are needed, so
-a small chunk size costs no bookkeeping for buffers nobody uses.
+another size is free and carves that slab anew (it stays mapped, and registered with NIXL).
+Buffers are carved from a slab as they are needed, so a small chunk size costs no
+bookkeeping for buffers nobody uses; a pool nobody uses any more is unmapped.
 
 GETs send a buffer zero-copy: pyzmq holds a reference to the buffer's memoryview until
 libzmq has sent it, so a buffer whose chunk was evicted meanwhile is reused only once that
@@ -108,14 +109,25 @@ class _Pool:
             self._slab_of[id(buf)].out -= 1
             self.free.append(buf)
 
-    def trim(self) -> int:
-        """Unmap every slab none of whose buffers is out; returns the bytes unmapped."""
+    def detach(self, size: int) -> _Slab | None:
+        """Take out a slab of at least ``size`` bytes none of whose buffers is out (for
+        another pool to carve anew: it stays mapped, and registered with NIXL)."""
         if self.busy:
             self._reclaim()
-        idle = [s for s in self.slabs if s.out == 0]
-        if not idle:
-            return 0
-        gone = {id(s) for s in idle}
+        slab = next((s for s in self.slabs if s.out == 0 and len(s.view) >= size), None)
+        if slab is not None:
+            self._drop([slab])
+            self.slabs.remove(slab)
+        return slab
+
+    def adopt(self, slab: _Slab) -> None:
+        """Carve ``slab`` (detached from another pool) into buffers of this pool's size."""
+        slab.n, slab.carved, slab.out = len(slab.view) // self.size, 0, 0
+        self.slabs.append(slab)
+
+    def _drop(self, slabs: list[_Slab]) -> None:
+        """Forget the free buffers of ``slabs`` (released: the slab may be unmapped or recarved)."""
+        gone = {id(s) for s in slabs}
         keep = []
         for buf in self.free:
             if id(self._slab_of[id(buf)]) in gone:
@@ -124,6 +136,15 @@ class _Pool:
             else:
                 keep.append(buf)
         self.free = keep
+
+    def trim(self) -> int:
+        """Unmap every slab none of whose buffers is out; returns the bytes unmapped."""
+        if self.busy:
+            self._reclaim()
+        idle = [s for s in self.slabs if s.out == 0]
+        if not idle:
+            return 0
+        self._drop(idle)
         freed = 0
         for s in idle:
             self.slabs.remove(s)
@@ -222,12 +243,12 @@ class MemoryStore:
         slabs to make room); False when there is no room."""
         size = pool.size
         room = self.capacity - self.mapped
-        if room < size and self.on_slab is None:
-            for other in list(self._pools.values()):
-                if other is not pool and other.slabs:
-                    self.mapped -= other.trim()
-            room = self.capacity - self.mapped
-        if room < size:
+        if room < size:  # carve an idle slab of another size anew (it stays mapped and registered)
+            for other in self._pools.values():
+                slab = other.detach(size) if other is not pool and other.slabs else None
+                if slab is not None:
+                    pool.adopt(slab)
+                    return True
             return False
         nbytes = min(SLAB_BYTES, room) // size * size
         view = pool.grow(nbytes)
