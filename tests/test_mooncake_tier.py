@@ -200,7 +200,8 @@ def test_a_corrupt_object_fails_its_key_and_is_removed(mooncake_pool, opened, ns
     MooncakeTier.conformance_corrupt({"master_server_address": mooncake_pool.address, "global_segment_size": 0},
                                      ns, b"rot")
     r = t.load([b"rot"], [1])
-    assert r.failed_keys == (b"rot",) and "corrupt" in r.error and "checksum" in r.error
+    assert r.failed_keys == (b"rot",), r
+    assert "corrupt" in r.error and "checksum" in r.error, r.error
     assert ((b"rot",), "corrupt") in t.removed
     assert resolve_lookup(t.h, [b"rot"]) == [Lookup.MISS]
     assert get_raw(mooncake_pool, layout.object_name(ns.digest, b"rot")) is None

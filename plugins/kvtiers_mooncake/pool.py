@@ -96,14 +96,18 @@ def corrupt(config: dict, name: str, timeout: float = 30.0) -> None:
             n = size - 40
             for off in {0, n // 2, n - 1}:
                 view[off] ^= 0xFF
+            damaged = bytes(view[:size])
             deadline = time.monotonic() + timeout
-            while True:  # an object under a lease refuses an upsert for a moment
+            while True:  # an object under a lease refuses an upsert for a moment; read back to be sure
                 rc = store.upsert_from(name, addr, size)
-                if rc == 0 or time.monotonic() > deadline:
-                    break
+                if rc == 0:
+                    view[:size] = b"\0" * size
+                    if store.get_into(name, addr, size) == size and bytes(view[:size]) == damaged:
+                        break
+                    view[:size] = damaged
+                if time.monotonic() > deadline:
+                    raise ValueError(f"rewriting mooncake object {name!r} failed: {mc.code_name(rc)}")
                 time.sleep(0.1)
-            if rc != 0:
-                raise ValueError(f"rewriting mooncake object {name!r} failed: {mc.code_name(rc)}")
         finally:
             client.unregister(addr)
             view.release()

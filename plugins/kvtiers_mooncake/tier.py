@@ -44,6 +44,7 @@ log = logging.getLogger("kvtiers.mooncake")
 BACKOFF_S = (0.02, 0.5)  # a full pool (-200): first and longest pause between tries
 SUSPECT_S = 2.0  # a key whose transfer failed (-800) answers MISS this long
 WATCH_MAX_KEYS = 1 << 20  # keys whose presence the watcher follows (the oldest drop out)
+MARKS_MAX = 1 << 16  # keys remembered as another size's or as suspect (-800); then forgotten
 LEASE_GIVE_UP_S = 30.0  # a remove refused for a lease (-706) is retried this long, then forced
 
 
@@ -418,14 +419,19 @@ class MooncakeTier(AsyncTier):
         size = self._store.get_size(name) if rc in (mc.INVALID_PARAMS, mc.TRANSFER_FAIL) or rc >= 0 else -1
         if size >= 0 and size != self.size:
             with self._track_lock:
+                if len(self._foreign) >= MARKS_MAX:
+                    self._foreign.clear()  # forgotten keys fail once more, then are marked again
                 self._foreign.add(key)
                 self._tracked.pop(key, None)
             self.forget([key])
             return (f"object is {size} bytes, this arena's chunks are {self.size} (slot {self.slot_bytes} + "
                     f"{layout.TRAILER_BYTES}-byte trailer): a chunk of another size, left alone")
         if rc == mc.TRANSFER_FAIL:
+            now = time.monotonic()
             with self._track_lock:
-                self._suspect[key] = time.monotonic() + SUSPECT_S
+                if len(self._suspect) >= MARKS_MAX:
+                    self._suspect = {k: t for k, t in self._suspect.items() if t > now}
+                self._suspect[key] = now + SUSPECT_S
             self.forget([key])
             return f"load failed: {mc.code_name(rc)} (the segment holding it may be gone)"
         return f"load failed: {mc.code_name(rc)}"
