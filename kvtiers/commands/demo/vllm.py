@@ -149,11 +149,11 @@ def render(rep: dict[str, Any]) -> str:
         rc = e["recompute"]
         lines += ["", f"prefix {e['prefix_tokens']} tokens (prompt {e['prompt_tokens']})",
                   f"  {'run':<12}{'TTFT s':>9}{'prefill s':>11}{'ratio':>8}{'tokens':>11}{'chunks':>8}{'MiB':>8}",
-                  f"  {'recompute':<12}{rc['ttft_s']:>9.3f}{rc['prefill_s']:>11.3f}{'1.00':>8}"
+                  f"  {'recompute':<12}{rc['ttft_s']:>9.3f}{rc['prefill_s']:>11.3f}{'1.000':>8}"
                   f"{'-':>11}{'-':>8}{'-':>8}"]
         for name, t in e["tiers"].items():
             same = "identical" if t["tokens_identical"] else "DIFFER"
-            lines.append(f"  {name + ' hit':<12}{t['ttft_s']:>9.3f}{t['prefill_s']:>11.3f}{t['ratio']:>8.2f}"
+            lines.append(f"  {name + ' hit':<12}{t['ttft_s']:>9.3f}{t['prefill_s']:>11.3f}{t['ratio']:>8.3f}"
                          f"{same:>11}{t['chunks']:>8}{t['bytes'] / (1 << 20):>8.1f}")
     lines.append("")
     counts = [f"{n}: {t['chunk_hits']:.0f} chunk hits, {t['read_bytes'] / (1 << 20):.1f} MiB read"
