@@ -145,11 +145,15 @@ class ModelWeights:
                                device_chunk_capacity=self.plan.num_chunks + manifest_chunks)
         self.host = create_host_arena(num_slots, chunk_bytes, pin=pin, elastic=self.cfg.elastic,
                                       elastic_reserve_bytes=self.cfg.elastic_reserve_bytes)
-        advise_huge(self.host.address, self.host.nbytes)
-        self.copier = WeightCopier(self.host, self.plan)
-        self.manager = TieringManager(arena=self.host.arena, dma=self.copier, chunk_bytes=chunk_bytes,
-                                      eviction_policy=self.cfg.eviction_policy, offload_prompt_only=False,
-                                      host=self.host, tier_job_timeout=min(timeout, 60.0))
+        try:
+            advise_huge(self.host.address, self.host.nbytes)
+            self.copier = WeightCopier(self.host, self.plan)
+            self.manager = TieringManager(arena=self.host.arena, dma=self.copier, chunk_bytes=chunk_bytes,
+                                          eviction_policy=self.cfg.eviction_policy, offload_prompt_only=False,
+                                          host=self.host, tier_job_timeout=min(timeout, 60.0))
+        except BaseException:  # e.g. an unknown eviction policy: nothing is left open
+            self.host.close()
+            raise
         self._tiers_open = False
         self.asleep = 0  # 0 awake, else the level it sleeps at
         self._closed = False
