@@ -202,8 +202,8 @@ def test_peers_that_never_read_cannot_pin_the_engines_arena():
         r = wait(peer, 1)
         assert r.ok and time.monotonic() - t0 < BOUND_S, r
         deadline = time.monotonic() + 30
-        serve = mgr.serve  # they read nothing: past the stall timeout both go (only the good peer stays)
-        while serve.stats["disconnected"] < 1 or len(serve.sessions) > 1:
+        serve = mgr.serve  # they read nothing: past the stall (or heartbeat) timeout both go, the good peer stays
+        while len(serve.sessions) > 1:
             assert time.monotonic() < deadline, (mgr.serve.stats, mgr.serve.stalled, len(mgr.serve.sessions))
             time.sleep(0.2)
         time.sleep(0.5)
