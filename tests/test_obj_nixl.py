@@ -85,7 +85,7 @@ def test_corrupt_object_through_nixl_is_a_failed_key(s3_server, damage, why):
         s3(s3_server, "put_object", Bucket=BUCKET, Key=name, Body=damage(body))
         r = run_job(h, False, [b"c"], [1], job_id=2)
         assert r.failed_keys == (b"c",)
-        assert r.error.startswith("CorruptObject") and any(w in r.error for w in why.split("|")), r.error
+        assert r.error.startswith("CorruptChunk") and any(w in r.error for w in why.split("|")), r.error
         assert removed == [((b"c",), "corrupt")]
         with pytest.raises(Exception, match="404|Not Found"):
             s3(s3_server, "head_object", Bucket=BUCKET, Key=name)
