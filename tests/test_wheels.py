@@ -43,7 +43,8 @@ def test_wheel_holds_only_its_own_packages(wheels) -> None:
     names = zipfile.ZipFile(wheels["kvtiers"]).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     # generic names such as `plugins`, `conformance` or `tests` must never land in site-packages
-    assert top == {"kvtiers", "kvtiers_fs", "kvtiers_obj", "kvtiers_p2p", "kvtiers_nixl", "kvtiers_conformance"}, top
+    assert top == {"kvtiers", "kvtiers_fs", "kvtiers_obj", "kvtiers_p2p", "kvtiers_mooncake", "kvtiers_nixl",
+                   "kvtiers_conformance"}, top
     assert "kvtiers/engine/manager.py" in names and "kvtiers/hookspecs.py" in names
     entry_points = zipfile.ZipFile(wheels["kvtiers"]).read("kvtiers-0.1.0.dist-info/entry_points.txt").decode()
     for line in ("memory = kvtiers.memory", "fs = kvtiers_fs", "obj = kvtiers_obj", "p2p = kvtiers_p2p",
@@ -62,5 +63,5 @@ def test_installed_from_wheels_alone(wheels, tmp_path: Path) -> None:
     )
     r = run(sys.executable, "-I", "-S", "-c", code, cwd=tmp_path, env={"PATH": os.environ.get("PATH", "")})
     tiers = {line.split()[0]: line.split()[1] for line in r.stdout.splitlines()}
-    assert tiers == {"fs": "kvtiers", "memory": "kvtiers", "obj": "kvtiers", "p2p": "kvtiers",
+    assert tiers == {"fs": "kvtiers", "memory": "kvtiers", "mooncake": "kvtiers", "obj": "kvtiers", "p2p": "kvtiers",
                      "sqlite": "kvtiers-sqlite"}, r.stdout
