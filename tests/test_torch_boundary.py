@@ -39,19 +39,19 @@ def may_import_torch_in_functions(path: Path) -> bool:
     return COMMANDS in path.parents
 
 
+def _is_torch_import(node: ast.AST) -> bool:
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        names = [node.module]
+    else:
+        return False
+    return any(n == "torch" or n.startswith("torch.") for n in names)
+
+
 def torch_imports(path: Path) -> list[int]:
     """Line numbers of every ``import torch...`` / ``from torch... import`` in ``path``."""
-    lines = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        else:
-            continue
-        if any(n == "torch" or n.startswith("torch.") for n in names):
-            lines.append(node.lineno)
-    return lines
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text(), str(path))) if _is_torch_import(node)]
 
 
 def shipped_modules() -> list[Path]:
@@ -69,19 +69,7 @@ def module_level_torch_imports(path: Path) -> list[int]:
     tree = ast.parse(path.read_text(), str(path))
     inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
               for n in ast.walk(f)}
-    lines = []
-    for node in ast.walk(tree):
-        if id(node) in inside:
-            continue
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        else:
-            continue
-        if any(n == "torch" or n.startswith("torch.") for n in names):
-            lines.append(node.lineno)
-    return lines
+    return [node.lineno for node in ast.walk(tree) if id(node) not in inside and _is_torch_import(node)]
 
 
 def test_nothing_outside_kvtiers_engine_imports_torch() -> None:
