@@ -190,11 +190,19 @@ def pd_command(*, prompts: int, seed: int, device: str | None, as_json: bool, ba
         why = available()
         if why is not None:
             raise click.ClickException(f"--p2p-backend nixl: {why}")
+    report_pd(lambda: run_pd(prompts=prompts, seed=seed, device=device, backend=backend), as_json)
+
+
+def report_pd(run: Any, as_json: bool, table: Any = None) -> None:
+    """Run a PD scenario (``run()`` returns its report), print it as JSON or as ``table(report)``
+    (default: this scenario's :func:`render`), exit 1 on any bad byte."""
+    import click
+
     try:
-        report = run_pd(prompts=prompts, seed=seed, device=device, backend=backend)
+        report = run()
     except RuntimeError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(json.dumps(report) if as_json else render(report))
+    click.echo(json.dumps(report) if as_json else (table or render)(report))
     dec = report["decode"]
     if dec["mismatches"] or dec["failed"]:
         click.echo(f"kvtiers demo: {dec['mismatches']} mismatched and {dec['failed']} failed chunk(s)", err=True)

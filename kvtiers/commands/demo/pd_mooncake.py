@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from .engine import BLOCKS_PER_CHUNK, TOKENS_PER_BLOCK, SimEngine, chunk_keys, pick_device
-from .pd import UNIQUE_TOKENS, _manager, _prompts
+from .pd import UNIQUE_TOKENS, _manager, _prompts, report_pd
 
 POOL_SEGMENT = 256 << 20  #: memory of the serve process the demo starts
 
@@ -162,15 +162,8 @@ def pd_mooncake_command(*, prompts: int, seed: int, device: str | None, as_json:
     why = missing()
     if why is not None:
         raise click.ClickException(f"--tier mooncake: {why}")
-    try:
-        report = run_pd_mooncake(prompts=prompts, seed=seed, device=device, master=master)
-    except RuntimeError as e:
-        raise click.ClickException(str(e)) from None
-    click.echo(json.dumps(report) if as_json else render(report))
-    dec = report["decode"]
-    if dec["mismatches"] or dec["failed"]:
-        click.echo(f"kvtiers demo: {dec['mismatches']} mismatched and {dec['failed']} failed chunk(s)", err=True)
-        raise click.exceptions.Exit(1)
+    report_pd(lambda: run_pd_mooncake(prompts=prompts, seed=seed, device=device, master=master), as_json,
+              render)
 
 
 def main(argv: list[str] | None = None) -> None:
