@@ -35,6 +35,7 @@ class Lookup(enum.Enum):
     RETRY = "retry"
 
 
+_ONLY_BYTES = {bytes}
 _plain_bytes = bytes.__getitem__  # bytes' own slicing: a subclass cannot override it
 
 
@@ -61,7 +62,14 @@ def check_keys(keys: Sequence[bytes]) -> tuple[bytes, ...]:
     plain ``bytes`` (see :func:`check_key`)."""
     if isinstance(keys, (bytes, str)):
         raise TypeError("keys must be a sequence of bytes, not a single bytes or str")
-    return tuple(check_key(k) for k in keys)
+    keys = tuple(keys)
+    # the common case in two C-level passes (a lookup's batch is all plain bytes of one
+    # length): about 4x faster than check_key per key, which stays the path for the rest
+    if set(map(type, keys)) == _ONLY_BYTES:
+        lengths = set(map(len, keys))
+        if min(lengths) >= 1 and max(lengths) <= MAX_KEY_LEN:
+            return keys
+    return tuple(map(check_key, keys))
 
 
 PREFIX_KEY_DOMAIN = b"kvtiers-prefix-v1\0"  # the seed of every chain of prefix keys
