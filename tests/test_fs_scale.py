@@ -82,6 +82,27 @@ def test_the_table_survives_growth_removals_and_reuse_of_slots():
     assert t.get(int(fps[4])) == 3.0 and t.get(int(fps[1])) in (1.0, 2.0) and t.get(int(fps[2])) is None
 
 
+def test_find_agrees_with_a_plain_set_over_long_runs_and_the_wrap_at_the_end():
+    rng = np.random.default_rng(7)
+    t = KeyTable()  # 1024 slots, filled to 0.74: long probe runs
+    cap = t.cap
+    # 60 fingerprints whose home is one of the last slots: their runs wrap to slot 0
+    tail = (np.uint64(0xFFFFFFF0_00000000) | rng.integers(0, 2**16, 60, dtype=np.uint64)
+            | np.uint64(0xFFFF0000)) + np.uint64(2)
+    rest = rng.integers(2, 2**63, 700, dtype=np.uint64) * np.uint64(2)
+    stored = np.unique(np.concatenate([tail, rest]))
+    t.put_many(stored, np.ones(len(stored)))
+    assert t.cap == cap and len(t) == len(stored)  # no growth: the runs stay long
+    absent = np.setdiff1d(rng.integers(2, 2**64 - 1, 3000, dtype=np.uint64), stored)
+    asked = np.concatenate([stored, absent, tail + np.uint64(1)])
+    want = np.isin(asked, stored)
+    slots = t.find(asked)
+    assert ((slots >= 0) == want).all() and (t.contains(asked) == want).all()
+    assert (t.fp[slots[want]] == asked[want]).all()
+    for f in asked[::37].tolist():  # the one-key path agrees
+        assert (t.slot(f) >= 0) == (f in set(stored.tolist()))
+
+
 def test_a_restart_with_a_snapshot_has_the_full_view_at_once_and_lists_only_what_changed(big_root):
     ctx = _ctx()
     t = FsTier(ctx, root_dir=big_root)
@@ -192,6 +213,8 @@ def test_the_cleaners_lease_passes_on_when_its_holder_dies(tmp_path):
         p.wait(30)
         wait_for(lambda: t.is_cleaner, timeout=30, what="the lease to pass on")
         wait_for(lambda: len(chunk_files(root)) <= 8, timeout=30, what="the new cleaner to evict to the bound")
+        # a pass reports its evictions once it has removed them all: the files go first
+        wait_for(lambda: any(why == "evicted" for _, why in e.removed), timeout=30, what="the evictions' report")
         evicted = [k for k, why in e.removed if why == "evicted"]
         assert sorted(evicted) == sorted(keys[:12])  # the oldest first
     finally:
@@ -260,6 +283,7 @@ def test_bench_fs_scale_prints_the_figures_as_json(tmp_path):
     assert report["chunks"] == 2000 and report["open_with_snapshot"]["snapshot"] is True
     assert report["open_without_snapshot"]["snapshot"] is False
     assert report["open_with_snapshot"]["first_hit_s"] is not None and report["lookup_keys_per_s"] > 0
+    assert report["lookup_small_keys_per_s"] > 0 and report["lookup_baseline_keys_per_s"] > 0
     (steady,) = report["steady"]
     assert steady["instances"] == 2 and [p["cleaner"] for p in steady["per_instance"]].count(True) == 1
     assert steady["projected_entries_per_s"] > 0

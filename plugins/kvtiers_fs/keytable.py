@@ -28,8 +28,7 @@ TOMB = 1
 MIN_CAP = 1024
 _MAX_LOAD = 0.75
 _GROW_TO = 0.5
-_WINDOW = 8
-_STEPS = np.arange(_WINDOW)
+_SCALAR = 16  # find: this few unresolved keys finish their probe one by one
 _h64 = xxhash.xxh3_64_intdigest
 
 
@@ -41,7 +40,9 @@ def fingerprint(key: bytes) -> int:
 
 def fingerprints(keys) -> np.ndarray:
     """:func:`fingerprint` of each key, as a ``uint64`` array."""
-    a = np.array([_h64(k) for k in keys], dtype=np.uint64)
+    if not isinstance(keys, (list, tuple)):
+        keys = list(keys)
+    a = np.fromiter(map(_h64, keys), np.uint64, len(keys))
     small = a < 2
     if small.any():
         a[small] += np.uint64(2)
@@ -88,40 +89,39 @@ class KeyTable:
 
     # -- reads (any thread, no lock) ------------------------------------------------------------
     def find(self, fps: np.ndarray) -> np.ndarray:
-        """The slot of each fingerprint, -1 where absent."""
+        """The slot of each fingerprint, -1 where absent.
+
+        All keys take a step of their probe sequence together (one gather of single slots,
+        which numpy does far faster than a gather of windows), and those still unresolved
+        (neither found nor at an empty slot) take the next; the last few go one by one.
+        """
         fpa, _ = self.arrays
         cap = len(fpa)
         out = np.full(len(fps), -1, np.int64)
         if not len(fps):
             return out
+        todo = np.arange(len(fps))
         pos = _home(fps, cap)
-        # the first _WINDOW slots of every key's probe sequence in one gather: almost every
-        # key ends there (found, or an empty slot); the rare longer runs go one by one
-        win = np.take(fpa, pos[:, None] + _STEPS, mode="wrap")
-        hit = win == fps[:, None]
-        end = hit | (win == EMPTY)
-        first = end.argmax(axis=1)
-        rows = np.arange(len(fps))
-        found = hit[rows, first]
-        out[found] = (pos[found] + first[found]) % cap
-        for j in np.flatnonzero(~end[rows, first]).tolist():
-            f = int(fps[j])
-            i = (int(pos[j]) + _WINDOW) % cap
-            while True:
-                cur = int(fpa[i])
-                if cur == f:
-                    out[j] = i
-                    break
-                if cur == EMPTY:
-                    break
-                i = i + 1 if i + 1 < cap else 0
+        want = fps
+        while len(todo) > _SCALAR:
+            cur = fpa[pos]
+            hit = cur == want
+            out[todo[hit]] = pos[hit]
+            go = ~hit & (cur != EMPTY)
+            todo, pos, want = todo[go], pos[go] + 1, want[go]
+            pos[pos == cap] = 0
+        for j, i in zip(todo.tolist(), pos.tolist(), strict=True):
+            out[j] = self._probe(fpa, int(fps[j]), i)
         return out
 
-    def slot(self, fp: int) -> int:
-        """The slot of one fingerprint, -1 if absent."""
-        fpa, _ = self.arrays
+    def contains(self, fps: np.ndarray) -> np.ndarray:
+        """Whether each fingerprint is in the table (a bool array)."""
+        return self.find(fps) >= 0
+
+    @staticmethod
+    def _probe(fpa: np.ndarray, fp: int, i: int) -> int:
+        """The slot of ``fp`` by its probe sequence from slot ``i``, -1 if absent."""
         cap = len(fpa)
-        i = ((fp & 0xFFFFFFFF) * cap) >> 32
         while True:
             cur = int(fpa[i])
             if cur == fp:
@@ -129,6 +129,11 @@ class KeyTable:
             if cur == EMPTY:
                 return -1
             i = i + 1 if i + 1 < cap else 0
+
+    def slot(self, fp: int) -> int:
+        """The slot of one fingerprint, -1 if absent."""
+        fpa, _ = self.arrays
+        return self._probe(fpa, fp, ((fp & 0xFFFFFFFF) * len(fpa)) >> 32)
 
     def get(self, fp: int) -> float | None:
         """The clock of ``fp``, or None."""
