@@ -28,6 +28,7 @@ import stat as _stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from itertools import compress
 
 import numpy as np
 
@@ -37,6 +38,7 @@ from .keytable import KeyTable, fingerprint, fingerprints
 log = logging.getLogger("kvtiers.fs")
 
 HOT_KEYS = 16384  # at most this many keys in Index.hot (about 2 MiB)
+HOT_BATCH = 256  # keys found by lookups of at most this many keys join Index.hot
 
 
 class Index:
@@ -77,28 +79,25 @@ class Index:
 
     def known(self, keys: Iterable[bytes]) -> list[bool]:
         """Whether each key is in the index (no lock, no I/O)."""
-        return (self.table.find(fingerprints(keys)) >= 0).tolist()
+        return self.table.contains(fingerprints(keys)).tolist()
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
-        """:meth:`known`, through the bounded set of keys found lately (no lock, no I/O)."""
-        hot = self.hot
-        out = [k in hot for k in keys]
-        if all(out):
-            return out
-        rest = [i for i, h in enumerate(out) if not h]
+        """:meth:`known` for keys the caller did not find in :attr:`hot`; the found ones of
+        a batch of at most ``HOT_BATCH`` keys join it (no lock, no I/O)."""
         before = self.removals
-        found = self.known([keys[i] for i in rest])
-        new = [keys[i] for i, f in zip(rest, found, strict=True) if f]
-        if len(hot) + len(new) > HOT_KEYS:
-            hot.clear()
-        for k in new:
-            hot[k] = None
-        if self.removals != before:  # a removal raced with this lookup: keep nothing it found
-            for k in new:
-                hot.pop(k, None)
-        for i, f in zip(rest, found, strict=True):
-            out[i] = f
-        return out
+        found = self.known(keys)
+        # a big batch is cheap per key in the table already, and caching it would cost more
+        # than the table's answer (a rotating working set would refill the set each call)
+        new = list(compress(keys, found)) if len(keys) <= HOT_BATCH else None
+        if new:
+            hot = self.hot
+            if len(hot) + len(new) > HOT_KEYS:
+                hot.clear()
+            hot.update(dict.fromkeys(new))
+            if self.removals != before:  # a removal raced with this lookup: keep nothing it found
+                for k in new:
+                    hot.pop(k, None)
+        return found
 
     def clock_of(self, key: bytes) -> float | None:
         """The LRU clock of ``key`` (negative: foreign), or None."""

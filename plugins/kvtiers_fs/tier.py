@@ -391,8 +391,11 @@ class FsTier:
         keys = check_keys(keys)
         index = self.index
         hot = index.hot  # keys found lately: one dict membership test each
-        out = [_HIT if k in hot else None for k in keys]
-        if None in out:
+        out = [_HIT if k in hot else None for k in keys] if hot else [None] * len(keys)
+        cold = out.count(None)
+        if cold == len(keys):  # none of them found lately: one vectorised pass over them all
+            out = [_HIT if known else None for known in index.lookup(keys)]
+        elif cold:
             rest = [i for i, a in enumerate(out) if a is None]
             for i, known in zip(rest, index.lookup([keys[i] for i in rest]), strict=True):
                 if known:
