@@ -391,11 +391,12 @@ class FsTier:
         keys = check_keys(keys)
         index = self.index
         hot = index.hot  # keys found lately: one dict membership test each
-        out = [_HIT if k in hot else None for k in keys] if hot else [None] * len(keys)
-        cold = out.count(None)
-        if cold == len(keys):  # none of them found lately: one vectorised pass over them all
+        out = [_HIT if k in hot else None for k in keys] if hot else None
+        if out is not None and None not in out:
+            return out  # all found lately: as cheap as a plain dict index
+        if out is None or out.count(None) == len(keys):  # one vectorised pass over them all
             out = [_HIT if known else None for known in index.lookup(keys)]
-        elif cold:
+        else:
             rest = [i for i, a in enumerate(out) if a is None]
             for i, known in zip(rest, index.lookup([keys[i] for i in rest]), strict=True):
                 if known:
