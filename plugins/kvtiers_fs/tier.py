@@ -43,6 +43,8 @@ from .walker import Walker
 log = logging.getLogger("kvtiers.fs")
 
 _HIT, _MISS, _RETRY = Lookup.HIT, Lookup.MISS, Lookup.RETRY
+_SEQUENCES = (list, tuple)
+_ONLY_BYTES = {bytes}  # lookup: a batch of plain bytes (no subclass, whose == could say anything)
 
 
 class _JobState:
@@ -388,12 +390,14 @@ class FsTier:
     # -- hooks -------------------------------------------------------------------------------
     @hookimpl
     def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
-        keys = check_keys(keys)
         index = self.index
         hot = index.hot  # keys found lately: one dict membership test each
+        if hot and type(keys) in _SEQUENCES and set(map(type, keys)) == _ONLY_BYTES:
+            out = [_HIT if k in hot else None for k in keys]
+            if None not in out:  # plain bytes equal to keys found lately are valid keys: done
+                return out
+        keys = check_keys(keys)
         out = [_HIT if k in hot else None for k in keys] if hot else None
-        if out is not None and None not in out:
-            return out  # all found lately: as cheap as a plain dict index
         if out is None or out.count(None) == len(keys):  # one vectorised pass over them all
             out = [_HIT if known else None for known in index.lookup(keys)]
         else:
