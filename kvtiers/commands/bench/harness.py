@@ -83,6 +83,58 @@ class _Runner:
             pool = self.pools[parallel] = ThreadPoolExecutor(parallel, thread_name_prefix="kvtiers-bench")
         list(pool.map(fn, keys, views))
 
+    def run_jobs(self, op: str, keys: Sequence[bytes], views: Sequence[memoryview], *, keys_per_job: int,
+                 jobs: int) -> None:
+        """The baseline driven as the tier is in the concurrency sweep: its calls grouped in
+        jobs of ``keys_per_job`` (run at once, within its own concurrency), at most ``jobs``
+        in flight, each job's end seen by the same polling loop as the tier's results, so
+        both pay the same notice of a finished job, which one job of one key at a time
+        otherwise charges to the tier alone."""
+        fn = self.base.get if op == "load" else self.base.put
+        if op != "load":
+            self.stored.update(dict.fromkeys(keys))
+        cap = min(keys_per_job * jobs, self.limit(op))  # calls in flight, as in the rest of the sweep
+        running: dict[int, list[Any]] = {}
+        if inspect.iscoroutinefunction(fn):
+            from ...ioloop import get_loop
+
+            loop = get_loop()
+            sem: list[asyncio.Semaphore] = []  # made on the loop, shared by the jobs
+
+            async def job(lo: int, hi: int) -> None:
+                if not sem:
+                    sem.append(asyncio.Semaphore(cap))
+
+                async def one(k: bytes, v: memoryview) -> None:
+                    async with sem[0]:
+                        await fn(k, v)
+
+                await asyncio.gather(*(one(keys[i], views[i]) for i in range(lo, hi)))
+
+            def start(lo: int, hi: int) -> list[Any]:
+                return [asyncio.run_coroutine_threadsafe(job(lo, hi), loop)]
+        else:
+            pool = self.pools.get(cap)
+            if pool is None:
+                pool = self.pools[cap] = ThreadPoolExecutor(cap, thread_name_prefix="kvtiers-bench")
+
+            def start(lo: int, hi: int) -> list[Any]:
+                return [pool.submit(fn, keys[i], views[i]) for i in range(lo, hi)]
+
+        def submit(lo: int, hi: int) -> int:
+            running[lo] = start(lo, hi)
+            return lo
+
+        def finished() -> list[tuple[Any, str | None]]:
+            out = []
+            for lo in [lo for lo, fs in running.items() if all(f.done() for f in fs)]:
+                errors = [e for e in (f.exception() for f in running.pop(lo)) if e is not None]
+                out.append((lo, f"in a job of {len(errors)} failed call(s): {type(errors[0]).__name__}: {errors[0]}"
+                                if errors else None))
+            return out
+
+        _drive(len(keys), keys_per_job, jobs, submit, finished, f"baseline {self.base.name!r} {op}")
+
     def close_baseline(self) -> None:
         """``Baseline.close`` with the keys the baseline's own ``put`` was given: a plain
         function on this thread, a coroutine function on the SDK's I/O loop."""
@@ -102,34 +154,27 @@ class _Runner:
             p.shutdown()
 
 
-def _tier_io(handle: TierHandle, keys: Sequence[bytes], load: bool, *, keys_per_job: int, jobs: int | None,
-             submit_us: list[float] | None, ids: Any) -> None:
-    """Store or load ``keys`` (key i in slot i) in jobs of ``keys_per_job``, at most ``jobs``
-    in flight (None: all at once); wait for every result; raise if a key failed."""
-    submit = handle.submit_load if load else handle.submit_store
-    batches = [(j, tuple(keys[j : j + keys_per_job])) for j in range(0, len(keys), keys_per_job)]
+def _drive(n: int, keys_per_job: int, jobs: int | None, submit: Callable[[int, int], Any],
+           finished: Callable[[], list[tuple[Any, str | None]]], what: str) -> None:
+    """Run keys ``0..n-1`` in jobs of ``keys_per_job``, at most ``jobs`` in flight (None: all
+    at once), as an engine does: ``submit(lo, hi)`` starts a job and returns its id;
+    ``finished()`` says which jobs ended since the last call (id, error or None), polled
+    with a pause that backs off from 0.1 to 2 ms while nothing finishes."""
+    batches = [(j, min(n, j + keys_per_job)) for j in range(0, n, keys_per_job)]
     limit = jobs or len(batches)
-    inflight: set[int] = set()
+    inflight: set[Any] = set()
     deadline = time.monotonic() + JOB_TIMEOUT
     nxt = 0
     pause = POLL_MIN_S
     while nxt < len(batches) or inflight:
         while nxt < len(batches) and len(inflight) < limit:
-            j, batch = batches[nxt]
-            job = Job(next(ids), batch, tuple(range(j, j + len(batch))))
-            t0 = time.perf_counter()
-            submit(job)
-            if submit_us is not None:
-                submit_us.append((time.perf_counter() - t0) * 1e6)
-            inflight.add(job.job_id)
+            inflight.add(submit(*batches[nxt]))
             nxt += 1
-        got = handle.get_finished_jobs()
-        for r in got:
-            inflight.discard(r.job_id)
-            if not r.ok:
-                what = "load" if load else "store"
-                raise RuntimeError(f"bench: tier {handle.name!r} {what} failed for {len(r.failed_keys)} key(s): "
-                                   f"{r.error or 'no error given'}")
+        got = finished()
+        for job_id, error in got:
+            inflight.discard(job_id)
+            if error is not None:
+                raise RuntimeError(f"bench: {what} failed {error}")
         if got:
             pause = POLL_MIN_S
         else:
@@ -137,6 +182,27 @@ def _tier_io(handle: TierHandle, keys: Sequence[bytes], load: bool, *, keys_per_
                 raise RuntimeError(f"bench: {len(inflight)} job(s) did not finish within {JOB_TIMEOUT:.0f} s")
             time.sleep(pause)
             pause = min(pause * 2, POLL_MAX_S)  # an engine polls once per step; a tight loop only steals the GIL
+
+
+def _tier_io(handle: TierHandle, keys: Sequence[bytes], load: bool, *, keys_per_job: int, jobs: int | None,
+             submit_us: list[float] | None, ids: Any) -> None:
+    """Store or load ``keys`` (key i in slot i) in jobs of ``keys_per_job``, at most ``jobs``
+    in flight (None: all at once); wait for every result; raise if a key failed."""
+    hook = handle.submit_load if load else handle.submit_store
+
+    def submit(lo: int, hi: int) -> int:
+        job = Job(next(ids), tuple(keys[lo:hi]), tuple(range(lo, hi)))
+        t0 = time.perf_counter()
+        hook(job)
+        if submit_us is not None:
+            submit_us.append((time.perf_counter() - t0) * 1e6)
+        return job.job_id
+
+    def finished() -> list[tuple[Any, str | None]]:
+        return [(r.job_id, None if r.ok else f"for {len(r.failed_keys)} key(s): {r.error or 'no error given'}")
+                for r in handle.get_finished_jobs()]
+
+    _drive(len(keys), keys_per_job, jobs, submit, finished, f"tier {handle.name!r} {'load' if load else 'store'}")
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -360,7 +426,7 @@ def _concurrency(report: dict[str, Any], handle: TierHandle, runner: _Runner | N
                 for who in order:
                     t0 = time.perf_counter()
                     if who == "base":
-                        runner.run(op, bkeys, views, par[op])
+                        runner.run_jobs(op, bkeys, views, keys_per_job=kpj, jobs=jobs)
                     else:
                         _tier_io(handle, keys, op == "load", keys_per_job=kpj, jobs=jobs, submit_us=None, ids=ids)
                     times.setdefault((op, who), []).append(time.perf_counter() - t0)
