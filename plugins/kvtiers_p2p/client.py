@@ -659,8 +659,13 @@ class PeerClient:
             self._put_over(req, False, why)
 
     def _put_over(self, req: Request, ok: bool, why: str | None) -> None:
-        """A PUT is answered or failed: report its key once ZMQ reads its slot no more (rule 6)."""
-        if req.tracker is not None and not req.tracker.done:
+        """A PUT is answered or failed: report its key once ZMQ reads its slot no more (rule 6).
+
+        An acknowledged PUT is reported at once: the server received every byte of the
+        chunk, so ZMQ has read them all from the slot and reads it no more (its tracker may
+        say so only later: it still holds a reference until its I/O thread lets the message
+        go). A failed one waits for the tracker: ZMQ may still be sending from the slot."""
+        if not ok and req.tracker is not None and not req.tracker.done:
             self.unsent.append((req, ok, why, time.monotonic()))
             return
         for it in req.items:
