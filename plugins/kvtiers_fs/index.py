@@ -82,17 +82,20 @@ class Index:
         return self.table.contains(fingerprints(keys)).tolist()
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
-        """:meth:`known` for keys the caller did not find in :attr:`hot`; the found ones of
-        a batch of at most ``HOT_BATCH`` keys join it (no lock, no I/O)."""
+        """:meth:`known` for keys the caller did not find in :attr:`hot`; the found ones join
+        it (no lock, no I/O): those of a batch of at most ``HOT_BATCH`` keys always (the set
+        is emptied when full), those of a bigger batch only while they fit, so that a working
+        set bigger than the set does not refill it on every call (the table answers a big
+        batch of such keys faster than a dict that mostly misses)."""
         before = self.removals
         found = self.known(keys)
-        # a big batch is cheap per key in the table already, and caching it would cost more
-        # than the table's answer (a rotating working set would refill the set each call)
-        new = list(compress(keys, found)) if len(keys) <= HOT_BATCH else None
+        new = list(compress(keys, found))
+        hot = self.hot
+        if len(hot) + len(new) > HOT_KEYS:
+            if len(keys) > HOT_BATCH:
+                return found
+            hot.clear()
         if new:
-            hot = self.hot
-            if len(hot) + len(new) > HOT_KEYS:
-                hot.clear()
             hot.update(dict.fromkeys(new))
             if self.removals != before:  # a removal raced with this lookup: keep nothing it found
                 for k in new:

@@ -34,7 +34,7 @@ from kvtiers.types import accept_job, check_keys, drain
 from . import direct as _direct
 from . import layout
 from . import snapshot as _snapshot
-from .index import Index, Prober
+from .index import HOT_BATCH, HOT_KEYS, Index, Prober
 from .keytable import dir_of
 from .lease import Lease
 from .pool import Pool
@@ -392,12 +392,18 @@ class FsTier:
     def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
         index = self.index
         hot = index.hot  # keys found lately: one dict membership test each
-        if hot and type(keys) in _SEQUENCES and set(map(type, keys)) == _ONLY_BYTES:
+        plain = type(keys) in _SEQUENCES and set(map(type, keys)) == _ONLY_BYTES
+        if not plain:
+            keys = check_keys(keys)
+        # a full hot set asked a big batch: a working set bigger than the set, which the
+        # table answers faster than a dict that mostly misses
+        out = None
+        if hot and (len(hot) < HOT_KEYS or len(keys) <= HOT_BATCH):
             out = [_HIT if k in hot else None for k in keys]
-            if None not in out:  # plain bytes equal to keys found lately are valid keys: done
+            if None not in out:  # (plain bytes equal to keys found lately are valid keys)
                 return out
-        keys = check_keys(keys)
-        out = [_HIT if k in hot else None for k in keys] if hot else None
+        if plain:
+            keys = check_keys(keys)  # the same objects in the same order, or an error
         if out is None or out.count(None) == len(keys):  # one vectorised pass over them all
             out = [_HIT if known else None for known in index.lookup(keys)]
         else:
