@@ -60,28 +60,28 @@ class _Runner:
         except Exception as e:  # the baseline's own fault, said in one line like the tier's
             raise RuntimeError(f"bench: baseline {self.base.name!r} {op} failed: {type(e).__name__}: {e}") from e
 
+    def _fn(self, op: str, keys: Sequence[bytes]) -> Callable[..., Any]:
+        """The baseline's call for ``op`` on ``keys``; a store's keys are remembered for ``close``."""
+        if op == "load":
+            return self.base.get
+        self.stored.update(dict.fromkeys(keys))
+        return self.base.put
+
+    def _pool(self, n: int) -> ThreadPoolExecutor:
+        pool = self.pools.get(n)
+        if pool is None:
+            pool = self.pools[n] = ThreadPoolExecutor(n, thread_name_prefix="kvtiers-bench")
+        return pool
+
     def _run(self, op: str, keys: Sequence[bytes], views: Sequence[memoryview], parallel: int) -> None:
-        fn = self.base.get if op == "load" else self.base.put
-        if op != "load":
-            self.stored.update(dict.fromkeys(keys))
+        fn = self._fn(op, keys)
         if inspect.iscoroutinefunction(fn):
             from ...ioloop import get_loop
 
-            async def all_of() -> None:
-                sem = asyncio.Semaphore(parallel)
-
-                async def one(k: bytes, v: memoryview) -> None:
-                    async with sem:
-                        await fn(k, v)
-
-                await asyncio.gather(*(one(k, v) for k, v in zip(keys, views, strict=True)))
-
-            asyncio.run_coroutine_threadsafe(all_of(), get_loop()).result(JOB_TIMEOUT)
+            done = asyncio.run_coroutine_threadsafe(_calls(fn, keys, views, asyncio.Semaphore(parallel)), get_loop())
+            done.result(JOB_TIMEOUT)
             return
-        pool = self.pools.get(parallel)
-        if pool is None:
-            pool = self.pools[parallel] = ThreadPoolExecutor(parallel, thread_name_prefix="kvtiers-bench")
-        list(pool.map(fn, keys, views))
+        list(self._pool(parallel).map(fn, keys, views))
 
     def run_jobs(self, op: str, keys: Sequence[bytes], views: Sequence[memoryview], *, keys_per_job: int,
                  jobs: int) -> None:
@@ -90,33 +90,19 @@ class _Runner:
         in flight, each job's end seen by the same polling loop as the tier's results, so
         both pay the same notice of a finished job, which one job of one key at a time
         otherwise charges to the tier alone."""
-        fn = self.base.get if op == "load" else self.base.put
-        if op != "load":
-            self.stored.update(dict.fromkeys(keys))
+        fn = self._fn(op, keys)
         cap = min(keys_per_job * jobs, self.limit(op))  # calls in flight, as in the rest of the sweep
         running: dict[int, list[Any]] = {}
         if inspect.iscoroutinefunction(fn):
             from ...ioloop import get_loop
 
             loop = get_loop()
-            sem: list[asyncio.Semaphore] = []  # made on the loop, shared by the jobs
-
-            async def job(lo: int, hi: int) -> None:
-                if not sem:
-                    sem.append(asyncio.Semaphore(cap))
-
-                async def one(k: bytes, v: memoryview) -> None:
-                    async with sem[0]:
-                        await fn(k, v)
-
-                await asyncio.gather(*(one(keys[i], views[i]) for i in range(lo, hi)))
+            sem = asyncio.Semaphore(cap)  # shared by the jobs (it binds to the loop on first use)
 
             def start(lo: int, hi: int) -> list[Any]:
-                return [asyncio.run_coroutine_threadsafe(job(lo, hi), loop)]
+                return [asyncio.run_coroutine_threadsafe(_calls(fn, keys[lo:hi], views[lo:hi], sem), loop)]
         else:
-            pool = self.pools.get(cap)
-            if pool is None:
-                pool = self.pools[cap] = ThreadPoolExecutor(cap, thread_name_prefix="kvtiers-bench")
+            pool = self._pool(cap)
 
             def start(lo: int, hi: int) -> list[Any]:
                 return [pool.submit(fn, keys[i], views[i]) for i in range(lo, hi)]
@@ -152,6 +138,17 @@ class _Runner:
     def close(self) -> None:
         for p in self.pools.values():
             p.shutdown()
+
+
+async def _calls(fn: Callable[..., Any], keys: Sequence[bytes], views: Sequence[memoryview],
+                 sem: asyncio.Semaphore) -> None:
+    """``await fn(key, view)`` for each pair, at most as many at once as ``sem`` lets in."""
+
+    async def one(k: bytes, v: memoryview) -> None:
+        async with sem:
+            await fn(k, v)
+
+    await asyncio.gather(*(one(k, v) for k, v in zip(keys, views, strict=True)))
 
 
 def _drive(n: int, keys_per_job: int, jobs: int | None, submit: Callable[[int, int], Any],
