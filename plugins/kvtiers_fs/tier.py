@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from kvtiers import Job, JobResult, Lookup, TierContext, hookimpl
-from kvtiers.types import accept_job, check_keys, drain
+from kvtiers.types import accept_job, check_keys, drain, plain_bytes
 
 from . import direct as _direct
 from . import layout
@@ -43,8 +43,6 @@ from .walker import Walker
 log = logging.getLogger("kvtiers.fs")
 
 _HIT, _MISS, _RETRY = Lookup.HIT, Lookup.MISS, Lookup.RETRY
-_SEQUENCES = (list, tuple)
-_ONLY_BYTES = {bytes}  # lookup: a batch of plain bytes (no subclass, whose == could say anything)
 
 
 class _JobState:
@@ -392,7 +390,7 @@ class FsTier:
     def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
         index = self.index
         hot = index.hot  # keys found lately: one dict membership test each
-        plain = type(keys) in _SEQUENCES and set(map(type, keys)) == _ONLY_BYTES
+        plain = plain_bytes(keys)
         if not plain:
             keys = check_keys(keys)
         # a full hot set asked a big batch: a working set bigger than the set, which the
