@@ -89,12 +89,12 @@ class Index:
         batch of such keys faster than a dict that mostly misses)."""
         before = self.removals
         found = self.known(keys)
-        new = list(compress(keys, found))
         hot = self.hot
-        if len(hot) + len(new) > HOT_KEYS:
+        if len(hot) + found.count(True) > HOT_KEYS:
             if len(keys) > HOT_BATCH:
                 return found
             hot.clear()
+        new = list(compress(keys, found))
         if new:
             hot.update(dict.fromkeys(new))
             if self.removals != before:  # a removal raced with this lookup: keep nothing it found

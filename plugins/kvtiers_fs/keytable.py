@@ -31,6 +31,7 @@ _GROW_TO = 0.5
 _SCALAR = 16  # find: this few keys past their home slot finish their probe one by one
 _WINDOW = 16  # find: the slots after the home slot gathered at once (16 bools are two uint64)
 _STEPS = np.arange(_WINDOW)
+_h64 = xxhash.xxh3_64_intdigest
 
 
 def _any_in_rows(rows: np.ndarray) -> np.ndarray:
@@ -38,7 +39,6 @@ def _any_in_rows(rows: np.ndarray) -> np.ndarray:
     (far faster than ``any(axis=1)``, numpy's reduction along a short axis)."""
     halves = rows.view(np.uint64)
     return (halves[:, 0] | halves[:, 1]) != 0
-_h64 = xxhash.xxh3_64_intdigest
 
 
 def fingerprint(key: bytes) -> int:
