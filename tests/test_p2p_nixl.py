@@ -6,6 +6,7 @@ refused clearly with ``nixl_strict``.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -114,8 +115,8 @@ def test_a_client_killed_mid_load_leaves_the_nixl_server_serving():
         server.kill()
 
 
-def _stored_server(n: int, size: int):
-    server = start_server(capacity=max(256 << 20, 2 * n * size), extra=["--nixl"])
+def _stored_server(n: int, size: int, stderr=subprocess.DEVNULL):
+    server = start_server(capacity=max(256 << 20, 2 * n * size), extra=["--nixl"], stderr=stderr)
     src = Arena.allocate(n, size)
     for i in range(n):
         src[i][:] = os.urandom(16) * (size // 16)
@@ -125,6 +126,39 @@ def _stored_server(n: int, size: int):
     assert wait(a, 1).ok
     a.close()
     return server, src, keys
+
+
+def test_nixl_writes_in_flight_stay_within_the_servers_budget(tmp_path):
+    """Four GETN streams at once: the server posts each stream's next chunk, and writes ahead
+    of them only while its writes in flight are under NIXL_INFLIGHT_BYTES; every write it
+    posted is seen over by the end, and the loaded bytes are exact."""
+    from kvtiers_p2p.server import NIXL_AHEAD, NIXL_INFLIGHT_BYTES
+
+    n, size, streams = 64, 1 << 20, 4
+    bound = NIXL_INFLIGHT_BYTES + streams * size
+    assert bound < streams * NIXL_AHEAD * size  # what 16 ahead per stream alone would post
+    err = tmp_path / "server.err"
+    with open(err, "w") as f:
+        server, src, keys = _stored_server(n, size, stderr=f)
+    dst = Arena.allocate(n, size)
+    h = open_tier("p2p", {"host": "127.0.0.1", "port": server.port, "backend": "nixl"}, TierContext(dst, NS))
+    try:
+        per = n // streams
+        for j in range(streams):
+            h.submit_load(Job(10 + j, keys[j * per : (j + 1) * per], tuple(range(j * per, (j + 1) * per))))
+        done, end = [], time.monotonic() + 60
+        while len(done) < streams and time.monotonic() < end:
+            done += h.get_finished_jobs()
+            time.sleep(0.005)
+        assert sorted(r.job_id for r in done if r.ok) == [10 + j for j in range(streams)], done
+        assert all(bytes(dst[i]) == bytes(src[i]) for i in range(n))
+    finally:
+        h.close()
+        server.stop()
+    line = next(ln for ln in err.read_text().splitlines() if "stats" in ln)
+    stats = json.loads(line.split("stats ", 1)[1])
+    assert stats["nixl_write_bytes_in_flight"] == 0, stats
+    assert 0 < stats["nixl_write_bytes_peak"] <= bound, stats
 
 
 def _finished(h, job_id: int, seconds: float):

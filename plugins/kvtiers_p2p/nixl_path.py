@@ -85,6 +85,8 @@ class NixlServer:
         self.user: threading.Thread | None = None  # the thread that writes (set by write)
         self.regs: list[Any] = []
         self.peers: dict[bytes, str] = {}  # metadata -> remote agent name
+        self.inflight_bytes = 0  #: bytes of the writes posted and not yet seen over (DONE or ERR)
+        self.inflight_peak = 0  #: the most ``inflight_bytes`` has been
 
     def register(self, buf: Any) -> None:
         """Register a slab of the store's pool (called as it is mapped)."""
@@ -119,7 +121,9 @@ class NixlServer:
             remote = agent.get_xfer_descs([(remote_addr, len(buf), 0)], "DRAM")
             handle = agent.initialize_xfer("WRITE", local, remote, peer, backends=["UCX"])
             if agent.transfer(handle) != "ERR":
-                return Write(agent, handle)
+                self.inflight_bytes += len(buf)
+                self.inflight_peak = max(self.inflight_peak, self.inflight_bytes)
+                return Write(agent, handle, self, len(buf))
         except Exception as e:  # e.g. the client went away (NIXL_ERR_REMOTE_DISCONNECT): a failed write
             log.debug("p2p nixl: write to %s failed: %s", peer, e)
         if handle is not None:
@@ -133,10 +137,11 @@ class NixlServer:
 class Write:
     """A posted NIXL WRITE; :meth:`poll` may be called by anyone, any number of times."""
 
-    __slots__ = ("_agent", "_handle", "state")
+    __slots__ = ("_agent", "_handle", "_owner", "_nbytes", "state")
 
-    def __init__(self, agent: Any, handle: Any) -> None:
+    def __init__(self, agent: Any, handle: Any, owner: NixlServer, nbytes: int) -> None:
         self._agent, self._handle, self.state = agent, handle, "PROC"
+        self._owner, self._nbytes = owner, nbytes
 
     def poll(self) -> str:
         """``PROC`` while in flight, then ``DONE`` or ``ERR`` (the handle released once)."""
@@ -147,6 +152,7 @@ class Write:
                 state = "ERR"
             if state != "PROC":
                 self.state = "DONE" if state == "DONE" else "ERR"
+                self._owner.inflight_bytes -= self._nbytes
                 try:
                     self._handle.release()
                 except Exception as e:
