@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 
-from kvtiers import Baseline
+from kvtiers import Baseline, hookimpl
 from kvtiers.commands.bench.harness import run_tier_bench
 from kvtiers.ioloop import is_io_thread
 from kvtiers.memory import MemoryTier
@@ -84,3 +84,48 @@ def test_an_unreachable_backend_is_one_error_line_exit_2() -> None:
     r = subprocess.run([*KVTIERS, "bench", "tier", "memory", "--config", '{"max_bytez": 1}'],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("kvtiers: error: ") and "max_bytez" in r.stderr, r.stderr
+
+
+CALLS: list[tuple[str, bytes]] = []  # (who, first key) in call order
+
+
+class RecordingTier(MemoryTier):
+    """The memory tier noting each job's first key, with a baseline noting each call's."""
+
+    @hookimpl
+    def submit_store(self, job) -> None:
+        CALLS.append(("tier store", job.keys[0]))
+        super().submit_store(job)
+
+    @hookimpl
+    def submit_load(self, job) -> None:
+        CALLS.append(("tier load", job.keys[0]))
+        super().submit_load(job)
+
+    @classmethod
+    def bench_baseline(cls, tier, chunk_bytes: int) -> Baseline:
+        def put(key: bytes, data: memoryview) -> None:
+            CALLS.append(("base store", key))
+            _put(key, data)
+
+        def get(key: bytes, out: memoryview) -> None:
+            CALLS.append(("base load", key))
+            _get(key, out)
+
+        return Baseline("dict", put, get, concurrency=1)
+
+
+def test_tier_and_baseline_store_and_load_a_few_chunks_before_the_first_measured_round() -> None:
+    """So a first transfer's setup (a connection, an endpoint) is charged to no round: every
+    call before the first measured one is a warm-up key, WARM_CHUNKS of each op for each."""
+    from kvtiers.commands.bench.harness import WARM_CHUNKS
+
+    CALLS.clear()
+    report = run_tier_bench(RecordingTier, {}, chunk_sizes=[4096], chunks=12, rounds=1, concurrency=(),
+                            keys_per_job=4)
+    first = next(i for i, (_, k) in enumerate(CALLS) if not k.startswith((b"warm-", b"raw-warm-")))
+    warm = CALLS[:first]
+    assert [w for w, _ in warm] == ["tier store"] * 2 + ["tier load"] * 2 + ["base store"] * 8 + ["base load"] * 8
+    assert WARM_CHUNKS == 8 and [k for w, k in warm if w == "base load"] == [b"raw-warm-%d" % i for i in range(8)]
+    assert CALLS[first][1].startswith(b"bench-")
+    assert all(len(r["round_gbps"]) == 1 for r in report["results"])  # the warm-up is no round

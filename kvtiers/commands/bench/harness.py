@@ -12,7 +12,10 @@ A raw baseline where the tier offers one: a tier class may define the optional c
 callables on the same medium (functions or coroutine functions). The baseline runs
 interleaved with the tier in the same run (which goes first alternates between rounds), on
 the same bytes, with as many calls in flight as the tier's own parallelism (``concurrency``);
-medians over the rounds are compared and printed as a ratio.
+medians over the rounds are compared and printed as a ratio. Before the first round of each
+chunk size, the tier (each variant) and the baseline store and load ``WARM_CHUNKS`` chunks
+unmeasured, so what a first transfer sets up (connections, endpoints, lazily made state) is
+not charged to one round of either.
 
 No torch: the arena is :class:`kvtiers.Arena`.
 """
@@ -40,6 +43,7 @@ LOOKUP_BATCH = 1000
 LOOKUP_SECONDS = 0.3  # the warm lookup rate is timed over at least this long (or 300 batches)
 POLL_MIN_S, POLL_MAX_S = 0.0001, 0.002  # pause between get_finished_jobs calls when nothing finished
 JOB_TIMEOUT = 600.0
+WARM_CHUNKS = 8  # stored and loaded unmeasured by the tier and the baseline before a chunk size's first round
 
 
 class _Runner:
@@ -334,6 +338,7 @@ def run_tier_bench(
                     runner = _Runner(base) if base is not None else None
                 if base is not None:
                     report["baseline"] = base.name
+                stored += _warm_up(handles, runner, views, keys_per_job, ids)
                 nbytes = n * chunk
                 times: dict[tuple[str, str], list[float]] = {}
                 submit_us: dict[str, list[float]] = {"store": [], "load": []}
@@ -400,6 +405,24 @@ def run_tier_bench(
         if scratch is not None:
             scratch.cleanup()
     return report
+
+
+def _warm_up(handles: dict[str, TierHandle], runner: _Runner | None, views: Sequence[memoryview],
+             keys_per_job: int, ids: Any) -> list[bytes]:
+    """Store and load ``WARM_CHUNKS`` chunks (fewer if the round has fewer) through each
+    handle and the baseline, unmeasured. Returns the keys stored through the tier."""
+    warm = views[:WARM_CHUNKS]
+    stored: list[bytes] = []
+    for v, h in handles.items():
+        keys = [b"warm-%s-%d" % (v.encode(), i) for i in range(len(warm))]
+        stored += keys
+        for load in (False, True):
+            _tier_io(h, keys, load, keys_per_job=keys_per_job, jobs=None, submit_us=None, ids=ids)
+    if runner is not None:
+        keys = [b"raw-warm-%d" % i for i in range(len(warm))]
+        for op in ("store", "load"):
+            runner.run(op, keys, warm, runner.limit(op))
+    return stored
 
 
 def _concurrency(report: dict[str, Any], handle: TierHandle, runner: _Runner | None, base: Baseline | None,
