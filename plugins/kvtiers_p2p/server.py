@@ -39,9 +39,9 @@ BURST = 8  #: chunks one GET stream may send before the next stream's turn
 NIXL_AHEAD = 16  #: NIXL writes a GETN stream keeps posted ahead of what it announced, at most
 #: ... and a write ahead of a stream's next chunk only while the server's writes in flight (all
 #: streams) are fewer bytes. On one host UCX does the copy itself (CMA): more writes posted only
-#: delay each one's notice, so the client checks xxh3 in bursts instead of beside the copies
-#: (16 ahead per stream loaded 1 MiB chunks on 4 streams at 0.96-0.98x of raw NIXL, this budget
-#: at 1.07-1.10x). 8 MiB is still many times a NIC's bandwidth-delay product.
+#: delay each one's announcement, and the client's check of it (16 ahead per stream loaded 1 MiB
+#: chunks on 4 streams at 0.96-0.98x of raw NIXL, this budget at 1.07-1.10x). 8 MiB is still
+#: many times a NIC's bandwidth-delay product.
 NIXL_INFLIGHT_BYTES = 8 << 20
 NOT_READY = object()  #: what _nixl_source returns for a chunk that cannot be written yet (not pinned yet)
 
