@@ -10,9 +10,10 @@ chunk evicted or dropped meanwhile stays valid until its pin is gone.
 
 Peers cannot take the arena: a GET pins at most ``PIN_AHEAD`` chunks ahead of what it has
 sent, a peer at most ``max_pins`` slots, and all peers together at most ``pin_share`` of
-the arena, so the engine's own stores always find slots. A peer whose pipe is full holds no
-pin: the chunks pinned ahead for it are released, and asked for again (every
-``STALL_RETRY_S``) until its pipe takes one. What ZMQ queues for one peer is bounded by
+the arena, so the engine's own stores always find slots. A peer whose pipe is full holds at
+most one pin: the chunks pinned ahead for it are released, and its GETs ask again (every
+``STALL_RETRY_S``) for one pin in all until its pipe takes a chunk, so peers that read
+nothing cannot keep the other peers' GETs from every pin. What ZMQ queues for one peer is bounded by
 ``max_queued_bytes`` (its send high-water mark in chunks), and a peer that reads nothing
 for ``stall_timeout`` seconds is disconnected.
 
@@ -113,8 +114,9 @@ class ArenaServer(PeerServer):
     def _ask(self, st: Stream) -> None:
         """Ask the engine thread to pin the stream's next chunks, within the pin budgets."""
         sess = st.session
+        cap = 1 if sess.ident in self.stalled else self.max_pins  # a full pipe: one pin probes it
         n = min(PIN_AHEAD - (st.asked - st.pos), len(st.keys) - st.asked, self.pin_cap - self.pins_out,
-                self.max_pins - sess.pins)
+                cap - sess.pins)
         if n <= 0:
             return
         a = st.asked
