@@ -6,7 +6,6 @@ checks that the attack fails and that a well-behaved client keeps being served."
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -22,6 +21,7 @@ from kvtiers_p2p.spawn import start_server  # noqa: E402
 from kvtiers_p2p.store import MemoryStore  # noqa: E402
 from kvtiers_p2p.tenants import load_allowlist  # noqa: E402
 from tier_helpers import resolve_lookup as resolve  # noqa: E402
+from tier_helpers import server_stats  # noqa: E402
 from tier_helpers import wait_job as wait  # noqa: E402
 
 from kvtiers import Arena, Job, Lookup, Namespace, TierContext, open_tier  # noqa: E402
@@ -39,12 +39,6 @@ def rss_mib(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise AssertionError("no VmRSS")
-
-
-def stats_of(log) -> dict:
-    log.seek(0)
-    text = log.read()
-    return json.loads(text.rsplit("stats ", 1)[1])
 
 
 def tier(port: int, arena: Arena, ns: Namespace = NS, **opts):
@@ -145,7 +139,7 @@ def test_a_client_that_never_reads_freezes_nobody_and_is_disconnected(tmp_path):
             good.close()
         ctx.destroy(0)
         srv.stop()
-    assert stats_of(log)["disconnected"] >= 1
+    assert server_stats(log)["disconnected"] >= 1
 
 
 # -- 2. peers cannot pin an engine's arena -------------------------------------------------
@@ -374,7 +368,7 @@ def test_connections_without_hello_are_capped_and_closed(tmp_path):
             s.close()
         ctx.destroy(0)
         srv.stop()
-    assert stats_of(log)["malformed"] >= 1
+    assert server_stats(log)["malformed"] >= 1
 
 
 # -- 6. the small ones ------------------------------------------------------------------------

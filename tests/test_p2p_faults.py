@@ -4,7 +4,6 @@ NIXL), and hostile frames from raw sockets while a well-behaved client keeps bei
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -23,6 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 from kvtiers_p2p import protocol as P  # noqa: E402
 from kvtiers_p2p.spawn import start_server  # noqa: E402
 from tier_helpers import resolve_lookup as resolve  # noqa: E402
+from tier_helpers import server_stats  # noqa: E402
 from tier_helpers import wait_job as wait  # noqa: E402
 
 from kvtiers import Arena, Job, Lookup, Namespace, TierContext, open_tier  # noqa: E402
@@ -275,7 +275,7 @@ def test_hostile_frames_never_take_the_server_down(tmp_path):
         server.stop()
     log.seek(0)
     text = log.read()
-    stats = json.loads(text.rsplit("stats ", 1)[1])
+    stats = server_stats(log)
     assert server.proc.returncode == 0, text[-2000:]
     # the hostile frames did reach the server and were refused, not served
     assert stats["malformed"] >= 20 and stats["refused"] >= 2, stats

@@ -6,7 +6,6 @@ refused clearly with ``nixl_strict``.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ pytest.importorskip("nixl_cu12")
 
 from kvtiers_conformance import DEFAULT_LIMITS, run_conformance  # noqa: E402
 from kvtiers_p2p.spawn import start_server  # noqa: E402
+from tier_helpers import server_stats  # noqa: E402
 from tier_helpers import wait_job as wait  # noqa: E402
 
 from kvtiers import Arena, Job, Namespace, TierContext, open_tier  # noqa: E402
@@ -155,8 +155,7 @@ def test_nixl_writes_in_flight_stay_within_the_servers_budget(tmp_path):
     finally:
         h.close()
         server.stop()
-    line = next(ln for ln in err.read_text().splitlines() if "stats" in ln)
-    stats = json.loads(line.split("stats ", 1)[1])
+    stats = server_stats(err)
     assert stats["nixl_write_bytes_in_flight"] == 0, stats
     assert 0 < stats["nixl_write_bytes_peak"] <= bound, stats
 

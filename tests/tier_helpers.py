@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvtiers import Job, JobResult, Lookup
 from kvtiers.memory import MemoryTier
+
+
+def server_stats(log: Any) -> dict:
+    """The counters a ``kvtiers p2p serve`` process printed as it stopped (its last ``stats
+    {...}`` line), read from its stderr: a path, or a file object it wrote to."""
+    if hasattr(log, "seek"):
+        log.seek(0)
+        text = log.read()
+    else:
+        text = Path(log).read_text()
+    return json.loads(text.rsplit("stats ", 1)[1].splitlines()[0])
 
 
 def wait_job(tier: Any, job_id: int, timeout: float = 30.0) -> JobResult:
