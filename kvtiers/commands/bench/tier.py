@@ -28,6 +28,22 @@ class Size(click.ParamType):
         return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+class Duration(click.ParamType):
+    """``90``, ``60s``, ``10m``, ``1h30m`` -> seconds."""
+
+    name = "DURATION"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        if isinstance(value, float):
+            return value
+        from .soak import parse_duration
+
+        try:
+            return parse_duration(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
 class JobsByKeys(click.ParamType):
     """``4x16``: 4 jobs in flight of 16 keys each."""
 
@@ -65,7 +81,17 @@ def _options(default_chunk: tuple[str, ...], default_total: str, default_chunks:
         click.option("--no-baseline", is_flag=True, help="Do not measure the tier's raw baseline."),
         click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (no progress)."),
         click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, metavar="FILE.png",
-                     help="Write GB/s against chunk size and concurrency as a PNG (needs matplotlib)."),
+                     help="Write GB/s against chunk size and concurrency as a PNG (needs matplotlib); "
+                          "with --soak, the rows against time."),
+        click.option("--soak", type=Duration(), default=None,
+                     help="Soak instead: store, look up, load and evict at a bound for DURATION (90, 60s, 10m, "
+                          "1h), a row per interval (chunk size: the first --chunk-bytes, 64K by default)."),
+        click.option("--processes", type=click.IntRange(1), default=1, show_default=True,
+                     help="With --soak: processes on one backend."),
+        click.option("--interval", type=Duration(), default=None,
+                     help="With --soak: seconds per row [default: 10s, a quarter of a shorter soak]."),
+        click.option("--max-bytes", "soak_max_bytes", type=Size(), default=None,
+                     help="With --soak: the bound (the tier's max_bytes) [default: the config's, else 256 chunks]."),
     ]
 
 
@@ -84,6 +110,17 @@ def run_command(tier_type: str, kw: dict[str, Any], variants: dict[str, dict[str
     options = parse_json_option(kw["config_text"], kw["config_file"])
     options.pop("type", None)
     get_registry().tier_info(tier_type)  # an unknown type is an error before anything runs
+    if kw.get("soak") is not None:
+        many = [d for d in (variants, runs) if d and len(d) > 1]
+        if many:
+            raise ConfigError(f"--soak measures one configuration of the tier, not {len(many[0])}: choose one")
+        over = {**next(iter((variants or {"": {}}).values())), **next(iter((runs or {"": {}}).values()))}
+        run_soak_command(tier_type, {**options, **over}, kw)
+        return
+    for opt, given in (("processes", kw.get("processes", 1) != 1), ("interval", kw.get("interval") is not None),
+                       ("max-bytes", kw.get("soak_max_bytes") is not None)):
+        if given:
+            raise ConfigError(f"--{opt} goes with --soak")
     conc = () if kw["no_concurrency"] else tuple(kw["concurrency"])
     sizes = list(kw["chunk_bytes"])
     runs = runs or {"": {}}
@@ -119,6 +156,55 @@ def run_command(tier_type: str, kw: dict[str, Any], variants: dict[str, dict[str
         click.echo(format_table(report))
         if kw["plot_path"]:
             click.echo(f"plot written to {kw['plot_path']}")
+
+
+def run_soak_command(tier_type: str, options: dict[str, Any], kw: dict[str, Any]) -> None:
+    """``--soak``: run :func:`kvtiers.commands.bench.soak.run_soak`, print a row per interval
+    as it completes (or the JSON report at the end), the summary, and the plot."""
+    from ...errors import ConfigError
+    from ..progress import bar_only
+    from .soak import format_header, format_row, format_summary, run_soak
+
+    src = click.get_current_context(silent=True)
+    default_chunk = src is not None and src.get_parameter_source("chunk_bytes") is click.core.ParameterSource.DEFAULT
+    chunk = 64 << 10 if default_chunk else kw["chunk_bytes"][0]
+    state: dict[str, Any] = {"n": 0}
+    bar = bar_only(None, f"soak {tier_type}", quiet=kw["as_json"])
+
+    def on_row(row: dict[str, Any]) -> None:
+        if kw["as_json"]:
+            return
+        bar.clear()
+        if state["n"] == 0:
+            click.echo(format_header(state["report"]))
+        click.echo(format_row(row))
+        state["n"] += 1
+        bar.advance(note=f"t {row['t']:.0f} s")
+
+    def header(report: dict[str, Any]) -> None:
+        state["report"] = report
+
+    try:
+        report = run_soak(tier_type, options, duration=kw["soak"], interval=kw["interval"],
+                          processes=kw["processes"], chunk_bytes=chunk, max_bytes=kw["soak_max_bytes"],
+                          keys_per_job=kw["keys_per_job"], lookup_batch=kw["lookup_batch"], on_row=on_row,
+                          on_start=header)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    finally:
+        bar.close()
+    if kw["plot_path"]:
+        from .soak_plot import plot_soak
+
+        plot_soak(report, kw["plot_path"])
+    if kw["as_json"]:
+        click.echo(json.dumps(report, indent=1))
+        return
+    if state["n"] == 0:
+        click.echo(format_header(report))
+    click.echo(format_summary(report))
+    if kw["plot_path"]:
+        click.echo(f"plot written to {kw['plot_path']}")
 
 
 def merge_reports(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
