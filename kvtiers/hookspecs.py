@@ -141,10 +141,13 @@ RegisterTier = Callable[[str, type], None]
 RegisterPolicy = Callable[[str, Any], None]
 #: ``register(name, attach)``: ``attach(manager, block) -> service`` for a top-level config key
 RegisterBlock = Callable[[str, Callable[[Any, dict], Any]], None]
+#: ``register(name, provider)``: ``provider(fields: dict) -> bytes`` (32 bytes: an AES-256 key)
+RegisterKeyProvider = Callable[[str, Callable[[dict], bytes]], None]
 
 
 class RegistrationSpec:
-    """Hooks a plugin module implements to add tiers, CLI commands, policies and config blocks."""
+    """Hooks a plugin module implements to add tiers, CLI commands, policies, config blocks
+    and encryption key providers."""
 
     @hookspec
     def register_tiers(self, register: RegisterTier) -> None:
@@ -170,6 +173,18 @@ class RegistrationSpec:
         manager's ``close``, before the host arena is freed). The manager keeps it in
         ``manager.services[name]``. This is how plugin features reach the engine without the
         engine importing any plugin.
+        """
+
+
+    @hookspec
+    def register_key_providers(self, register: RegisterKeyProvider) -> None:
+        """Call ``register(name, provider)`` for each source of encryption keys the plugin
+        offers (a KMS, a secrets manager). A tier's ``"encrypt"`` option names it as
+        ``{"provider": name, ...}``; ``provider(fields)`` gets the other fields of that key
+        object (without ``provider`` and ``key_id``) and returns the 32 bytes of an
+        AES-256 key. It runs once when the tier is opened. Whatever it raises becomes a
+        one-line :class:`~kvtiers.errors.ConfigError`; it must never put key material in
+        an exception, a log line or a metric (docs/security.md).
         """
 
 

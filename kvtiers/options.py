@@ -15,6 +15,10 @@ from typing import Any
 
 from .errors import ConfigError
 
+#: options the core takes out of every tier's options before the tier sees them:
+#: ``encrypt`` (:mod:`kvtiers.encryption`, docs/security.md), accepted for any tier
+CORE_OPTIONS = ("encrypt",)
+
 
 def tier_options(cls: type) -> dict[str, inspect.Parameter]:
     """The keyword-only parameters of ``cls.__init__``, with resolved annotations."""
@@ -86,10 +90,15 @@ def check_options(name: str, cls: type, options: Mapping[str, Any]) -> dict[str,
     """Check ``options`` for tier ``name`` (class ``cls``); return them as a dict.
 
     Raises :class:`ConfigError` for an unknown option, a missing required one, or a value
-    of the wrong type.
+    of the wrong type. The core's own options (:data:`CORE_OPTIONS`) are accepted for
+    every tier; :func:`kvtiers.registry.open_tier` takes them out before construction.
     """
     params = tier_options(cls)
     for key, value in options.items():
+        if key in CORE_OPTIONS:  # reserved: never passed to the tier
+            if not isinstance(value, dict):
+                raise ConfigError(f"tier {name!r}: option {key!r} expects an object, got {type(value).__name__}")
+            continue
         if key not in params:
             known = ", ".join(sorted(params)) or "none"
             raise ConfigError(f"tier {name!r}: unknown option {key!r} (options: {known})")

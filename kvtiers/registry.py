@@ -88,6 +88,7 @@ class Registry:
         self.pm.add_hookspecs(RegistrationSpec)
         self._tiers: dict[str, TierInfo] = {}
         self._policies: dict[str, Any] = {}
+        self._key_providers: dict[str, Any] = {}  # name -> provider(fields) -> 32 key bytes
         self.blocks: dict[str, tuple[str, Any]] = {}  # config block name -> (plugin, attach)
         self._by_path: dict[str, TierInfo] = {}  # import path -> resolved tier
         self.errors: dict[str, str] = {}  # plugin name -> why it failed to load
@@ -129,6 +130,12 @@ class Registry:
                 log.warning("kvtiers plugin %r failed to register tiers: %s", impl.plugin_name, e)
         for impl in self.pm.hook.register_eviction_policies.get_hookimpls():
             impl.function(register=self._policies.__setitem__)
+        for impl in self.pm.hook.register_key_providers.get_hookimpls():
+            try:
+                impl.function(register=self._key_providers.__setitem__)
+            except Exception as e:
+                self.errors[impl.plugin_name] = f"{type(e).__name__}: {e}"
+                log.warning("kvtiers plugin %r failed to register key providers: %s", impl.plugin_name, e)
         for impl in self.pm.hook.register_manager_blocks.get_hookimpls():
 
             def register_block(name: str, attach: Any, _p=impl.plugin_name) -> None:
@@ -184,6 +191,10 @@ class Registry:
         """Eviction policies registered by plugins, by name."""
         return dict(self._policies)
 
+    def key_providers(self) -> dict[str, Any]:
+        """Encryption key providers registered by plugins (``register_key_providers``), by name."""
+        return dict(self._key_providers)
+
     def manager_blocks(self) -> dict[str, Any]:
         """Config blocks registered by plugins: name -> ``attach(manager, block)``."""
         return {name: attach for name, (_p, attach) in self.blocks.items()}
@@ -218,16 +229,19 @@ class TierHandle:
     answer ``None`` (``touch``, ``close``) or ``0`` (``backlog``).
     """
 
-    def __init__(self, info: TierInfo, tier: Any, ctx: TierContext, options: Mapping[str, Any]) -> None:
+    def __init__(self, info: TierInfo, tier: Any, ctx: TierContext, options: Mapping[str, Any],
+                 *, hooks: Any = None) -> None:
         self.info = info
         self.name = info.name
         self.tier = tier
         self.ctx = ctx
         self.options = dict(options)
+        #: what answers the hooks: the tier, or a wrapper around it (kvtiers.encryption)
+        self.hooks = tier if hooks is None else hooks
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(TierSpec)
         try:
-            self.pm.register(tier, name="tier")
+            self.pm.register(self.hooks, name="tier")
             self.pm.check_pending()
         except pluggy.PluginValidationError as e:
             raise TierError(f"tier {self.name!r}: {_one_line(e)}") from None
@@ -277,8 +291,12 @@ def open_tier(
     registry: Registry | None = None,
 ) -> TierHandle:
     """Check ``options`` and construct the tier ``type_name`` (a registered name, an import
-    path ``pkg.module:Class`` or a class) on ``ctx``; return its :class:`TierHandle`."""
+    path ``pkg.module:Class`` or a class) on ``ctx``; return its :class:`TierHandle`.
+
+    The option ``"encrypt"`` is the core's, for any tier: it is taken out, and the tier is
+    opened behind :mod:`kvtiers.encryption`'s sealing wrapper (docs/security.md)."""
     options = dict(options or {})
+    encrypt = options.pop("encrypt", None)
     if isinstance(type_name, type):
         name = f"{type_name.__module__}:{type_name.__qualname__}"
         validate_tier_class(name, type_name)
@@ -286,10 +304,19 @@ def open_tier(
     else:
         info = (registry or get_registry()).tier_info(type_name)
     check_options(info.name, info.cls, options)
+    if encrypt is not None:
+        from .encryption import open_sealed
+
+        return open_sealed(info, options, ctx, encrypt, registry=registry)
+    return TierHandle(info, construct_tier(info, options, ctx), ctx, options)
+
+
+def construct_tier(info: TierInfo, options: Mapping[str, Any], ctx: TierContext) -> Any:
+    """``info.cls(ctx, **options)`` (options already checked); a failure other than a
+    :class:`ConfigError` / :class:`TierError` becomes a one-line :class:`TierError`."""
     try:
-        tier = info.cls(ctx, **options)
+        return info.cls(ctx, **options)
     except (ConfigError, TierError):
         raise
     except Exception as e:
         raise TierError(f"tier {info.name!r}: could not open: {type(e).__name__}: {e}") from e
-    return TierHandle(info, tier, ctx, options)

@@ -1,0 +1,676 @@
+"""Encryption at rest for any tier: the ``"encrypt"`` option, keys, and the sealing wrapper.
+
+Any tier's options accept ``"encrypt": {...}`` (docs/security.md). :func:`open_sealed`
+(called by :func:`kvtiers.registry.open_tier`, which takes the option out, so the tier never
+sees it) opens the tier on a *staging arena* of slots one page bigger than the caller's, and
+puts a :class:`SealedTier` in front of it. A store seals ``arena[slot]`` into a staging slot
+with AES-256-GCM and hands the staging slot to the tier; a load lets the tier fill a staging
+slot, then opens it into ``arena[slot]``. The tier stores and loads opaque slots, as always.
+
+A sealed slot (``slot_bytes + 4096`` bytes)::
+
+    header (144 bytes): magic "KVTSEAL1" | key-id length u8 | chunk-key length u8 | 6 zero
+      bytes | payload length u64 | nonce (12) | 4 zero bytes | key id (32, zero-padded) |
+      chunk key (64, zero-padded) | namespace digest (8)
+    ciphertext (payload length) | GCM tag (16) | zeros to the end of the slot
+
+The whole header is the associated data, and a load checks that its chunk key and
+namespace digest are those asked for: a chunk copied to another key, namespace or key id
+fails. The nonce is 12 fresh random bytes per store. Sealing and opening run on the
+wrapper's own threads (``cryptography`` releases the GIL for the cipher), except for jobs of
+at most :data:`INLINE_BYTES`; the tier's hooks are called on the caller's thread only, one
+at a time, as the contract says.
+
+Layer 1: no torch, no engine. ``cryptography`` is the ``encrypt`` extra.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import logging
+import os
+import re
+import stat
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError
+from .hookspecs import hookimpl
+from .types import PAGE, Arena, Job, JobResult, Lookup, TierContext, accept_job, drain
+
+log = logging.getLogger("kvtiers")
+
+MAGIC = b"KVTSEAL1"
+#: magic | kid len | chunk-key len | pad | payload len | nonce | pad | kid | chunk key | ns digest
+HEADER = struct.Struct("<8sBB6xQ12s4x32s64s8s")
+TAG_BYTES = 16
+NONCE_BYTES = 12
+KEY_BYTES = 32
+MAX_KEY_ID = 32
+#: bytes a sealed slot adds to ``slot_bytes`` (the header and tag, padded to a page)
+OVERHEAD = PAGE
+#: a submit whose chunks hold at most this many bytes is sealed (a result opened) on the
+#: caller's thread: cheaper than a hop to a worker; bigger ones go to the workers (rule 8)
+INLINE_BYTES = 256 << 10
+#: default budget of the staging arena (bytes), bounded by the caller's arena size
+STAGING_BYTES = 256 << 20
+MIN_STAGING_SLOTS = 8
+_ZEROS = bytes(OVERHEAD)
+_KEY_ID = re.compile(r"^[A-Za-z0-9._:-]{1,32}$")
+_SPEC_FIELDS = ("key_file", "key_env", "provider", "key_id", "retired", "staging_bytes", "threads")
+_KEY_FIELDS = ("key_file", "key_env", "provider")
+EXTRA_HINT = "pip install 'kvtiers[encrypt]'"
+
+
+def _aesgcm() -> Any:
+    """The AESGCM class, or a one-line :class:`ConfigError` naming the extra."""
+    try:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    except ImportError:
+        raise ConfigError(f"encrypt: needs the 'cryptography' package: {EXTRA_HINT}") from None
+    return AESGCM
+
+
+# -- keys ---------------------------------------------------------------------------------
+
+def key_fingerprint(key: bytes) -> str:
+    """The default key id of ``key``: ``fp-`` and 16 hex digits of an HMAC of a constant
+    under the key (reveals nothing about the key; the same key gives the same id)."""
+    return "fp-" + hmac.new(key, b"kvtiers key id v1", hashlib.sha256).hexdigest()[:16]
+
+
+def _parse_key_bytes(raw: bytes, what: str) -> bytes:
+    """32 raw bytes, or 64 hex digits (whitespace around them ignored). Never echoes the content."""
+    if len(raw) == KEY_BYTES:
+        return bytes(raw)
+    text = raw.strip()
+    if len(text) == 2 * KEY_BYTES:
+        try:
+            return bytes.fromhex(text.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            pass
+    raise ConfigError(f"encrypt: {what} holds {len(raw)} bytes: expected 32 raw bytes or 64 hex digits")
+
+
+def _read_key_file(path: Any) -> bytes:
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"encrypt: 'key_file' expects a path, got {type(path).__name__}")
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError(f"encrypt: key_file {path!r} is not a regular file")
+            raw = f.read(4 * KEY_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"encrypt: cannot read key_file {path!r}: {e.strerror or e}") from None
+    if st.st_mode & 0o077:
+        log.warning("kvtiers encrypt: key_file %s is readable by group or others (mode %o)", path,
+                    stat.S_IMODE(st.st_mode))
+    return _parse_key_bytes(raw, f"key_file {path!r}")
+
+
+def _read_key_env(name: Any) -> bytes:
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"encrypt: 'key_env' expects an environment variable name, got {type(name).__name__}")
+    value = os.environ.get(name)
+    if value is None:
+        raise ConfigError(f"encrypt: environment variable {name!r} (key_env) is not set")
+    return _parse_key_bytes(value.encode("utf-8", "replace"), f"environment variable {name!r}")
+
+
+def _from_provider(spec: Mapping[str, Any], providers: Mapping[str, Callable[[dict], bytes]] | None) -> bytes:
+    name = spec["provider"]
+    if providers is None:
+        from .registry import get_registry
+
+        providers = get_registry().key_providers()
+    if not isinstance(name, str) or name not in providers:
+        known = ", ".join(sorted(providers)) or "none registered"
+        raise ConfigError(f"encrypt: unknown key provider {name!r} (registered: {known})")
+    fields = {k: v for k, v in spec.items() if k not in ("provider", "key_id")}
+    try:
+        key = providers[name](fields)
+    except ConfigError:
+        raise
+    except Exception as e:  # the provider's message is its author's: one line, no traceback
+        raise ConfigError(f"encrypt: key provider {name!r} failed: {type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:200]}") from None
+    if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
+        n = len(key) if isinstance(key, (bytes, bytearray)) else type(key).__name__
+        raise ConfigError(f"encrypt: key provider {name!r} returned {n}: expected 32 bytes")
+    return bytes(key)
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """One key as configured: where it comes from (never the key itself)."""
+
+    key_id: str
+    source: str  # "key_file '/etc/kvtiers/key'", "key_env 'KV_KEY'", "provider 'kms'"
+
+    def __repr__(self) -> str:
+        return f"KeySpec({self.key_id!r}, {self.source})"
+
+
+class Keyring:
+    """The keys of one ``"encrypt"`` option: the current one (new stores) and the retired
+    ones (loads only), by key id. The key bytes live only inside the AESGCM objects and are
+    never printed: ``repr`` shows ids and sources."""
+
+    def __init__(self, current: str, ciphers: Mapping[str, Any], specs: Mapping[str, KeySpec]) -> None:
+        self.current = current
+        self._ciphers = dict(ciphers)
+        self.specs = dict(specs)
+        self.current_kid = current.encode("ascii")
+
+    @property
+    def retired(self) -> list[str]:
+        """Key ids configured for loads only."""
+        return [k for k in self.specs if k != self.current]
+
+    def cipher(self, key_id: str) -> Any | None:
+        return self._ciphers.get(key_id)
+
+    def __repr__(self) -> str:
+        return f"Keyring(current={self.current!r}, retired={self.retired!r})"
+
+    @classmethod
+    def from_spec(cls, spec: Any, *, providers: Mapping[str, Callable[[dict], bytes]] | None = None) -> Keyring:
+        """Load the keys of an ``"encrypt"`` object; a one-line :class:`ConfigError` for
+        anything wrong (never quoting key material)."""
+        if not isinstance(spec, Mapping):
+            raise ConfigError(f"encrypt: expects an object, got {type(spec).__name__}")
+        unknown = sorted(set(spec) - set(_SPEC_FIELDS))
+        if unknown:
+            raise ConfigError(f"encrypt: unknown field {unknown[0]!r} (fields: {', '.join(_SPEC_FIELDS)})")
+        AESGCM = _aesgcm()
+        retired = spec.get("retired", [])
+        if not isinstance(retired, list):
+            raise ConfigError(f"encrypt: 'retired' expects a list of key objects, got {type(retired).__name__}")
+        current_spec = {k: v for k, v in spec.items() if k in (*_KEY_FIELDS, "key_id")}
+        ciphers: dict[str, Any] = {}
+        specs: dict[str, KeySpec] = {}
+        current = ""
+        for i, one in enumerate([current_spec, *retired]):
+            where = "encrypt" if i == 0 else f"encrypt: retired[{i - 1}]"
+            if not isinstance(one, Mapping):
+                raise ConfigError(f"{where}: expects a key object, got {type(one).__name__}")
+            kid, key, source = _load_one(one, where, providers)
+            if kid in specs:
+                raise ConfigError(f"{where}: key id {kid!r} is configured twice")
+            ciphers[kid] = AESGCM(key)
+            specs[kid] = KeySpec(kid, source)
+            if i == 0:
+                current = kid
+        return cls(current, ciphers, specs)
+
+
+def _load_one(one: Mapping[str, Any], where: str,
+              providers: Mapping[str, Callable[[dict], bytes]] | None) -> tuple[str, bytes, str]:
+    sources = [k for k in _KEY_FIELDS if k in one]
+    if len(sources) != 1:
+        what = "none" if not sources else " and ".join(sources)
+        raise ConfigError(f"{where}: give exactly one of key_file, key_env, provider (got {what})")
+    src = sources[0]
+    if src != "provider":
+        extra = sorted(set(one) - {src, "key_id"})
+        if extra:
+            raise ConfigError(f"{where}: unknown field {extra[0]!r} beside {src!r}")
+    if src == "key_file":
+        key, source = _read_key_file(one["key_file"]), f"key_file {one['key_file']!r}"
+    elif src == "key_env":
+        key, source = _read_key_env(one["key_env"]), f"key_env {one['key_env']!r}"
+    else:
+        key, source = _from_provider(one, providers), f"provider {one['provider']!r}"
+    kid = one.get("key_id")
+    if kid is None:
+        kid = key_fingerprint(key)
+    elif not isinstance(kid, str) or not _KEY_ID.match(kid):
+        raise ConfigError(f"{where}: 'key_id' expects 1-32 of A-Z a-z 0-9 . _ : -, got {kid!r}")
+    return kid, key, source
+
+
+# -- the sealed format ----------------------------------------------------------------------
+
+class OpenFailed(Exception):
+    """A staged chunk that is not an authentic sealed copy of its key: ``reason`` is a
+    bounded metric label (format, mismatch, unknown_key, auth)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def sealed_bytes(slot_bytes: int) -> int:
+    """The size of a sealed slot for chunks of ``slot_bytes``."""
+    return slot_bytes + OVERHEAD
+
+
+def _ns_bytes(digest: str) -> bytes:
+    return bytes.fromhex(digest)[:8]
+
+
+def seal_into(keyring: Keyring, digest8: bytes, key: bytes, data: memoryview, out: memoryview) -> None:
+    """Seal ``data`` (the chunk of ``key``) into ``out`` (``sealed_bytes(len(data))`` long)
+    under the current key, with a fresh nonce."""
+    n = len(data)
+    nonce = os.urandom(NONCE_BYTES)
+    kid = keyring.current_kid
+    header = HEADER.pack(MAGIC, len(kid), len(key), n, nonce, kid, key, digest8)
+    h = HEADER.size
+    out[:h] = header
+    end = h + n + TAG_BYTES
+    cipher = keyring.cipher(keyring.current)
+    if hasattr(cipher, "encrypt_into"):
+        cipher.encrypt_into(nonce, data, header, out[h:end])
+    else:  # cryptography < 44: one more copy
+        out[h:end] = cipher.encrypt(nonce, data.tobytes(), header)
+    out[end:] = _ZEROS[:len(out) - end]
+
+
+def read_header(buf: memoryview | bytes) -> tuple[str, bytes, int, str] | None:
+    """``(key id, chunk key, payload length, namespace digest)`` of a sealed chunk's first
+    bytes, or None if they are no sealed header (for the ``kvtiers encrypt`` scan)."""
+    if len(buf) < HEADER.size or bytes(buf[:8]) != MAGIC:
+        return None
+    magic, klen, keylen, n, _nonce, kid, key, ns = HEADER.unpack(bytes(buf[:HEADER.size]))
+    if not 1 <= klen <= MAX_KEY_ID or not 1 <= keylen <= 64:
+        return None
+    try:
+        return kid[:klen].decode("ascii"), key[:keylen], n, ns.hex()
+    except UnicodeDecodeError:
+        return None
+
+
+def open_into(keyring: Keyring, digest8: bytes, key: bytes, sealed: memoryview, out: memoryview) -> str:
+    """Check and decrypt the sealed copy of ``key`` into ``out``; return the key id it was
+    sealed under. Raises :class:`OpenFailed` (``out`` may then hold anything)."""
+    n = len(out)
+    h = HEADER.size
+    head = bytes(sealed[:h])
+    if head[:8] != MAGIC:
+        raise OpenFailed("format", "not a sealed chunk (no KVTSEAL1 header: stored without encryption?)")
+    _m, klen, keylen, plen, nonce, kid_raw, skey, ns = HEADER.unpack(head)
+    if plen != n or not 1 <= klen <= MAX_KEY_ID:
+        raise OpenFailed("format", f"sealed header says {plen} bytes, slot holds {n}")
+    if skey[:keylen] != key or keylen != len(key) or skey[keylen:].strip(b"\0"):
+        raise OpenFailed("mismatch", "sealed for another chunk key")
+    if ns != digest8:
+        raise OpenFailed("mismatch", f"sealed in another namespace ({ns.hex()})")
+    try:
+        kid = kid_raw[:klen].decode("ascii")
+    except UnicodeDecodeError:
+        raise OpenFailed("format", "sealed header holds no valid key id") from None
+    cipher = keyring.cipher(kid)
+    if cipher is None:
+        raise OpenFailed("unknown_key", f"sealed under key id {kid!r}, which is not configured")
+    end = h + n + TAG_BYTES
+    if sealed[end:].tobytes() != _ZEROS[:len(sealed) - end]:  # zeros after the tag: no byte unchecked
+        raise OpenFailed("auth", "sealed chunk failed authentication (bytes after the tag)")
+    try:
+        if hasattr(cipher, "decrypt_into"):
+            cipher.decrypt_into(nonce, sealed[h:end], head, out)
+        else:
+            out[:] = cipher.decrypt(nonce, sealed[h:end].tobytes(), head)
+    except Exception as e:  # cryptography's InvalidTag
+        raise OpenFailed("auth", f"sealed chunk failed authentication under key id {kid!r} "
+                                 f"(tampered, or another key under that id)") from e
+    return kid
+
+
+# -- the wrapper ----------------------------------------------------------------------------
+
+class _Outer:
+    """One job of the caller: its progress over staged pieces."""
+
+    __slots__ = ("job_id", "kind", "remaining", "failed", "errors", "nbytes", "t0", "todo")
+
+    def __init__(self, job: Job, kind: str) -> None:
+        self.job_id = job.job_id
+        self.kind = kind
+        self.remaining = len(job.keys)
+        self.failed: list[bytes] = []
+        self.errors: list[str] = []
+        self.nbytes = 0
+        self.t0 = time.perf_counter()
+        #: (key, caller slot) not yet given a staging slot
+        self.todo = collections.deque(zip(job.keys, job.slots, strict=True))
+
+
+#: one piece of a job: (outer job, [(key, caller slot, staging slot)])
+_Piece = tuple[_Outer, list[tuple[bytes, int, int]]]
+
+
+class SealedTier:
+    """The hooks of an encrypted tier: seals stores and opens loads around the tier's
+    handle ``inner`` (opened on the staging arena ``inner.ctx.arena``). See the module
+    docstring; ``stats`` counts chunks sealed and opened and failures by reason."""
+
+    def __init__(self, inner: Any, ctx: TierContext, keyring: Keyring, *, threads: int = 4) -> None:
+        self.inner = inner
+        self.ctx = ctx
+        self.keyring = keyring
+        self.staging: Arena = inner.ctx.arena
+        self.slot_bytes = ctx.arena.slot_bytes
+        self.digest8 = _ns_bytes(ctx.namespace.digest)
+        self._free = list(range(len(self.staging)))[::-1]
+        self._waiting: collections.deque[_Outer] = collections.deque()
+        self._inner_jobs: dict[int, tuple[str, _Piece]] = {}
+        self._ids = iter(range(1, 1 << 62))
+        self._done: collections.deque[tuple[str, _Piece, list[tuple[bytes, str, str]]]] = collections.deque()
+        self._results: collections.deque[JobResult] = collections.deque()
+        self._threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="kvtiers-seal")
+        self._in_pool = 0
+        self._pool_lock = threading.Lock()
+        self._pending = 0
+        self._closed = False
+        self.stats: collections.Counter[str] = collections.Counter()
+        from .metrics import tier_metrics
+
+        m = tier_metrics(ctx)
+        self._m_chunks = m.counter("kvtiers_encrypt_chunks", "Chunks sealed (store) and opened (load)", ["op"])
+        self._m_failed = m.counter("kvtiers_encrypt_open_failures",
+                                   "Loaded chunks that failed to open, by reason", ["reason"])
+
+    # -- hooks ------------------------------------------------------------------------------
+    @hookimpl
+    def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
+        return self.inner.lookup(keys)
+
+    @hookimpl
+    def submit_store(self, job: Job) -> None:
+        self._submit(job, "store")
+
+    @hookimpl
+    def submit_load(self, job: Job) -> None:
+        self._submit(job, "load")
+
+    @hookimpl
+    def get_finished_jobs(self) -> list[JobResult]:
+        self._drive()
+        return drain(self._results)
+
+    @hookimpl
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self.inner.touch(keys)
+
+    @hookimpl
+    def backlog(self) -> int:
+        return self._pending
+
+    @hookimpl
+    def close(self) -> None:
+        """Finish every accepted job: seal and hand over what waits, collect the tier's
+        results until only its own close can finish the rest (bounded), close it, then fail
+        what never reached it."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline:
+            self._drive()
+            if not self._waiting and not self._busy():
+                break
+            time.sleep(0.001)
+        self._drive()
+        self.inner.close()
+        self._pool.shutdown(wait=True)
+        self._drive(final=True)
+        for outer in list(self._waiting):
+            n = len(outer.todo)
+            outer.failed.extend(k for k, _s in outer.todo)
+            outer.todo.clear()
+            outer.errors.append(f"{n} key(s): tier closed before they were staged")
+            self._account(outer, n)
+        self._waiting.clear()
+
+    # -- work -------------------------------------------------------------------------------
+    def _busy(self) -> bool:
+        with self._pool_lock:
+            return self._in_pool > 0 or bool(self._done)
+
+    def _submit(self, job: Job, kind: str) -> None:
+        accept_job(job, self.ctx.arena, closed=self._closed)
+        outer = _Outer(job, kind)
+        self._pending += 1
+        if not job.keys:
+            self._finish(outer)
+            return
+        self._waiting.append(outer)
+        self._drive()
+
+    def _stage(self) -> None:
+        """Give waiting jobs staging slots, in order, and start their pieces."""
+        while self._waiting and self._free:
+            outer = self._waiting[0]
+            items = []
+            while outer.todo and self._free:
+                k, s = outer.todo.popleft()
+                items.append((k, s, self._free.pop()))
+            if not outer.todo:
+                self._waiting.popleft()
+            if outer.kind == "load":
+                self._to_inner("load", (outer, items))
+            elif len(items) * self.slot_bytes <= INLINE_BYTES:
+                self._done.append(("sealed", (outer, items), self._seal(items)))
+            else:
+                for piece in self._split(outer, items):
+                    self._spawn("sealed", piece, self._seal)
+
+    def _split(self, outer: _Outer, items: list) -> list[_Piece]:
+        """At most one piece per worker thread, so big jobs seal in parallel."""
+        n = max(1, min(len(items), self._threads))
+        return [(outer, items[i::n]) for i in range(n) if items[i::n]]
+
+    def _spawn(self, what: str, piece: _Piece, fn: Callable[[list], list]) -> None:
+        with self._pool_lock:
+            self._in_pool += 1
+
+        def run() -> None:
+            try:
+                errs = fn(piece[1])
+            except BaseException as e:  # never lose a piece: every key fails with the reason
+                errs = [(k, "error", f"{type(e).__name__}: {e}") for k, _s, _t in piece[1]]
+            with self._pool_lock:
+                self._done.append((what, piece, errs))
+                self._in_pool -= 1
+
+        self._pool.submit(run)
+
+    def _seal(self, items: list[tuple[bytes, int, int]]) -> list[tuple[bytes, str, str]]:
+        arena, staging, kr, d8 = self.ctx.arena, self.staging, self.keyring, self.digest8
+        errs = []
+        for k, s, t in items:
+            try:
+                seal_into(kr, d8, k, arena[s], staging[t])
+            except Exception as e:
+                errs.append((k, "error", f"{type(e).__name__}: {e}"))
+        return errs
+
+    def _open(self, items: list[tuple[bytes, int, int]]) -> list[tuple[bytes, str, str]]:
+        arena, staging, kr, d8 = self.ctx.arena, self.staging, self.keyring, self.digest8
+        errs = []
+        for k, s, t in items:
+            try:
+                open_into(kr, d8, k, staging[t], arena[s])
+            except OpenFailed as e:
+                errs.append((k, e.reason, str(e)))
+            except Exception as e:
+                errs.append((k, "error", f"{type(e).__name__}: {e}"))
+        return errs
+
+    def _to_inner(self, kind: str, piece: _Piece) -> None:
+        outer, items = piece
+        jid = next(self._ids)
+        job = Job(jid, tuple(k for k, _s, _t in items), tuple(t for _k, _s, t in items))
+        try:
+            (self.inner.submit_store if kind == "store" else self.inner.submit_load)(job)
+        except Exception as e:  # the tier refused a job we built: fail its keys, keep going
+            self._release(items)
+            outer.failed.extend(job.keys)
+            outer.errors.append(f"tier refused the {kind}: {type(e).__name__}: {e}")
+            self._account(outer, len(items))
+            return
+        self._inner_jobs[jid] = (kind, piece)
+
+    def _release(self, items: list[tuple[bytes, int, int]]) -> None:
+        self._free.extend(t for _k, _s, t in items)
+
+    def _account(self, outer: _Outer, n: int) -> None:
+        if not n:
+            return
+        outer.remaining -= n
+        if outer.remaining == 0 and not outer.todo:
+            self._finish(outer)
+
+    def _finish(self, outer: _Outer) -> None:
+        error = None
+        if outer.failed:
+            error = f"{len(outer.failed)} key(s) failed: " + "; ".join(outer.errors)
+        self._results.append(JobResult(outer.job_id, tuple(outer.failed), outer.nbytes,
+                                       time.perf_counter() - outer.t0, error))
+        self._pending -= 1
+
+    def _drive(self, final: bool = False) -> None:
+        """Move every job on, on the caller's thread: hand sealed pieces to the tier,
+        collect its results (opening loads), stage waiting jobs into freed slots."""
+        while True:
+            progressed = False
+            while self._done:
+                with self._pool_lock:
+                    what, piece, errs = self._done.popleft()
+                progressed = True
+                self._after(what, piece, errs, final)
+            for r in self.inner.get_finished_jobs():
+                entry = self._inner_jobs.pop(r.job_id, None)
+                if entry is None:
+                    continue
+                progressed = True
+                self._inner_result(entry, r, final)
+            if self._waiting and self._free and not final:
+                self._stage()
+                progressed = True
+            if not progressed or not self._done:
+                return
+
+    def _after(self, what: str, piece: _Piece, errs: list[tuple[bytes, str, str]], final: bool) -> None:
+        outer, items = piece
+        bad = {k for k, _r, _m in errs}
+        if errs:
+            outer.failed.extend(k for k, _r, _m in errs)
+            outer.errors.append(_summary(what, errs))
+        if what == "sealed":
+            good = [it for it in items if it[0] not in bad]
+            self._release([it for it in items if it[0] in bad])
+            self._account(outer, len(bad))
+            if good:
+                if final:  # the tier is closed: nothing more reaches it
+                    self._release(good)
+                    outer.failed.extend(k for k, _s, _t in good)
+                    outer.errors.append(f"{len(good)} key(s): tier closed before they were stored")
+                    self._account(outer, len(good))
+                else:
+                    self._to_inner("store", (outer, good))
+            return
+        # opened
+        for _k, reason, _m in errs:
+            self.stats[f"open_failed_{reason}"] += 1
+            self._m_failed.labels(reason=reason).inc()
+        ok = len(items) - len(bad)
+        self.stats["opened"] += ok
+        self._m_chunks.labels(op="open").inc(ok)
+        outer.nbytes += ok * self.slot_bytes
+        self._release(items)
+        self._account(outer, len(items))
+
+    def _inner_result(self, entry: tuple[str, _Piece], r: JobResult, final: bool) -> None:
+        kind, (outer, items) = entry
+        failed = set(r.failed_keys)
+        if failed:
+            outer.failed.extend(k for k, _s, _t in items if k in failed)
+            outer.errors.append(r.error or f"{len(failed)} key(s) failed in the tier")
+        good = [it for it in items if it[0] not in failed]
+        if kind == "store":
+            self.stats["sealed"] += len(good)
+            self._m_chunks.labels(op="seal").inc(len(good))
+            outer.nbytes += len(good) * self.slot_bytes
+            self._release(items)
+            self._account(outer, len(items))
+            return
+        self._release([it for it in items if it[0] in failed])
+        self._account(outer, len(failed))
+        if not good:
+            return
+        if final or len(good) * self.slot_bytes <= INLINE_BYTES:
+            self._done.append(("opened", (outer, good), self._open(good)))
+        else:
+            for piece in self._split(outer, good):
+                self._spawn("opened", piece, self._open)
+
+
+def _summary(what: str, errs: list[tuple[bytes, str, str]]) -> str:
+    """One clause for a job's error: how many keys, the first one's reason."""
+    k, _reason, msg = errs[0]
+    verb = "sealing" if what == "sealed" else "opening"
+    more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+    return f"DecryptionFailed: {k.hex()[:32]}: {msg}{more}" if what == "opened" else \
+        f"{verb} {k.hex()[:32]} failed: {msg}{more}"
+
+
+# -- opening --------------------------------------------------------------------------------
+
+def staging_slots(spec: Mapping[str, Any], arena: Arena) -> int:
+    """How many staging slots: ``staging_bytes`` (default :data:`STAGING_BYTES`) worth,
+    at least :data:`MIN_STAGING_SLOTS`, at most the caller's arena size."""
+    budget = spec.get("staging_bytes", STAGING_BYTES)
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+        raise ConfigError(f"encrypt: 'staging_bytes' expects a positive int (bytes), got {budget!r}")
+    n = max(MIN_STAGING_SLOTS, budget // sealed_bytes(arena.slot_bytes))
+    return max(1, min(len(arena), n))
+
+
+def scaled_bound(options: Mapping[str, Any], slot_bytes: int) -> dict[str, Any]:
+    """``options`` with ``max_bytes`` scaled by ``sealed_bytes(slot_bytes) / slot_bytes``:
+    a bound counts chunks at the caller's slot size, so it holds as many chunks with
+    encryption as without (each takes one page more on the medium)."""
+    out = dict(options)
+    cap = out.get("max_bytes")
+    if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0:
+        out["max_bytes"] = -(-cap * sealed_bytes(slot_bytes) // slot_bytes)
+    return out
+
+
+def open_sealed(info: Any, options: Mapping[str, Any], ctx: TierContext, spec: Any, *,
+                registry: Any = None) -> Any:
+    """Open tier ``info`` (options checked, without ``encrypt``) behind a
+    :class:`SealedTier` for the ``"encrypt"`` object ``spec``; return its ``TierHandle``
+    (``handle.tier`` is the tier itself, ``handle.hooks`` the wrapper)."""
+    from .registry import TierHandle, construct_tier
+
+    where = f"tier {info.name!r}: "
+    try:
+        providers = registry.key_providers() if registry is not None else None
+        keyring = Keyring.from_spec(spec, providers=providers)
+        n = staging_slots(spec, ctx.arena)
+        threads = spec.get("threads", 4)
+        if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 64:
+            raise ConfigError(f"encrypt: 'threads' expects an int 1-64, got {threads!r}")
+    except ConfigError as e:
+        raise ConfigError(where + str(e)) from None
+    staging = Arena.allocate(n, sealed_bytes(ctx.arena.slot_bytes))
+    options = scaled_bound(options, ctx.arena.slot_bytes)
+    inner_ctx = TierContext(staging, ctx.namespace, removed=ctx.removed)
+    tier = construct_tier(info, options, inner_ctx)
+    inner = TierHandle(info, tier, inner_ctx, options)
+    wrapper = SealedTier(inner, ctx, keyring, threads=threads)
+    log.info("kvtiers: tier %s encrypted (key id %s, %d retired, %d staging slots of %d bytes)",
+             info.name, keyring.current, len(keyring.retired), n, staging.slot_bytes)
+    return TierHandle(info, tier, ctx, options, hooks=wrapper)
