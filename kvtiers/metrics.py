@@ -139,6 +139,9 @@ class _Families:
         self.dma_seconds = C("kvtiers_dma_seconds", "Seconds a device copy was in flight.", ["direction"], **r)
         self.loaded = C("kvtiers_loaded_chunks", "Chunks loaded to the device, by where they came from.",
                         ["source"], **r)
+        self.service_errors = C("kvtiers_service_errors", "Calls into a plugin's service (a config block) that "
+                                "raised, by phase (poll: the service was closed and dropped; close).",
+                                ["service", "phase"], **r)
         self.custom: dict[str, tuple[str, Any, tuple[str, ...]]] = {}  # name -> (kind, family, labelnames)
         self.lock = threading.Lock()
 
@@ -497,6 +500,8 @@ class ManagerMetrics:
                 self._delta(f.dma_seconds.labels(direction=direction), f"s{path}", ps.seconds)
         for source, n in list(stats.hits.items()):
             self._delta(f.loaded.labels(source=source), f"hit:{source}", n)
+        for (service, phase), n in list(getattr(mgr, "service_errors", {}).items()):
+            self._delta(f.service_errors.labels(service=service, phase=phase), f"service:{service}:{phase}", n)
         for t in mgr.tiers:
             obs = self.tiers.get(t.name)
             if obs is not None:

@@ -2,23 +2,37 @@
 geometry (blocks per chunk, tokens per chunk, chunk and slot bytes), the arena size and the
 namespace, then the host arena, the DMA engine, the manager and its tiers. On any failure
 what was built is closed again.
+
+The manager's module calls this one (``TieringManager.from_config``), never the other way:
+the manager class comes in as an argument, and this module knows it only as
+:class:`BuiltManager`, what building needs of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
 from ..types import Namespace
 
-if TYPE_CHECKING:
-    from .manager import TieringManager
+__all__ = ["BuiltManager", "build_from_config"]
 
-__all__ = ["build_from_config"]
+
+class BuiltManager(Protocol):
+    """What building needs of the manager class it is given."""
+
+    services: dict[str, Any]
+
+    def add_tier(self, tier: Any, options: Mapping[str, Any] | None = None, *, name: str | None = None) -> Any: ...
+
+    def close(self, timeout: float = 30.0) -> None: ...
+
+
+M = TypeVar("M", bound=BuiltManager)
 
 
 def build_from_config(
-    cls: type[TieringManager],
+    cls: Callable[..., M],
     config: Any,
     kv_caches: Any,
     *,
@@ -29,7 +43,7 @@ def build_from_config(
     pin: bool | None,
     tier_job_timeout: float,
     dma: Any = None,
-) -> TieringManager:
+) -> M:
     """What :meth:`TieringManager.from_config <kvtiers.engine.manager.TieringManager.from_config>`
     does (see there), for the manager class ``cls``."""
     from ..config import Config, load_config

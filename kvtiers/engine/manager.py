@@ -21,6 +21,8 @@ The work is split by responsibility; this class checks the engine's arguments an
 - :mod:`.transfers`: transfer ids, device copies in flight, results not collected yet;
 - :mod:`.tiers`: the tiers, their jobs and timeouts, and the fault accounting of tier calls;
 - :mod:`.events`: cache events on their way to the listeners;
+- :mod:`.services`: the services plugins attach through their config blocks, and the guard
+  around each call into one (a service that raises or hangs never breaks the engine);
 - :mod:`.build`: the parts built from a config (:meth:`TieringManager.from_config`).
 """
 
@@ -38,6 +40,7 @@ from .events import EventBus, log
 from .hostcache import HostCache
 from .loads import LoadPath
 from .policies import make_policy
+from .services import ServiceSet
 from .stores import StorePath, chunk_limit
 from .tiers import Tier, TierSet
 from .transfers import TransferBook, split_blocks
@@ -47,7 +50,8 @@ __all__ = ["CacheEvent", "LookupResult", "ManagerStats", "PathStats", "Request",
 
 CLOSE_GRACE = 5.0  # seconds tiers' close() get after close's timeout, before they are abandoned
 CLOSE_DRAIN = 1.0  # seconds close waits for device copies after abandoning tier jobs
-_KEPT_ARENAS: list[Any] = []  # host arenas an abandoned tier job may still touch: never freed
+SERVICE_CLOSE_MIN = 1.0  # seconds services' close() get at least, when the pending work used up the timeout
+_KEPT_ARENAS: list[Any] = []  # host arenas an abandoned tier job or service may still touch: never freed
 
 
 class TieringManager:
@@ -115,7 +119,8 @@ class TieringManager:
         self.metrics: Any = None  # the ManagerMetrics once metrics are attached (kvtiers.metrics)
         # services a plugin attached through a config block it registered (register_manager_blocks),
         # by block name, e.g. "serve" (kvtiers_p2p: peers read this host cache): poll() each step, close()
-        self.services: dict[str, Any] = {}
+        self._services = ServiceSet()
+        self.services: dict[str, Any] = self._services.services
         self._closed = False
 
     @property
@@ -123,6 +128,12 @@ class TieringManager:
         """The service of the config's ``serve`` block (peers read this host cache over p2p,
         docs/p2p.md), or None."""
         return self.services.get("serve")
+
+    @property
+    def service_errors(self) -> dict[tuple[str, str], int]:
+        """Calls into services that raised, by ``(service, phase)`` (``phase``: ``"poll"`` or
+        ``"close"``): the metric ``kvtiers_service_errors_total``."""
+        return self._services.errors
 
     @property
     def tiers(self) -> list[Tier]:
@@ -314,8 +325,8 @@ class TieringManager:
         return self._transfers.pending() + self._loads.pending() + self._stores.pending() + self._tiers.pending()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Finish what is in flight (up to ``timeout`` seconds), then close the DMA engine,
-        every tier and the arena. Idempotent.
+        """Finish what is in flight (up to ``timeout`` seconds), then close the services, the
+        DMA engine, every tier and the arena. Idempotent.
 
         Bounded: returns within ``timeout`` + :data:`CLOSE_GRACE` + :data:`CLOSE_DRAIN`
         seconds (plus the DMA engine's own close) even when a tier's job or its ``close()``
@@ -323,7 +334,13 @@ class TieringManager:
         ``timeout`` plus ``CLOSE_GRACE``. Tier jobs still unreported then are abandoned: the
         loads waiting for them report their keys failed with an error saying so, their slots
         stay pinned, and the arena is kept, never freed, so a tier thread that wakes up later
-        writes memory nobody reuses (rule 6; docs/engine.md)."""
+        writes memory nobody reuses (rule 6; docs/engine.md).
+
+        Services (``services``) close at the same time as the tiers, each in a thread of its
+        own, given what is left of ``timeout`` (at least :data:`SERVICE_CLOSE_MIN` s, and
+        as long as the tiers take): one whose ``close()`` raises is reported and counted
+        (:attr:`service_errors`) and the rest closes; one whose ``close()`` has not returned
+        by then is abandoned with a warning, and the arena is kept as for abandoned tier jobs."""
         if self._closed:
             return
         t0 = time.monotonic()
@@ -334,9 +351,11 @@ class TieringManager:
         if self.pending():
             log.warning("kvtiers: closing with %d transfer(s) or tier job(s) unfinished", self.pending())
         self._closed = True
-        for service in self.services.values():  # before the arena goes: they release the pins they hold
-            service.close()
+        # services (before the arena goes: they release the pins they hold) and tiers close together
+        services = self._services.start_close()
+        services_end = max(deadline, time.monotonic() + SERVICE_CLOSE_MIN)
         self._tiers.close(max(0.0, deadline - time.monotonic()) + CLOSE_GRACE)
+        self._services.wait(services, services_end)
         self._tiers.poll()  # rule 9: results of jobs finished by close
         abandoned = self._tiers.abandon(f"abandoned at close: not reported within {time.monotonic() - t0:.3g} s")
         self._stores.close()  # store waves still waiting for slots: the rest is skipped
@@ -349,11 +368,11 @@ class TieringManager:
         close = getattr(self.dma, "close", None)
         if close is not None:
             close()
-        if self.host is not None and abandoned:
+        if self.host is not None and (abandoned or self._services.abandoned):
             _KEPT_ARENAS.append(self.host)
-            log.warning("kvtiers: %d tier job(s) abandoned at close; their slots stay pinned and the host arena "
-                        "(%d bytes) is kept, not freed, for as long as the process lives", len(abandoned),
-                        len(self.arena) * self.arena.slot_bytes)
+            log.warning("kvtiers: %d tier job(s) and %d service(s) abandoned at close; the host arena (%d bytes) is "
+                        "kept, not freed, for as long as the process lives", len(abandoned),
+                        len(self._services.abandoned), len(self.arena) * self.arena.slot_bytes)
         elif self.host is not None:
             self.host.close()
 
@@ -368,8 +387,7 @@ class TieringManager:
         self._transfers.poll_dma()
         self._tiers.poll()
         self._stores.poll()  # store waves waiting for slots the tiers just released
-        for service in self.services.values():
-            service.poll()
+        self._services.poll()  # one that raises is reported, closed and dropped
         self._tiers.check_lost(self.tier_job_timeout)
         self._events.flush()
 
