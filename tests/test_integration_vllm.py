@@ -188,7 +188,7 @@ def test_fs_tier_stores_the_cascade_and_a_new_engine_promotes_every_byte(how, tm
 
     doc = json.loads(next((tmp_path / "kv").glob("*/config.json")).read_text())
     assert doc["fields"]["engine"] == "vllm" and doc["fields"]["model"] == "org/tiny-model"
-    assert doc["fields"]["chunk_bytes"] == ROW and "parallel" not in doc["fields"]  # parallelism-agnostic
+    assert doc["fields"]["chunk_bytes"] == ROW and doc["fields"]["parallel"]["tp"] == 1  # TP is always in it
 
 
 def test_memory_tier_promotes_what_the_primary_evicted_and_reports_its_own_evictions(tmp_path) -> None:
