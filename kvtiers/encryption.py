@@ -87,8 +87,13 @@ def key_fingerprint(key: bytes) -> str:
 
 
 def _parse_key_bytes(raw: bytes, what: str) -> bytes:
-    """32 raw bytes, or 64 hex digits (whitespace around them ignored). Never echoes the content."""
+    """32 raw bytes, or 64 hex digits (whitespace around them ignored). Never echoes the content.
+    32 bytes that are all printable text are refused: a passphrase or half a hex key, not
+    32 random bytes (which are all printable once in about 10^14 keys)."""
     if len(raw) == KEY_BYTES:
+        if all(32 <= b < 127 for b in raw):
+            raise ConfigError(f"encrypt: {what} holds 32 bytes of text: expected 32 random raw bytes "
+                              "or 64 hex digits (e.g. from 'openssl rand -hex 32')")
         return bytes(raw)
     text = raw.strip()
     if len(text) == 2 * KEY_BYTES:
@@ -188,13 +193,13 @@ class Keyring:
         if not isinstance(spec, Mapping):
             raise ConfigError(f"encrypt: expects an object, got {type(spec).__name__}")
         unknown = sorted(set(spec) - set(_SPEC_FIELDS))
-        if unknown:
+        if unknown and "provider" not in spec:  # a provider's own fields go to the provider
             raise ConfigError(f"encrypt: unknown field {unknown[0]!r} (fields: {', '.join(_SPEC_FIELDS)})")
         AESGCM = _aesgcm()
         retired = spec.get("retired", [])
         if not isinstance(retired, list):
             raise ConfigError(f"encrypt: 'retired' expects a list of key objects, got {type(retired).__name__}")
-        current_spec = {k: v for k, v in spec.items() if k in (*_KEY_FIELDS, "key_id")}
+        current_spec = {k: v for k, v in spec.items() if k not in _SPEC_FIELDS or k in (*_KEY_FIELDS, "key_id")}
         ciphers: dict[str, Any] = {}
         specs: dict[str, KeySpec] = {}
         current = ""
