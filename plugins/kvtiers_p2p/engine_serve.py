@@ -39,9 +39,9 @@ from .server import NOT_READY, PeerServer, ServerLimits, Session, Stream
 
 SERVE_OPTIONS = {"bind", "curve_secret", "allow", "max_clients", "max_inflight", "idle_timeout",
                  "handshake_timeout", "nixl", "max_connections", "stall_timeout", "max_pins", "pin_share",
-                 "max_queued_bytes", "nixl_strict"}
+                 "max_queued_bytes", "nixl_strict", "max_sessions_per_peer", "max_pending_per_peer"}
 LIMIT_OPTIONS = ("max_clients", "max_inflight", "idle_timeout", "handshake_timeout", "max_connections",
-                 "stall_timeout")
+                 "stall_timeout", "max_sessions_per_peer", "max_pending_per_peer")
 E_READONLY = "read-only"
 PIN_AHEAD = 16  #: chunks a GET stream has pinned ahead of the one it sends
 STALL_RETRY_S = 0.05  #: how often a GET to a peer whose pipe was full asks for pins again

@@ -8,6 +8,13 @@ frame disconnects its sender inside libzmq), connections, clients, namespaces an
 sizes, GET streams in flight per client, the ZMTP handshake and the HELLO after it, and the
 idle time of a session.
 
+No client can lock another out: sessions are capped per peer (its address; its CurveZMQ
+key where CurveZMQ is on), connections without a session per peer address
+(:mod:`kvtiers_p2p.conns`); a full server gives a HELLO from a peer holding fewer sessions
+than the largest holder that holder's least recently active session; a session idle for
+``idle_timeout`` is reaped with its connection. A client's ``max_bytes`` never shrinks what
+another client of its namespace asked for (see :meth:`PeerServer.quota`).
+
 No client can hold up another: each session has its own queue of replies its pipe had no
 room for (at most ``max_queued``); a client whose pipe is full is skipped, and one that
 reads nothing for ``stall_timeout`` seconds is disconnected, its streams cancelled.
@@ -61,6 +68,8 @@ class ServerLimits:
     max_queued: int = 64  #: replies queued per client behind its full pipe; one more disconnects it
     max_namespaces: int = 64  #: namespaces at once; a HELLO for one more is refused with ``full``
     max_chunk_sizes: int = 8  #: distinct chunk sizes at once; a HELLO for one more is refused with ``full``
+    max_sessions_per_peer: int = 32  #: sessions of one peer (address; CurveZMQ key with CurveZMQ) at once
+    max_pending_per_peer: int = 16  #: connections without a session from one address at once
 
 
 @dataclass
@@ -75,6 +84,7 @@ class Session:
     fd: int | None = None  # its connection (see kvtiers_p2p.conns)
     outbox: deque = field(default_factory=deque)  # replies its full pipe had no room for
     pins: int = 0  # serve block: arena slots pinned for its GETs
+    peer: str = "?"  # whose session it is: the peer's address, or its CurveZMQ key (see PeerServer._peer)
 
 
 @dataclass
@@ -142,7 +152,8 @@ class PeerServer:
         self.tenants: dict[str, frozenset[str] | None] | None = None  # CurveZMQ key -> namespaces (None: any)
         self._fd: int | None = None  # the connection of the message being handled
         self.conns: Connections | None = None
-        self.stats = {"malformed": 0, "refused": 0, "chunks_sent": 0, "chunks_stored": 0, "disconnected": 0}
+        self.stats = {"malformed": 0, "refused": 0, "chunks_sent": 0, "chunks_stored": 0, "disconnected": 0,
+                      "reaped": 0}
         self._stop = False
         self.nixl = None
         self.orphans: list[tuple] = []  # (write, source, stream, pos) of ended GETNs: kept until NIXL is done
@@ -155,6 +166,7 @@ class PeerServer:
                 store.on_slab = self.nixl.register
         self.ctx = zmq.Context()
         self._auth = None
+        self.curve = curve_secret is not None
         try:
             self.sock = self.ctx.socket(zmq.ROUTER)
             s = self.sock
@@ -172,7 +184,8 @@ class PeerServer:
             self._setup_socket(s)
             if curve_secret is not None:
                 self._setup_curve(curve_secret, allow_dir)
-            self.conns = Connections(s, limit=limits.max_connections, hello_timeout=limits.handshake_timeout)
+            self.conns = Connections(s, limit=limits.max_connections, hello_timeout=limits.handshake_timeout,
+                                     per_peer=limits.max_pending_per_peer)
             try:
                 s.bind(bind)
             except zmq.ZMQError as e:
@@ -302,6 +315,16 @@ class PeerServer:
         if sess is not None:
             self.conns.close(sess.fd, why)
 
+    def _reap(self, ident: bytes, why: str) -> None:
+        """End a session and close its connection (no ban: its client may say HELLO again)."""
+        sess = self.sessions.get(ident)
+        if sess is None:
+            return
+        log.info("p2p server: reaping the session of %s (%s): %s", ident.hex(), sess.peer, why)
+        self.stats["reaped"] += 1
+        self._drop(ident)
+        self.conns.close(sess.fd, why)
+
     def _ban(self, ident: bytes) -> None:
         self.banned[ident] = time.monotonic() + self.limits.ban_s
         while len(self.banned) > 4096:
@@ -339,7 +362,9 @@ class PeerServer:
         self.conns.close(self._fd, f"malformed frame: {why}")
 
     def _drop(self, ident: bytes) -> None:
-        self.sessions.pop(ident, None)
+        sess = self.sessions.pop(ident, None)
+        if sess is not None and self.conns is not None:
+            self.conns.unbind(sess.fd, ident)  # a connection left without a session is pending again
         self.waiting.pop(ident, None)
         self.stalled.pop(ident, None)
         if any(st.session.ident == ident for st in self.streams):
@@ -531,6 +556,9 @@ class PeerServer:
             self._drop(ident)
 
     def _hello(self, ident: bytes, rid: int, hdr: list, head: Any = None) -> None:
+        addr = self.conns.hello(self._fd)
+        if addr is None:  # its connection is being closed
+            return
         if len(hdr) not in (6, 7):
             raise P.ProtocolError(f"HELLO header has {len(hdr)} items, expected 6 or 7")
         _, _, version, ns, chunk, max_bytes = hdr[:6]
@@ -568,8 +596,11 @@ class PeerServer:
         if chunk > self.limits.max_chunk_bytes:
             return self._error(ident, rid, P.E_TOO_BIG,
                                f"chunk of {chunk} bytes exceeds the server's {self.limits.max_chunk_bytes}")
-        if ident not in self.sessions and len(self.sessions) >= self.limits.max_clients:
-            return self._error(ident, rid, P.E_FULL, f"server has its maximum of {self.limits.max_clients} clients")
+        peer = self._peer(addr, head)
+        if ident not in self.sessions:
+            refusal = self._admit(peer)
+            if refusal is not None:
+                return self._error(ident, rid, P.E_FULL, refusal)
         nixl = None
         if "nixl" in extra:
             x = extra["nixl"]
@@ -591,11 +622,41 @@ class PeerServer:
             sess.max_bytes, sess.last_seen, sess.nixl = max_bytes, time.monotonic(), nixl
         else:
             self._drop(ident)
-            self.sessions[ident] = Session(ident, ns, chunk, max_bytes, time.monotonic(), nixl=nixl, fd=self._fd)
+            self.sessions[ident] = Session(ident, ns, chunk, max_bytes, time.monotonic(), nixl=nixl, fd=self._fd,
+                                           peer=peer)
             self.conns.bind(self._fd, ident)
         info = {"version": P.VERSION, "instance": self.instance, "max_inflight": self.limits.max_inflight,
                 "max_batch": P.MAX_BATCH, "nixl": nixl is not None, "pid": os.getpid(), "boot": P.boot_id()}
         self._reply(ident, P.pack(P.OK, rid, info))
+
+    def _peer(self, addr: str, head: Any) -> str:
+        """Who a HELLO comes from, for the per-peer limits: with CurveZMQ its client key
+        (authenticated; many clients may share an address), else its connection's address."""
+        if not self.curve:
+            return addr
+        user = head.get("User-Id") if head is not None else None
+        return f"key {user}" if user else addr
+
+    def _admit(self, peer: str) -> str | None:
+        """Why a new session of ``peer`` is refused, or None. A full server reaps the least
+        recently active session of the peer holding the most sessions for a peer holding
+        at least two fewer, so a peer within its share always gets in."""
+        lim = self.limits
+        count: dict[str, int] = {}
+        for s in self.sessions.values():
+            count[s.peer] = count.get(s.peer, 0) + 1
+        mine = count.get(peer, 0)
+        if mine >= lim.max_sessions_per_peer:
+            who = "this client key" if peer.startswith("key ") else peer
+            return f"server has its maximum of {lim.max_sessions_per_peer} sessions from {who}"
+        if len(self.sessions) < lim.max_clients:
+            return None
+        top = max(count, key=count.__getitem__)
+        if count[top] <= mine + 1:
+            return f"server has its maximum of {lim.max_clients} clients"
+        victim = min((s for s in self.sessions.values() if s.peer == top), key=lambda s: (s.streams > 0, s.last_seen))
+        self._reap(victim.ident, f"the server is full and {top} holds the most sessions ({count[top]})")
+        return None
 
     def _room_for(self, ns: str, chunk: int) -> str | None:
         """Why a HELLO for the new namespace ``ns`` of ``chunk``-byte chunks is refused, or
@@ -621,9 +682,17 @@ class PeerServer:
         return {s.ns for s in self.sessions.values()}
 
     def quota(self, ns: str) -> int | None:
-        """The cap of a namespace: the smallest ``max_bytes`` of its connected clients."""
-        caps = [s.max_bytes for s in self.sessions.values() if s.ns == ns and s.max_bytes is not None]
-        return min(caps) if caps else None
+        """The cap of a namespace: the largest ``max_bytes`` of its connected clients, and
+        none while any of them asks for none. A client's cap never shrinks what another
+        asked for, so one client's setting cannot fail or flush another's stores; the
+        server's ``capacity`` is never changed by a client."""
+        cap = None
+        for s in self.sessions.values():
+            if s.ns == ns:
+                if s.max_bytes is None:
+                    return None
+                cap = s.max_bytes if cap is None else max(cap, s.max_bytes)
+        return cap
 
     def _put(self, sess: Session, rid: int, key: bytes, digest: int) -> None:
         store, size = self.store, sess.chunk_bytes
@@ -715,7 +784,7 @@ class PeerServer:
             self._reap_orphans()
         idle = [i for i, s in self.sessions.items() if now - s.last_seen > self.limits.idle_timeout and not s.streams]
         for ident in idle:
-            self._drop(ident)
+            self._reap(ident, f"idle for {self.limits.idle_timeout:g} s")
         for ident, since in list(self.stalled.items()):
             if now - since > self.limits.stall_timeout:
                 if ident in self.sessions:

@@ -1,0 +1,219 @@
+"""No p2p client can lock another out, each checked against a real ``kvtiers p2p serve``
+process: an attacker holding many idle sessions or many connections that never say HELLO,
+from one address (or one CurveZMQ key), leaves a legitimate client from another able to join
+and be served; the server's descriptors stay bounded; idle sessions are reaped with their
+connections; and one client's ``max_bytes`` cannot fail or flush another client's stores.
+
+Loopback has all of 127.0.0.0/8: an attacker connects from 127.0.0.2 and up (ZMQ's
+``tcp://SOURCE:0;DEST`` form), the legitimate client from 127.0.0.1."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+zmq = pytest.importorskip("zmq")
+psutil = pytest.importorskip("psutil")
+
+from kvtiers_p2p import protocol as P  # noqa: E402
+from kvtiers_p2p.spawn import start_server  # noqa: E402
+from test_p2p_attacks import BOUND_S, GOOD_NS, Good, fill, tier  # noqa: E402
+from tier_helpers import resolve_lookup as resolve  # noqa: E402
+from tier_helpers import server_stats  # noqa: E402
+from tier_helpers import wait_job as wait  # noqa: E402
+
+from kvtiers import Arena, Job, Lookup  # noqa: E402
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+def dealer(ctx, port: int, src: str, *, reconnect_s: float = 60.0, curve: tuple | None = None):
+    """A DEALER connected to the server from address ``src`` (no HELLO sent)."""
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RECONNECT_IVL, int(reconnect_s * 1000))
+    if curve is not None:
+        s.curve_serverkey, s.curve_publickey, s.curve_secretkey = curve
+    s.connect(f"tcp://{src}:0;127.0.0.1:{port}")
+    return s
+
+
+def hello(s, *, ns: str = GOOD_NS.digest, chunk: int = 64 * KiB, max_bytes: int | None = None) -> list:
+    """Say HELLO on ``s`` and return the answer."""
+    s.send(P.pack(P.HELLO, 1, P.VERSION, ns, chunk, max_bytes))
+    assert s.poll(10000), "no answer to HELLO"
+    return P.unpack(s.recv(), reply=True)
+
+
+def fds(pid: int) -> int:
+    return psutil.Process(pid).num_fds()
+
+
+def settle_fds(pid: int, most: int, timeout: float = 10.0) -> int:
+    """The server's open descriptors once they are at most ``most`` (or after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    n = fds(pid)
+    while n > most and time.monotonic() < deadline:
+        time.sleep(0.1)
+        n = fds(pid)
+    return n
+
+
+def test_idle_sessions_of_one_address_do_not_lock_out_another():
+    srv = start_server(capacity=16 * MiB)  # the defaults: 64 clients, 32 sessions per peer
+    ctx = zmq.Context()
+    held, good = [], None
+    try:
+        answers = []
+        for _ in range(64):  # 64 idle sessions from one address: no more than its share get in
+            s = dealer(ctx, srv.port, "127.0.0.2")
+            answers.append(hello(s))
+            if answers[-1][0] == P.OK:
+                held.append(s)
+            else:  # refused: its connection would be pending (see the test of silent connections)
+                s.close(0)
+        ok = [a for a in answers if a[0] == P.OK]
+        refused = [a for a in answers if a[0] == P.ERR]
+        assert len(ok) == 32, len(ok)
+        assert all(a[2] == P.E_FULL and "32 sessions from 127.0.0.2" in a[3] for a in refused), refused[:1]
+        good = Good(srv.port)  # another address joins and is served
+        for _ in range(2):
+            assert good.round() < BOUND_S
+    finally:
+        if good is not None:
+            good.close()
+        ctx.destroy(0)
+        srv.stop()
+
+
+def _curve_keys(tmp_path) -> tuple[dict, dict]:
+    import zmq.auth
+    from click.testing import CliRunner
+    from kvtiers_p2p.cli import p2p
+
+    keys = tmp_path / "keys"
+    for name in ("server", "bad", "good"):
+        assert CliRunner().invoke(p2p, ["keygen", str(keys), "--name", name]).exit_code == 0
+    (keys / "clients").mkdir()
+    for name in ("bad", "good"):
+        (keys / "clients" / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    server_public, _ = zmq.auth.load_certificate(str(keys / "server.key"))
+    bad = (server_public, *zmq.auth.load_certificate(str(keys / "bad.key_secret")))
+    extra = ["--curve-secret", str(keys / "server.key_secret"), "--allow", str(keys / "clients")]
+    good = {"curve_server_key": str(keys / "server.key"), "curve_secret_file": str(keys / "good.key_secret")}
+    return {"extra": extra, "bad": bad}, good
+
+
+@pytest.mark.parametrize("curve", [False, True], ids=["by-address", "by-curve-key"])
+def test_a_full_server_makes_room_for_a_peer_below_its_share(tmp_path, curve):
+    """The attacker fills the server; a HELLO from a peer holding fewer sessions takes the
+    place of the attacker's least recently active one. With CurveZMQ the peer is the client
+    key, so an attacker on the same address as the good client (127.0.0.1) is told apart."""
+    extra, src, key, opts = ["--max-clients", "8", "--max-sessions-per-peer", "8"], "127.0.0.2", None, {}
+    if curve:
+        if not zmq.has("curve"):
+            pytest.skip("this libzmq has no CurveZMQ")
+        setup, opts = _curve_keys(tmp_path)
+        extra, src, key = extra + setup["extra"], "127.0.0.1", setup["bad"]
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
+    srv = start_server(capacity=16 * MiB, extra=extra, stderr=log)
+    ctx = zmq.Context()
+    held, good = [], None
+    try:
+        for i in range(10):
+            s = dealer(ctx, srv.port, src, curve=key)
+            a = hello(s)
+            assert (a[0] == P.OK) if i < 8 else (a[0] == P.ERR and a[2] == P.E_FULL), (i, a)
+            held.append(s)
+        good = Good(srv.port, **opts)
+        for _ in range(2):
+            assert good.round() < BOUND_S
+    finally:
+        if good is not None:
+            good.close()
+        ctx.destroy(0)
+        srv.stop()
+    assert server_stats(log)["reaped"] >= 1
+
+
+def test_silent_connections_are_capped_per_address_and_keep_nobody_out():
+    srv = start_server(capacity=16 * MiB, extra=["--max-connections", "40", "--max-pending-per-peer", "12"])
+    ctx = zmq.Context()
+    silent, good = [], []
+    try:
+        good.append(Good(srv.port))
+        good[0].round()
+        base = fds(srv.pid)
+        for _ in range(100):  # connections that never say HELLO, reconnecting when closed
+            silent.append(dealer(ctx, srv.port, "127.0.0.2", reconnect_s=0.2))
+        time.sleep(1.5)
+        assert fds(srv.pid) <= base + 12 + 4, "one address's connections without HELLO are not capped"
+        assert good[0].round() < BOUND_S
+        for src in ("127.0.0.3", "127.0.0.4", "127.0.0.5"):  # three more addresses: past --max-connections
+            silent += [dealer(ctx, srv.port, src, reconnect_s=0.2) for _ in range(20)]
+        time.sleep(1.5)
+        assert fds(srv.pid) <= base + 40 + 4
+        good.append(Good(srv.port))  # a new connection from another address still gets in
+        for g in good:
+            assert g.round() < BOUND_S
+    finally:
+        for g in good:
+            g.close()
+        ctx.destroy(0)
+        srv.stop()
+
+
+def test_idle_sessions_are_reaped_with_their_connections(tmp_path):
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
+    srv = start_server(capacity=16 * MiB, extra=["--idle-timeout", "1"], stderr=log)
+    ctx = zmq.Context()
+    held, good = [], None
+    try:
+        good = Good(srv.port)
+        good.round()
+        base = fds(srv.pid)
+        for _ in range(12):  # sessions that then say nothing (and do not reconnect)
+            s = dealer(ctx, srv.port, "127.0.0.2")
+            assert hello(s)[0] == P.OK
+            held.append(s)
+        assert fds(srv.pid) >= base + 12
+        assert settle_fds(srv.pid, base + 1) <= base + 1, "idle sessions keep their connections"
+        assert good.round() < BOUND_S  # an idle good client is reaped too, reconnects and is served
+    finally:
+        if good is not None:
+            good.close()
+        ctx.destroy(0)
+        srv.stop()
+    assert server_stats(log)["reaped"] >= 12
+
+
+def test_one_clients_max_bytes_cannot_fail_or_flush_anothers_stores():
+    srv = start_server(capacity=16 * MiB)
+    ctx = zmq.Context()
+    other = None
+    try:
+        tiny = dealer(ctx, srv.port, "127.0.0.1")  # a client of the namespace whose cap is below a chunk
+        assert hello(tiny, max_bytes=4 * KiB)[0] == P.OK
+        one = dealer(ctx, srv.port, "127.0.0.1")  # and one whose cap holds one chunk
+        assert hello(one, max_bytes=64 * KiB)[0] == P.OK
+        arena = Arena.allocate(8, 64 * KiB)
+        fill(arena, 5)
+        other = tier(srv.port, arena, GOOD_NS)  # no cap of its own
+        keys = tuple(b"mine-%d" % i for i in range(8))
+        other.submit_store(Job(1, keys, tuple(range(8))))
+        r = wait(other, 1)
+        assert r.ok, r.error  # was: "a chunk of 65536 bytes never fits the capacity"
+        assert resolve(other, list(keys)) == [Lookup.HIT] * 8  # and none of them was evicted for the caps
+        want = [bytes(arena[i]) for i in range(8)]
+        for i in range(8):
+            arena[i][:] = bytes(64 * KiB)
+        other.submit_load(Job(2, keys, tuple(range(8))))
+        assert wait(other, 2).ok
+        assert [bytes(arena[i]) for i in range(8)] == want
+    finally:
+        if other is not None:
+            other.close()
+        ctx.destroy(0)
+        srv.stop()
