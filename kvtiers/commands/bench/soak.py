@@ -156,6 +156,7 @@ def run_soak(tier_type: str, options: dict[str, Any] | None, *, duration: float,
             "tier": info.name, "mode": "soak", "processes": processes, "duration_s": round(n * interval, 3),
             "interval_s": interval, "chunk_bytes": chunk_bytes, "keys_per_job": kpj, "lookup_batch": lookup_batch,
             "bound_bytes": bound, "namespace": ns.digest, "backend": backend, "intervals": [], "processes_end": [],
+            "errors": [],
         }
         if on_start is not None:
             on_start(report)
@@ -203,6 +204,7 @@ def _run_workers(spec: dict[str, Any], processes: int, n: int, interval: float, 
                 raise TierError(f"soak process {w.index} exited with {w.proc.returncode}: {w.stderr_tail()}")
         report["processes_end"] = [{k: done[i].get(k) for k in ("close_s", "errors", "rss", "fds", "threads")}
                                    for i in range(processes)]
+        report["errors"] = [f"process {i}: {e}" for i in range(processes) for e in done[i].get("errors") or []]
     finally:
         for w in workers:
             w.stop()

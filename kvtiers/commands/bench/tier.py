@@ -199,12 +199,18 @@ def run_soak_command(tier_type: str, options: dict[str, Any], kw: dict[str, Any]
         plot_soak(report, kw["plot_path"])
     if kw["as_json"]:
         click.echo(json.dumps(report, indent=1))
-        return
-    if state["n"] == 0:
-        click.echo(format_header(report))
-    click.echo(format_summary(report))
-    if kw["plot_path"]:
-        click.echo(f"plot written to {kw['plot_path']}")
+    else:
+        if state["n"] == 0:
+            click.echo(format_header(report))
+        click.echo(format_summary(report))
+        if kw["plot_path"]:
+            click.echo(f"plot written to {kw['plot_path']}")
+    s = report["summary"]
+    if s.get("wrong") or s.get("store_failed"):  # rule 3 and rule 11: the soak failed, whatever the rates
+        from ...errors import TierError
+
+        raise TierError(f"soak: {s['wrong']} load(s) returned bytes that were not the ones stored, "
+                        f"{s['store_failed']} store(s) failed: {'; '.join(report['errors'][:3])}")
 
 
 def merge_reports(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
