@@ -11,13 +11,13 @@ without ``--test-faults`` refuses the request (``no-test-faults``) and keeps ser
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from typing import Any
 
 import zmq
 
 from . import protocol as P
+from .peers import config_peers, load_curve
 
 _rids = itertools.count(1)
 
@@ -30,21 +30,6 @@ class CorruptRefused(FaultRefused, NotImplementedError):
     """A peer that takes no fault injection (a server started without ``--test-faults``)
     refused CORRUPT: a ``NotImplementedError`` too, which the conformance suite reports as
     a named skip of its corruption check (not certified), not as a broken tier."""
-
-
-def config_peers(config: dict) -> list[str]:
-    """The peer addresses a p2p tier with options ``config`` uses (a ``peers_file`` that
-    exists replaces ``host``/``port``/``peers``, as in the tier)."""
-    from .tier import peer_urls
-
-    urls = peer_urls(config.get("host"), config.get("port"), config.get("peers"))
-    if config.get("peers_file"):
-        try:
-            with open(config["peers_file"], "rb") as f:
-                urls = peer_urls(None, None, json.load(f))
-        except FileNotFoundError:
-            pass
-    return urls
 
 
 def corrupt_on_peer(url: str, namespace_digest: str, key: bytes, *, curve: Any = None,
@@ -83,9 +68,7 @@ def corrupt_on_peer(url: str, namespace_digest: str, key: bytes, *, curve: Any =
 def corrupt(config: dict, namespace_digest: str, key: bytes) -> dict[str, list[int]]:
     """Damage ``key`` on every peer of ``config`` that holds it; return ``{peer: offsets}``
     of those that did. Raises :class:`FaultRefused` if a peer refuses or none holds it."""
-    from .tier import _load_curve
-
-    curve = _load_curve(config.get("curve_server_key"), config.get("curve_secret_file"))
+    curve = load_curve(config.get("curve_server_key"), config.get("curve_secret_file"))
     timeout = float(config.get("timeout", 10.0))
     urls = config_peers(config)
     if not urls:

@@ -25,37 +25,13 @@ from kvtiers.misscache import MissCache
 from kvtiers.types import Job, JobResult, Lookup, TierContext, accept_job, check_keys, drain
 
 from . import protocol as P
+from .peers import config_peers, peer_urls
+from .peers import load_curve as _load_curve
 
 log = logging.getLogger("kvtiers.p2p")
 
 PEERS_FILE_POLL_S = 0.5
 _SUITE_SERVERS: dict[int, Any] = {}  # port -> the ServerProcess conformance_config started
-
-
-def peer_urls(host: str | None = None, port: int | None = None, peers: list | None = None) -> list[str]:
-    """The peer addresses of the tier's options: ``host``/``port`` first, then ``peers``
-    entries (``{"host": H, "port": P}`` or ``"tcp://H:P"``). Raises :class:`ConfigError`."""
-    urls: list[str] = []
-    if (host is None) != (port is None):
-        raise ConfigError("tier 'p2p': give host and port together")
-    if host is not None:
-        urls.append(P.tcp_url(host, port))
-    for i, entry in enumerate(peers or []):
-        if isinstance(entry, str):
-            url = entry
-        elif isinstance(entry, dict) and set(entry) <= {"host", "port"} and isinstance(entry.get("host"), str) \
-                and isinstance(entry.get("port"), int):
-            url = P.tcp_url(entry["host"], entry["port"])
-        else:
-            raise ConfigError(f'tier \'p2p\': peers[{i}] must be {{"host": str, "port": int}} or "tcp://HOST:PORT", '
-                              f"got {entry!r}")
-        try:
-            P.parse_endpoint(url)
-        except ValueError as e:
-            raise ConfigError(f"tier 'p2p': peers[{i}]: {e}") from None
-        if url not in urls:
-            urls.append(url)
-    return urls
 
 
 def _rank(key: bytes, url: str) -> bytes:
@@ -169,8 +145,6 @@ class P2PTier:
         if srv is not None:
             srv.stop()  # by its own PID
             return None
-        from .faults import config_peers
-
         peers = ", ".join(config_peers(config)) or "the configured peers"
         return (f"p2p: {peers} keep the suite's chunks in memory until they evict them or restart "
                 "(the p2p protocol has no delete)")
@@ -361,20 +335,3 @@ class P2PTier:
             return
         self._closed = True
         self._client.close()
-
-
-def _load_curve(server_key: str | None, secret_file: str | None) -> tuple[bytes, bytes, bytes] | None:
-    if server_key is None and secret_file is None:
-        return None
-    if server_key is None or secret_file is None:
-        raise ConfigError("tier 'p2p': CurveZMQ needs both curve_server_key and curve_secret_file")
-    import zmq.auth
-
-    try:
-        server_public, _ = zmq.auth.load_certificate(server_key)
-        public, secret = zmq.auth.load_certificate(secret_file)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"tier 'p2p': cannot read CurveZMQ keys: {e}") from None
-    if not secret:
-        raise ConfigError(f"tier 'p2p': curve_secret_file {secret_file} holds no secret key (.key_secret)")
-    return server_public, public, secret
