@@ -24,14 +24,17 @@ under every tensor that uses it); on CPU the freed memory goes back to the syste
 (``malloc_trim``) and a wake gives large storages huge-page mappings of their own, on an
 accelerator the allocator's cache is emptied.
 
-One namespace per model identity (:class:`WeightsIdentity`: name, revision or content digest,
-parallel rank, chunk size); dtypes, shapes and strides are checked tensor by tensor against the
-manifest stored with the chunks, so a mismatch names the tensor.
+One namespace per model identity (:class:`WeightsIdentity`: name, revision, parallel rank, chunk
+size); inside it, every chunk and the manifest are keyed by the xxh3-128 digest of the model's
+bytes, taken afresh at every publish, so weights changed in place (an RL step) are stored under
+new keys and never answered by an older copy a tier kept (stores of an existing key keep it:
+rule 7), while unchanged weights are not stored again. A wake or fork checks the digest of the
+bytes it filled in before returning. Dtypes, shapes and strides are checked tensor by tensor
+against the manifest stored with the chunks, so a mismatch names the tensor.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import Counter, deque
 from collections.abc import Mapping
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from ..types import PAGE, Lookup, Namespace
 from .weights_chunks import WeightCopier, WeightPlan, manifest_bytes, manifest_length, parse_manifest, uint8_view
@@ -47,45 +51,61 @@ from .weights_memory import advise_huge, free_storages, give_back_memory, restor
 __all__ = ["DEFAULT_CHUNK_BYTES", "ModelWeights", "WeightsIdentity", "WeightsStep", "rss_bytes"]
 
 DEFAULT_CHUNK_BYTES = 4 << 20
-_MANIFEST_KEY = b"manifest/%d"
-_CHUNK_KEY = b"weights/%d"
+_MANIFEST_KEY = b"%s/manifest/%d"  # digest of the bytes, manifest chunk
+_CHUNK_KEY = b"%s/weights/%d"  # digest of the bytes, data chunk
+_HOST_KEY = b"host/%d"  # a level-1 sleep: arena only, never sent to a tier
 
 
 @dataclass(frozen=True)
 class WeightsIdentity:
     """What names a model's weights in the tiers: ``name``, ``revision`` (a checkpoint revision,
-    or ``sha256:<digest of the bytes>``), the parallel ``rank`` of ``world_size``, and the
-    ``chunk_bytes`` they were cut into. A forking process needs exactly this."""
+    or None), the parallel ``rank`` of ``world_size``, the ``chunk_bytes`` they were cut into, and
+    ``digest``, the xxh3-128 digest (32 hex digits) of the bytes that were published. A forking
+    process needs exactly this: the digest pins the bytes, so weights changed and published again
+    under the same revision get a new identity, and an older identity still names its own bytes
+    for as long as a tier keeps them."""
 
     name: str
-    revision: str
+    revision: str | None = None
     rank: int = 0
     world_size: int = 1
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    digest: str = ""
 
     def namespace(self) -> Namespace:
-        """The namespace the chunks live in."""
-        return Namespace({"kvtiers_weights": 1, "model": self.name, "revision": self.revision, "rank": self.rank,
+        """The namespace the chunks live in (the digest is in each chunk's key, not here)."""
+        return Namespace({"kvtiers_weights": 2, "model": self.name, "revision": self.revision, "rank": self.rank,
                           "world_size": self.world_size, "chunk_bytes": self.chunk_bytes})
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "revision": self.revision, "rank": self.rank, "world_size": self.world_size,
-                "chunk_bytes": self.chunk_bytes}
+                "chunk_bytes": self.chunk_bytes, "digest": self.digest}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> WeightsIdentity:
         """From :meth:`to_dict`'s shape; an unknown or missing key is a ``ValueError`` naming it."""
-        known = {"name", "revision", "rank", "world_size", "chunk_bytes"}
+        known = {"name", "revision", "rank", "world_size", "chunk_bytes", "digest"}
         extra = sorted(set(d) - known)
         if extra:
             raise ValueError(f"weights identity: unknown key {extra[0]!r} (known: {', '.join(sorted(known))})")
-        for k in ("name", "revision"):
-            if not isinstance(d.get(k), str) or not d.get(k):
-                raise ValueError(f"weights identity: {k!r} must be a non-empty string, got {d.get(k)!r}")
+        if not isinstance(d.get("name"), str) or not d.get("name"):
+            raise ValueError(f"weights identity: 'name' must be a non-empty string, got {d.get('name')!r}")
+        rev = d.get("revision")
+        if rev is not None and (not isinstance(rev, str) or not rev):
+            raise ValueError(f"weights identity: 'revision' must be a non-empty string or None, got {rev!r}")
+        digest = d.get("digest", "")
+        if not isinstance(digest, str) or (digest and not _is_digest(digest)):
+            raise ValueError(f"weights identity: 'digest' must be 32 hex digits, got {digest!r}")
         return cls(**dict(d))
 
     def __str__(self) -> str:
-        return f"model {self.name!r} revision {self.revision!r} rank {self.rank}/{self.world_size}"
+        rev = f"revision {self.revision!r}" if self.revision is not None else "no revision"
+        digest = f" digest {self.digest[:12]}" if self.digest else ""
+        return f"model {self.name!r} {rev}{digest} rank {self.rank}/{self.world_size}"
+
+
+def _is_digest(text: str) -> bool:
+    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
 
 
 @dataclass(frozen=True)
@@ -111,9 +131,9 @@ class ModelWeights:
     """A model's tensors (an ``nn.Module``: its parameters and buffers; or a mapping name ->
     tensor) and a tier stack from a kvtiers JSON config (a mapping, JSON text or a file path).
 
-    ``name``, ``revision``, ``rank``, ``world_size``: the model's identity (see
-    :class:`WeightsIdentity`); ``revision=None`` uses a digest of the bytes, computed the first
-    time the tiers are needed. ``chunk_bytes``: the arena's slot size (a multiple of 4096). The
+    ``name``, ``revision`` (a label, or None), ``rank``, ``world_size``: the model's identity (see
+    :class:`WeightsIdentity`), whose content digest is taken afresh at every :meth:`publish` and
+    level-2 :meth:`sleep`. ``chunk_bytes``: the arena's slot size (a multiple of 4096). The
     arena holds ``host_bytes``, or ``host_blocks_factor`` times the model's size. ``timeout``:
     seconds any one step may take before it is a ``TimeoutError`` (the model stays as it was).
     The config's ``kv_events``, ``metrics`` and ``serve`` blocks are for KV and not used here.
@@ -136,7 +156,9 @@ class ModelWeights:
             raise ValueError(f"weights: rank {rank} is not in 0..{world_size - 1}")
         self.cfg = config if isinstance(config, Config) else load_config(config)
         self.name, self.rank, self.world_size, self.chunk_bytes = name, rank, world_size, chunk_bytes
-        self._revision = revision
+        self.revision = revision
+        self._digest: str | None = None  # of the bytes last published, or of the identity forked
+        self._asleep_keys: list[bytes] = []  # the data keys a wake loads
         self.timeout = timeout
         self.plan = WeightPlan(model, chunk_bytes)
         self.model = model
@@ -161,20 +183,21 @@ class ModelWeights:
     # -- identity -------------------------------------------------------------------------
     @property
     def identity(self) -> WeightsIdentity:
-        """The identity the chunks are stored under (computes the content digest if needed)."""
-        if self._revision is None:
+        """The identity of the bytes last published (by :meth:`publish` or a level-2 sleep) or
+        forked; before any, of the bytes the model holds now (their digest is taken then)."""
+        if self._digest is None:
             if self.asleep:
-                raise RuntimeError("weights: the content digest is taken while awake; give revision=")
-            self._revision = "sha256:" + self._digest()
-        return WeightsIdentity(self.name, self._revision, self.rank, self.world_size, self.chunk_bytes)
+                raise RuntimeError("weights: the content digest is taken while awake")
+            self._digest = self._content_digest()
+        return WeightsIdentity(self.name, self.revision, self.rank, self.world_size, self.chunk_bytes, self._digest)
 
-    def _digest(self) -> str:
-        h = hashlib.sha256()
+    def _content_digest(self) -> str:
+        """xxh3-128 of every storage's bytes, in plan order (32 hex digits)."""
+        h = xxhash.xxh3_128()
         for view in self._regions():
             h.update(memoryview(view if isinstance(view, np.ndarray) else view.cpu().numpy()))
-        return h.hexdigest()[:32]
+        return h.hexdigest()
 
-    # -- the steps ------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> WeightsStep:
         """Copy every tensor to the arena (level 1) and on to every tier (level 2), then free
         the device memory. Level 1 needs an arena that holds the model; level 2 needs a tier.
@@ -196,15 +219,18 @@ class ModelWeights:
         rss0, t0 = rss_bytes(), time.perf_counter()
         if level == 2:
             self._publish()
+            keys = self._data_keys()
         else:
-            self._drop_host(self._data_keys())
+            keys = [_HOST_KEY % i for i in range(n)]
+            self._drop_host(keys)
             self.copier.regions = self._regions()
-            self._store(list(enumerate(self._data_keys())), batch=n)
+            self._store(list(enumerate(keys)), batch=n)
         self.copier.regions = []
         seconds = time.perf_counter() - t0
         free_storages(self.plan.storages)
         if level == 2:
-            self._drop_host(self._data_keys() + self._manifest_keys(), release=True)
+            self._drop_host(keys + self._manifest_keys(), release=True)
+        self._asleep_keys = keys
         self.asleep = level
         return WeightsStep("sleep", self.plan.total_bytes, seconds, {}, rss0, rss_bytes())
 
@@ -217,15 +243,19 @@ class ModelWeights:
         self.plan.check_current()
         rss0, t0 = rss_bytes(), time.perf_counter()
         restore_storages(self.plan.storages)
-        sources = self._fill()
+        keys = self._asleep_keys
+        sources = self._fill(keys)
+        if self.asleep == 2:
+            self._check_filled("wake")
         self.asleep = 0
         step = WeightsStep("wake", self.plan.total_bytes, time.perf_counter() - t0, sources, rss0, rss_bytes())
-        self._drop_host(self._data_keys(), release=True)  # the tensors hold the bytes again
+        self._drop_host(keys, release=True)  # the tensors hold the bytes again
         return step
 
     def publish(self) -> WeightsIdentity:
         """Store the (awake) model's chunks and manifest in every tier, so that other processes
-        can :meth:`fork` it; returns the identity they need. The host copies are dropped again."""
+        can :meth:`fork` it; returns the identity they need (with the digest of the bytes now;
+        chunks every tier already holds are not stored again). The host copies are dropped."""
         self._check_open()
         if self.asleep:
             raise RuntimeError("weights: publish an awake model (a sleeping one at level 2 is published)")
@@ -243,20 +273,30 @@ class ModelWeights:
         """Fill ``model``'s tensors (allocated, e.g. ``model.to_empty(device=...)``) from the
         weights another process published under ``identity``, instead of reading the checkpoint.
         A tensor that is missing, extra or of another dtype, shape or layout is a ``ValueError``
-        naming it; weights no tier has are a ``LookupError``. Returns the handle (``.last_step``
-        says what was moved); close it when done."""
+        naming it; weights no tier has (or a damaged manifest) are a ``LookupError``; bytes that
+        do not match the identity's digest are a ``RuntimeError``. Returns the handle
+        (``.last_step`` says what was moved); close it when done."""
         ident = identity if isinstance(identity, WeightsIdentity) else WeightsIdentity.from_dict(identity)
         self = cls(model, config, name=ident.name, revision=ident.revision, rank=ident.rank,
                    world_size=ident.world_size, chunk_bytes=ident.chunk_bytes, pin=pin, timeout=timeout)
         try:
+            if not ident.digest:
+                raise LookupError(f"weights: no tier holds the weights of {ident}: the identity names no content "
+                                  f"digest (fork with the identity publish() returned)")
+            self._digest = ident.digest
             if not self.cfg.tiers:
                 raise ValueError("weights: fork needs a tier in the config ('tiers')")
             t0 = time.perf_counter()
             rss0 = rss_bytes()
             self._open_tiers()
             restore_storages(self.plan.storages, swap=True)  # fresh memory in huge pages, as wake gives it
-            self.plan.check_manifest(self._read_manifest(), str(ident))
-            sources = self._fill()
+            doc = self._read_manifest()
+            try:
+                self.plan.check_manifest(doc, str(ident))
+            except (KeyError, TypeError, AttributeError) as e:  # valid JSON of another shape
+                raise LookupError(f"weights: the manifest of {ident} is damaged: {type(e).__name__} {e}") from None
+            sources = self._fill(self._data_keys())
+            self._check_filled("fork")
             self.last_step = WeightsStep("fork", self.plan.total_bytes, time.perf_counter() - t0, sources,
                                          rss0, rss_bytes())
             self._drop_host(self._data_keys(), release=True)
@@ -283,11 +323,21 @@ class ModelWeights:
             raise RuntimeError("weights: closed")
 
     def _data_keys(self) -> list[bytes]:
-        return [_CHUNK_KEY % i for i in range(self.plan.num_chunks)]
+        """The tier keys of the data chunks of the bytes last published (or forked)."""
+        d = self.identity.digest.encode()
+        return [_CHUNK_KEY % (d, i) for i in range(self.plan.num_chunks)]
 
     def _manifest_keys(self) -> list[bytes]:
         n = -(-len(self.copier.manifest) // self.chunk_bytes) if len(self.copier.manifest) else 0
-        return [_MANIFEST_KEY % j for j in range(n)]
+        d = self.identity.digest.encode()
+        return [_MANIFEST_KEY % (d, j) for j in range(n)]
+
+    def _check_filled(self, action: str) -> None:
+        """After a fill from the tiers: the bytes are those of the identity, or a loud error."""
+        got = self._content_digest()
+        if got != self._digest:
+            raise RuntimeError(f"weights: {action} filled bytes whose digest {got} is not that of {self.identity}; "
+                               f"a tier returned other bytes than were published")
 
     def _regions(self) -> list[Any]:
         """One ``uint8`` view per storage: numpy for CPU storages, a tensor on accelerators."""
@@ -305,14 +355,20 @@ class ModelWeights:
             self._tiers_open = True
 
     def _publish(self) -> None:
-        """Chunks and manifest into the arena and on to every tier; checked there."""
+        """Chunks and manifest into the arena and on to every tier; checked there. The digest of
+        the bytes is taken afresh (the model may have changed in place since the last publish),
+        and chunks every tier already holds under it are not stored again."""
         self._open_tiers()
+        self._digest = self._content_digest()
         self.copier.manifest = np.frombuffer(bytearray(manifest_bytes(self.plan.describe())), dtype=np.uint8)
         keys = self._data_keys() + self._manifest_keys()
         self._drop_host(keys)  # never reuse host copies of earlier bytes
-        self.copier.regions = self._regions()
-        self._store(list(enumerate(keys)), batch=max(1, len(self.host.arena) // 2))
-        self._settle()
+        held = self._held_by_every_tier(keys)
+        todo = [(i, k) for i, k in enumerate(keys) if k not in held]
+        if todo:
+            self.copier.regions = self._regions()
+            self._store(todo, batch=max(1, len(self.host.arena) // 2))
+            self._settle()
         missing = [i for i, k in enumerate(keys) if not self._in_tier(k)]
         if missing:
             data = [i for i in missing if i < self.plan.num_chunks]
@@ -354,6 +410,27 @@ class ModelWeights:
             self.manager.poll()
             time.sleep(0.001)
 
+    def _held_by_every_tier(self, keys: list[bytes]) -> set[bytes]:
+        """The keys every tier answers HIT for (RETRY asked again for up to 5 s)."""
+        held = set(keys)
+        for tier in self.manager.tiers:
+            ask, deadline, hits = list(held), time.monotonic() + 5.0, set()
+            while ask:
+                try:
+                    answers = tier.handle.lookup(ask)
+                except Exception:  # noqa: BLE001 - a faulty tier holds nothing
+                    break
+                hits.update(k for k, a in zip(ask, answers, strict=True) if a is Lookup.HIT)
+                ask = [k for k, a in zip(ask, answers, strict=True) if a is Lookup.RETRY]
+                if ask and time.monotonic() > deadline:
+                    break
+                if ask:
+                    time.sleep(0.005)
+            held &= hits
+            if not held:
+                break
+        return held
+
     def _in_tier(self, key: bytes) -> bool:
         """Whether some tier answers HIT for ``key`` (RETRY asked again for up to 5 s)."""
         for tier in self.manager.tiers:
@@ -370,11 +447,11 @@ class ModelWeights:
                 time.sleep(0.005)
         return False
 
-    def _fill(self) -> dict[str, int]:
-        """Load every data chunk into the model's storages; chunks per source."""
+    def _fill(self, keys: list[bytes]) -> dict[str, int]:
+        """Load every data chunk (under ``keys``) into the model's storages; chunks per source."""
         self.copier.regions = self._regions()
         try:
-            return self._load([(i, k) for i, k in enumerate(self._data_keys())])
+            return self._load(list(enumerate(keys)))
         finally:
             self.copier.regions = []
 
@@ -400,8 +477,10 @@ class ModelWeights:
                 for k in r.failed_keys:
                     tries[k] += 1
                     if tries[k] > 3 or not (k in mgr.cache or self._in_tier(k)):
-                        raise LookupError(f"weights: chunk {k.decode()} (tensors {self.plan.tensors_in([ids[k]])}) "
-                                          f"of {self.identity} is in no tier ({r.error or 'missing'})")
+                        what = (f"tensors {self.plan.tensors_in([ids[k]])}" if ids[k] < self.plan.num_chunks
+                                else "the manifest")
+                        raise LookupError(f"weights: chunk {k.decode()} ({what}) of {self.identity} is in no tier "
+                                          f"({r.error or 'missing'})")
                     queue.append((ids[k], k))
             if inflight:
                 if time.monotonic() > deadline:
@@ -411,23 +490,37 @@ class ModelWeights:
         return dict(sources)
 
     def _read_manifest(self) -> dict[str, Any]:
-        """The published manifest, read from the tiers."""
-        first = _MANIFEST_KEY % 0
+        """The published manifest, read from the tiers. One that is damaged (a wrong magic, a
+        length beyond any this model could have, text that is not its JSON) is a ``LookupError``
+        naming the identity, as a missing one is."""
+        d = self.identity.digest.encode()
+        first = _MANIFEST_KEY % (d, 0)
         if not self._in_tier(first):
             raise LookupError(f"weights: no tier holds the weights of {self.identity} (no manifest)")
         n = self.plan.num_chunks
         self.copier.manifest = np.zeros(self.chunk_bytes, dtype=np.uint8)
-        self._load([(n, first)])
-        total = manifest_length(self.copier.manifest)
-        more = -(-total // self.chunk_bytes)
-        if more > 1:
-            buf = np.zeros(more * self.chunk_bytes, dtype=np.uint8)
-            buf[: self.chunk_bytes] = self.copier.manifest
-            self.copier.manifest = buf
-            self._load([(n + j, _MANIFEST_KEY % j) for j in range(1, more)])
-        doc = parse_manifest(self.copier.manifest)
-        self._drop_host(self._manifest_keys())
-        self.copier.manifest = np.zeros(0, dtype=np.uint8)
+        try:
+            self._load([(n, first)])
+            total = manifest_length(self.copier.manifest)
+            # the published model has this model's tensors (checked next), so its manifest is
+            # about as long as ours: far more is a damaged length, not a reason to allocate it
+            limit = 4 * len(manifest_bytes(self.plan.describe())) + self.chunk_bytes
+            if total > limit:
+                raise ValueError(f"it says {total} bytes, more than the {limit} a manifest of this model can have")
+            more = -(-total // self.chunk_bytes)
+            if more > 1:
+                buf = np.zeros(more * self.chunk_bytes, dtype=np.uint8)
+                buf[: self.chunk_bytes] = self.copier.manifest
+                self.copier.manifest = buf
+                self._load([(n + j, _MANIFEST_KEY % (d, j)) for j in range(1, more)])
+            doc = parse_manifest(self.copier.manifest)
+            if not isinstance(doc, dict):
+                raise ValueError(f"it holds a JSON {type(doc).__name__}, not an object")
+        except (ValueError, UnicodeDecodeError) as e:  # json's JSONDecodeError is a ValueError
+            raise LookupError(f"weights: the manifest of {self.identity} is damaged: {e}") from None
+        finally:
+            self._drop_host(self._manifest_keys())
+            self.copier.manifest = np.zeros(0, dtype=np.uint8)
         return doc
 
     def _drop_host(self, keys: list[bytes], release: bool = False) -> None:
