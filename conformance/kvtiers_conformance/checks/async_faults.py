@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable
 
 from kvtiers import Lookup
 
-from ..catalog import check
 from ..harness import CheckSkipped, Harness, Instance, fail, qkey
+from ..rules import check
 
 
 def async_instance(h: Harness) -> Instance:

@@ -11,8 +11,8 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 
-from ..catalog import check
 from ..harness import CheckSkipped, Harness, Instance, fail, qkey
+from ..rules import check
 from ..slotwatch import SlotWatch
 from .async_faults import async_instance, expect_failed
 from .late_writes import defines

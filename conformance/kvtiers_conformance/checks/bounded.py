@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 from kvtiers import Lookup
 
-from ..catalog import check
 from ..harness import CheckSkipped, Harness, Instance, fail, qkey
+from ..rules import check
 
 
 def _store_over_bound(t: Instance, keys: Sequence[bytes], per_job: int) -> None:

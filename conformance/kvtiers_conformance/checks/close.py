@@ -10,8 +10,8 @@ import time
 
 from kvtiers.ioloop import get_loop, is_io_thread
 
-from ..catalog import check
 from ..harness import Harness, fail
+from ..rules import check
 
 TEMP_NAME = re.compile(r"(?i)(tmp|temp|\.part(ial)?$|~$|-journal$|-wal$|-shm$|\.lock$)")
 

@@ -12,9 +12,9 @@ import time
 
 from kvtiers import Lookup
 
-from ..catalog import check
 from ..crash_child import BATCH, crash_key
 from ..harness import ConformanceFailure, Harness, child_env, fail, type_path
+from ..rules import check
 
 
 def _run_and_kill(h: Harness, prefix: bytes, delay: float) -> int:

@@ -7,8 +7,8 @@ import pathlib
 
 from kvtiers import Lookup
 
-from ..catalog import check
 from ..harness import CheckSkipped, Harness, Instance, NotCertified, fail, qkey
+from ..rules import check
 
 
 @check(2, "read_your_writes")

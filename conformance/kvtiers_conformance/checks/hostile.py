@@ -7,8 +7,8 @@ import pathlib
 
 from kvtiers import Lookup
 
-from ..catalog import check
 from ..harness import CheckSkipped, ConformanceFailure, Harness, fail
+from ..rules import check
 
 #: keys that look like paths, separators, escapes and format strings
 NASTY = [

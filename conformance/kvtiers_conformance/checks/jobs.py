@@ -8,8 +8,8 @@ import time
 
 from kvtiers import Job
 
-from ..catalog import check
 from ..harness import ConformanceFailure, Harness, fail, poison, qkey
+from ..rules import check
 
 
 @check(5, "exactly_once_64_in_flight")

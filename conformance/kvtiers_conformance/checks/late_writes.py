@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 from kvtiers import AsyncTier
 
-from ..catalog import check
 from ..harness import CheckSkipped, ConformanceFailure, Harness, Instance, fail
+from ..rules import check
 from ..slotwatch import SlotWatch
 
 #: op_timeout as fractions of the medium's latency: cut before, early in and late in a job

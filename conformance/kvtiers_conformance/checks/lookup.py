@@ -8,8 +8,8 @@ import time
 from kvtiers import Lookup
 
 from .. import audit
-from ..catalog import check
 from ..harness import Harness, fail, qkey
+from ..rules import check
 
 
 @check(1, "lookup_latency")

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from kvtiers import Lookup
 
-from ..catalog import check
 from ..harness import Harness, fail, qkey
+from ..rules import check
 
 
 @check(2, "read_your_writes_durable", "durable")

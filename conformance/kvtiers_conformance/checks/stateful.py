@@ -12,8 +12,8 @@ import os
 
 from kvtiers import Lookup
 
-from ..catalog import check
 from ..harness import ConformanceFailure, Harness, Instance, NotCertified, fail, qkey
+from ..rules import check
 
 try:
     import hypothesis
