@@ -2,29 +2,31 @@
 
 ``batch_put_from`` / ``batch_get_into`` of one key per call, on the tier's own client and its
 registered arena (the same slots, no trailer, no checks), as many calls in flight as the
-tier's ``max_concurrency``: what an engine gets calling Mooncake directly.
+tier's ``max_concurrency``: what an engine gets calling Mooncake directly. The tier hands
+over what the baseline uses (``MooncakeTier.bench_baseline``); this module does not import it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from kvtiers.types import Baseline
 
 from . import client as mc
-from .tier import MooncakeTier, address
+from .client import address
 
 RAW_PREFIX = "kvtiers-bench-raw"
 
 
-def baseline(tier: MooncakeTier, chunk_bytes: int) -> Baseline:
-    """Plain put/get of ``chunk_bytes`` from the tier's arena through its client."""
-    store = tier._store
-    config = tier._config
+def baseline(store: Any, config: Any, digest: str, concurrency: int) -> Baseline:
+    """Plain put/get through ``store`` (a tier's set-up ``MooncakeDistributedStore``, whose
+    arena is registered) with replica config ``config``, objects named under ``digest``,
+    ``concurrency`` calls in flight."""
     written: set[str] = set()
 
     def name(key: bytes) -> str:
-        return f"{RAW_PREFIX}/{tier.digest}/{key.hex()}"
+        return f"{RAW_PREFIX}/{digest}/{key.hex()}"
 
     def put(key: bytes, data: memoryview) -> None:
         n = name(key)
@@ -44,8 +46,8 @@ def baseline(tier: MooncakeTier, chunk_bytes: int) -> Baseline:
             store.batch_remove(sorted(written), True)
             written.clear()
 
-    return Baseline(name=f"raw batch_put_from/batch_get_into, 1 key per call, {tier.max_concurrency} in flight",
-                    put=put, get=get, concurrency=tier.max_concurrency, close=close)
+    return Baseline(name=f"raw batch_put_from/batch_get_into, 1 key per call, {concurrency} in flight",
+                    put=put, get=get, concurrency=concurrency, close=close)
 
 
 def loopback_tcp(chunk_bytes: int, total_bytes: int = 256 << 20) -> dict[str, float]:

@@ -3,9 +3,14 @@ naming what is missing), the return codes, and one shared client per process and
 
 An engine process has one Mooncake client: ``setup`` costs up to 0.4 s and ``close`` 1.5-2 s,
 so every tier instance of a process with the same setup options shares one
-``MooncakeDistributedStore`` (each registers its own arena). Shared clients live until the
-process exits; one that contributes a segment is closed then (so the master drops its
-objects at once instead of after ``client_ttl``).
+``MooncakeDistributedStore``. Shared clients live until the process exits; one that
+contributes a segment is closed then (so the master drops its objects at once instead of
+after ``client_ttl``).
+
+Buffers are registered once per client, refcounted (:meth:`SharedClient.register`): Mooncake's
+transfer engine refuses a region that overlaps one it holds (``register_buffer`` -600,
+"does not support overlapped memory region"), and two tier instances over one arena (two
+namespaces, or a test and a prod instance, on one pool) register the same region.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvtiers import TierError
 
 # Mooncake's return codes (ErrorCode in its client), those this tier acts on
@@ -24,11 +31,12 @@ NO_AVAILABLE_HANDLE = -200  # the pool is full: the master's asynchronous evicti
 INVALID_PARAMS = -600  # empty key or value, a buffer of the wrong size
 OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706  # a remove within default_kv_lease_ttl of a put or get
+LEASE_EXPIRED = -707  # a get whose lease ran out before its transfer ended: its bytes cannot be trusted
 TRANSFER_FAIL = -800  # e.g. the segment holding the object died (until client_ttl passes)
 RPC_FAIL = -900  # the master is unreachable
 CODE_NAMES = {
     NO_AVAILABLE_HANDLE: "NO_AVAILABLE_HANDLE", INVALID_PARAMS: "INVALID_PARAMS",
-    OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND", OBJECT_HAS_LEASE: "OBJECT_HAS_LEASE",
+    OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND", OBJECT_HAS_LEASE: "OBJECT_HAS_LEASE", LEASE_EXPIRED: "LEASE_EXPIRED",
     TRANSFER_FAIL: "TRANSFER_FAIL", RPC_FAIL: "RPC_FAIL",
 }  # fmt: skip
 
@@ -85,24 +93,53 @@ class Setup:
     local_buffer_size: int = 16 << 20
 
 
+def address(buf: Any) -> int:
+    """The address of the first byte of a writable buffer (no reference kept)."""
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
 class SharedClient:
-    """One set-up ``MooncakeDistributedStore`` and the tier instances using it."""
+    """One set-up ``MooncakeDistributedStore``, the tier instances using it, and the buffers
+    registered with it (one registration per region, shared by every user of the region)."""
 
     def __init__(self, setup: Setup, store: Any) -> None:
         self.setup = setup
         self.store = store
         self.users = 0
-        self.lock = threading.Lock()  # register_buffer / unregister_buffer
+        self.lock = threading.Lock()  # register_buffer / unregister_buffer and the regions
+        self.regions: dict[int, list[int]] = {}  # start address -> [size, users]
 
-    def register(self, addr: int, size: int, what: str) -> None:
+    def register(self, addr: int, size: int, what: str) -> int:
+        """Make ``[addr, addr + size)`` usable for transfers. A region registered already that
+        holds it (the same arena, opened by another tier instance) gets one more user instead
+        of a second ``register_buffer``, which Mooncake refuses. Returns the registration (the
+        start of the region counted) to give :meth:`unregister`."""
         with self.lock:
+            for start, region in self.regions.items():
+                if start <= addr and addr + size <= start + region[0]:
+                    region[1] += 1
+                    return start
             rc = self.store.register_buffer(addr, size)
-        if rc != 0:
-            raise TierError(f"tier 'mooncake': register_buffer of {what} ({size} bytes) failed: {code_name(rc)}")
+            if rc == 0:
+                self.regions[addr] = [size, 1]
+                return addr
+            overlap = [f"{start:#x}+{r[0]}" for start, r in self.regions.items()
+                       if start < addr + size and addr < start + r[0]]
+        why = f" (it overlaps registered region(s) {', '.join(overlap)} without lying inside one)" if overlap else ""
+        raise TierError(f"tier 'mooncake': register_buffer of {what} ({size} bytes at {addr:#x}) failed: "
+                        f"{code_name(rc)}{why}")
 
-    def unregister(self, addr: int) -> None:
+    def unregister(self, registration: int) -> None:
+        """One user fewer of the region :meth:`register` returned; the last one unregisters it."""
         with self.lock:
-            self.store.unregister_buffer(addr)
+            region = self.regions.get(registration)
+            if region is None:
+                return
+            region[1] -= 1
+            if region[1] > 0:
+                return
+            del self.regions[registration]
+            self.store.unregister_buffer(registration)
 
 
 _clients: dict[Setup, SharedClient] = {}
@@ -135,17 +172,17 @@ def acquire(setup: Setup) -> SharedClient:
 CONNECT_TIMEOUT_S = 3.0
 
 
-def _check_reachable(address: str) -> None:
+def _check_reachable(master: str) -> None:
     """A :class:`TierError` at once if nothing listens at the master's address (Mooncake's own
     setup retries for about 90 s before it gives up)."""
     import socket
 
-    host, _, port = address.rpartition(":")
+    host, _, port = master.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), CONNECT_TIMEOUT_S).close()
     except (OSError, ValueError) as e:
         raise TierError(
-            f"tier 'mooncake': no mooncake_master answers at {address} ({e}); start one "
+            f"tier 'mooncake': no mooncake_master answers at {master} ({e}); start one "
             "(kvtiers mooncake master, or mooncake_master --rpc_port=...) or fix master_server_address"
         ) from None
 
@@ -161,12 +198,10 @@ def _warm_up(client: SharedClient) -> None:
     import mmap
     from concurrent.futures import ThreadPoolExecutor
 
-    import numpy as np
-
     page = mmap.PAGESIZE
     mem = mmap.mmap(-1, page * WARM_PARALLEL)
     view = memoryview(mem)
-    base = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    base = address(view)
     store = client.store
     tag = f"kvtiers-warmup/{os.getpid()}-{os.urandom(6).hex()}"
 
@@ -179,12 +214,12 @@ def _warm_up(client: SharedClient) -> None:
             store.batch_remove([name], True)
 
     try:
-        client.register(base, len(mem), "a warm-up buffer")
+        reg = client.register(base, len(mem), "a warm-up buffer")
         try:
             with ThreadPoolExecutor(WARM_PARALLEL, thread_name_prefix="kvtiers-mooncake-warmup") as pool:
                 list(pool.map(one, range(WARM_PARALLEL)))
         finally:
-            client.unregister(base)
+            client.unregister(reg)
     except TierError:
         pass
     finally:

@@ -2,7 +2,8 @@
 
 :func:`start_test_pool` starts a real ``mooncake_master`` on loopback and a ``serve`` process
 contributing memory to it, with the short ``client_ttl`` and lease that make failure tests
-fast; :func:`shared_test_pool` keeps one per process (``conformance_config`` uses it).
+fast; :func:`shared_test_pool` keeps one per process (``conformance_config`` uses it, so
+``kvtiers conformance mooncake`` and ``kvtiers bench tier mooncake`` run without a config).
 :func:`corrupt` damages a stored object in place for rule 4.
 """
 
@@ -18,6 +19,12 @@ from .serve import ServeProcess, start_serve
 
 TEST_CLIENT_TTL = 2  # seconds: a dead client's objects leave the pool this soon
 TEST_LEASE_MS = 1000  # default_kv_lease_ttl: removes are refused this long after a put or get
+# The shared pool's segment: room for a round of ``kvtiers bench tier``'s defaults (256 MiB
+# stored through the tier, then as much through the raw baseline, before either is loaded)
+# twice over, so the master, evicting the oldest objects as rounds follow each other, never
+# has to evict the round being measured. A segment's pages are only touched as objects are
+# written: tests that store little use little.
+SHARED_SEGMENT = 1 << 30
 
 
 @dataclass
@@ -68,7 +75,7 @@ def shared_test_pool() -> TestPool:
             _shared.stop()
             _shared = None
         if _shared is None:
-            _shared = start_test_pool()
+            _shared = start_test_pool(SHARED_SEGMENT)
         return _shared
 
 
@@ -76,7 +83,7 @@ def corrupt(config: dict, name: str, timeout: float = 30.0) -> None:
     """Rewrite object ``name`` with three payload bytes flipped, same length, trailer kept, on
     the pool of ``config`` (an instance's options). Raises if the object is not there."""
     from . import client as mc
-    from .tier import address
+    from .client import address
 
     setup = mc.Setup(**{f: config[f] for f in mc.Setup.__dataclass_fields__ if f in config})
     client = mc.acquire(setup)
@@ -88,7 +95,7 @@ def corrupt(config: dict, name: str, timeout: float = 30.0) -> None:
         mem = mmap.mmap(-1, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
         view = memoryview(mem)
         addr = address(view)
-        client.register(addr, len(mem), "a scratch buffer")
+        reg = client.register(addr, len(mem), "a scratch buffer")
         try:
             rc = store.get_into(name, addr, size)
             if rc != size:
@@ -109,7 +116,7 @@ def corrupt(config: dict, name: str, timeout: float = 30.0) -> None:
                     raise ValueError(f"rewriting mooncake object {name!r} failed: {mc.code_name(rc)}")
                 time.sleep(0.1)
         finally:
-            client.unregister(addr)
+            client.unregister(reg)
             view.release()
             mem.close()
     finally:

@@ -31,13 +31,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-import numpy as np
-
 from kvtiers import AsyncTier, ConfigError, hookimpl
 from kvtiers.types import Namespace, TierContext, check_keys
 
 from . import client as mc
 from . import layout
+from .client import address
 
 log = logging.getLogger("kvtiers.mooncake")
 
@@ -46,11 +45,6 @@ SUSPECT_S = 2.0  # a key whose transfer failed (-800) answers MISS this long
 WATCH_MAX_KEYS = 1 << 20  # keys whose presence the watcher follows (the oldest drop out)
 MARKS_MAX = 1 << 16  # keys remembered as another size's or as suspect (-800); then forgotten
 LEASE_GIVE_UP_S = 30.0  # a remove refused for a lease (-706) is retried this long, then forced
-
-
-def address(buf: Any) -> int:
-    """The address of the first byte of a writable buffer (no reference kept)."""
-    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
 
 class _Cells:
@@ -163,13 +157,11 @@ class MooncakeTier(AsyncTier):
         self._cells: _Cells | None = None
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="kvtiers-mooncake")
         self._probe_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtiers-mooncake-probe")
-        self._registered: list[int] = []
+        self._registered: list[int] = []  # registrations (shared with other instances over the same arena)
         try:
-            self._client.register(self._addr, len(self._buf), "the arena")
-            self._registered.append(self._addr)
+            self._registered.append(self._client.register(self._addr, len(self._buf), "the arena"))
             self._cells = _Cells(2 * len(ctx.arena) + 64)
-            self._client.register(self._cells.addr, self._cells.size, "the trailer cells")
-            self._registered.append(self._cells.addr)
+            self._registered.append(self._client.register(self._cells.addr, self._cells.size, "the trailer cells"))
         except BaseException:
             self._teardown()
             raise
@@ -197,9 +189,10 @@ class MooncakeTier(AsyncTier):
 
     @classmethod
     def conformance_config(cls, scratch) -> dict:
-        """A master and a ``serve`` process holding 512 MiB, started once per process (killed
-        when it exits); instances contribute no memory of their own, so ``durable`` checks a
-        new instance against what the serve process holds."""
+        """A master and a ``serve`` process holding 1 GiB (sized for a round of ``kvtiers bench
+        tier``'s defaults, :data:`kvtiers_mooncake.pool.SHARED_SEGMENT`), started once per
+        process (killed when it exits); instances contribute no memory of their own, so
+        ``durable`` checks a new instance against what the serve process holds."""
         from .pool import shared_test_pool
 
         pool = shared_test_pool()
@@ -220,7 +213,7 @@ class MooncakeTier(AsyncTier):
         and registered arena, as many in flight as its ``max_concurrency``."""
         from .bench import baseline
 
-        return baseline(tier, chunk_bytes)
+        return baseline(tier._store, tier._config, tier.digest, tier.max_concurrency)
 
     # -- threads ---------------------------------------------------------------------------
     async def _in_thread(self, fn: Callable[..., Any], *args: Any, pool: ThreadPoolExecutor | None = None) -> Any:
@@ -365,7 +358,7 @@ class MooncakeTier(AsyncTier):
     async def get_many_into(self, items: Sequence[tuple[bytes, memoryview]]) -> dict[bytes, Any] | None:
         cells = self._cells.take(len(items))
         try:
-            bad, gone, corrupt = await self._in_thread(self._get_batch, items, cells)
+            bad, gone, corrupt = await self._in_thread(self._get_batch, items, cells, self._budget_end())
         finally:
             self._cells.give(cells)
         if gone:
@@ -379,14 +372,13 @@ class MooncakeTier(AsyncTier):
         return bad or None
 
     def _get_batch(self, stop: threading.Event, items: Sequence[tuple[bytes, memoryview]],
-                   cells: list[int]) -> tuple[dict[bytes, Any], list[bytes], list[bytes]]:
+                   cells: list[int], until: float) -> tuple[dict[bytes, Any], list[bytes], list[bytes]]:
         """(thread) Load every item and check its trailer. Returns the failed keys with their
         reasons, the keys the pool lost (known here, now not found) and the corrupt ones."""
-        store, cl, n = self._store, self._cells, self.slot_bytes
+        cl = self._cells
         names = [layout.object_name(self.digest, k) for k, _ in items]
-        rcs = store.batch_get_into_multi_buffers(
-            names, [[address(v), cl.addr + c * layout.TRAILER_BYTES] for (_, v), c in zip(items, cells, strict=True)],
-            [[n, layout.TRAILER_BYTES]] * len(items))
+        ptrs = [[address(v), cl.addr + c * layout.TRAILER_BYTES] for (_, v), c in zip(items, cells, strict=True)]
+        rcs = self._get_with_leases(stop, names, ptrs, until)
         bad: dict[bytes, Any] = {}
         gone, corrupt = [], []
         with self._lock:
@@ -412,6 +404,28 @@ class MooncakeTier(AsyncTier):
                 continue
             bad[key] = self._why_not(key, name, rc)
         return bad, gone, corrupt
+
+    def _get_with_leases(self, stop: threading.Event, names: list[str], ptrs: list[list[int]],
+                         until: float) -> list[int]:
+        """(thread) ``batch_get_into_multi_buffers`` of every object, and again, in batches half
+        as big each time (down to one key), of those whose lease ran out before their transfer
+        ended (-707: a batch that takes longer than the master's ``default_kv_lease_ttl``, e.g.
+        64 MiB on a slow link; its bytes cannot be trusted, the object may be there still),
+        until none is left or the job's budget ends. Returns the last code per object."""
+        store, sizes = self._store, [self.slot_bytes, layout.TRAILER_BYTES]
+        rcs = list(store.batch_get_into_multi_buffers(names, ptrs, [sizes] * len(names)))
+        todo = [i for i, rc in enumerate(rcs) if rc == mc.LEASE_EXPIRED]
+        step = len(todo)
+        while todo and not stop.is_set() and time.monotonic() < until:
+            step = max(1, step // 2)
+            for a in range(0, len(todo), step):
+                part = todo[a:a + step]
+                got = store.batch_get_into_multi_buffers([names[i] for i in part], [ptrs[i] for i in part],
+                                                         [sizes] * len(part))
+                for i, rc in zip(part, got, strict=True):
+                    rcs[i] = rc
+            todo = [i for i in todo if rcs[i] == mc.LEASE_EXPIRED]
+        return rcs
 
     def _why_not(self, key: bytes, name: str, rc: int) -> str:
         """(thread) The reason for a load that did not return the object: another size (a
@@ -548,8 +562,8 @@ class MooncakeTier(AsyncTier):
     def _teardown(self) -> None:
         self._pool.shutdown(wait=True)
         self._probe_pool.shutdown(wait=True)
-        for addr in self._registered:
-            self._client.unregister(addr)
+        for reg in self._registered:
+            self._client.unregister(reg)
         self._registered.clear()
         if self._cells is not None:
             self._cells.close()
