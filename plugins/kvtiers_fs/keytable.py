@@ -67,6 +67,25 @@ def _home(fps: np.ndarray, cap: int) -> np.ndarray:
     return (((fps & np.uint64(0xFFFFFFFF)) * np.uint64(cap)) >> np.uint64(32)).astype(np.int64)
 
 
+def _check_placement(fpa: np.ndarray) -> None:
+    """Raise ``ValueError`` unless every key of ``fpa`` (which has an empty slot) is where a
+    probe finds it: no empty slot between its home and it, and no fingerprint twice. A few
+    vectorised passes (a probe of every key would take seconds at 10M keys)."""
+    cap = len(fpa)
+    slot = np.arange(cap)
+    last_empty = np.where(fpa == EMPTY, slot, -1)  # the last empty slot at or before each slot
+    np.maximum.accumulate(last_empty, out=last_empty)
+    last_empty[last_empty < 0] = last_empty[-1] - cap  # before the first: the table's last one, a lap back
+    live = np.flatnonzero(fpa > TOMB)
+    fps = fpa[live]
+    # the slots from the last empty one up to a key's slot: its home must be among them
+    if ((live - _home(fps, cap)) % cap >= live - last_empty[live]).any():
+        raise ValueError("keys out of their probe sequence")
+    fps.sort()
+    if (fps[1:] == fps[:-1]).any():
+        raise ValueError("a fingerprint stored twice")
+
+
 class KeyTable:
     """``fingerprint -> clock`` in two numpy arrays (see the module docstring)."""
 
@@ -82,11 +101,23 @@ class KeyTable:
 
     @classmethod
     def from_arrays(cls, fp: np.ndarray, clock: np.ndarray) -> KeyTable:
-        """A table over arrays saved with :attr:`arrays` (a snapshot)."""
+        """A table over arrays saved with :attr:`arrays` (a snapshot). Raises ``ValueError``
+        for arrays that no table of this class holds (a crafted or damaged snapshot): more
+        than three quarters of the slots used (every probe relies on a free slot to stop),
+        a clock that is not finite (NaN is neither old nor new: never counted or evicted), or
+        a key its probe sequence cannot reach, or reaches twice (it would count against
+        ``max_bytes`` but could never be found, so never evicted)."""
+        if fp.ndim != 1 or fp.shape != clock.shape or not len(fp):
+            raise ValueError(f"arrays of {fp.shape} fingerprints and {clock.shape} clocks")
         t = cls.__new__(cls)
         t._set_arrays(fp, clock)
         t.live = int(np.count_nonzero(fp > TOMB))
         t.tombs = int(np.count_nonzero(fp == TOMB))
+        if t.live + t.tombs > _MAX_LOAD * t.cap:
+            raise ValueError(f"{t.live + t.tombs} of {t.cap} slots used: no free slot kept")
+        if not np.isfinite(clock).all():
+            raise ValueError("clocks that are not finite (NaN or infinity)")
+        _check_placement(fp)
         return t
 
     @property
@@ -138,15 +169,17 @@ class KeyTable:
 
     @staticmethod
     def _probe(fpa: np.ndarray, fp: int, i: int) -> int:
-        """The slot of ``fp`` by its probe sequence from slot ``i``, -1 if absent."""
+        """The slot of ``fp`` by its probe sequence from slot ``i``, -1 if absent. At most
+        one lap of the table, even one with no free slot (which no writer makes)."""
         cap = len(fpa)
-        while True:
+        for _ in range(cap):
             cur = int(fpa[i])
             if cur == fp:
                 return i
             if cur == EMPTY:
                 return -1
             i = i + 1 if i + 1 < cap else 0
+        return -1
 
     def slot(self, fp: int) -> int:
         """The slot of one fingerprint, -1 if absent."""
@@ -170,8 +203,12 @@ class KeyTable:
         fpa = self.fp
         cap = self.cap
         i = ((fp & 0xFFFFFFFF) * cap) >> 32
-        while int(fpa[i]) > TOMB:
+        for _ in range(cap):  # _reserve kept a free slot: at most one lap
+            if int(fpa[i]) <= TOMB:
+                break
             i = i + 1 if i + 1 < cap else 0
+        else:
+            raise RuntimeError(f"key table of {cap} slots has no free slot")
         if int(fpa[i]) == TOMB:
             self.tombs -= 1
         self.clock[i] = clock  # the clock before the fingerprint: a reader never sees a stale clock
@@ -205,7 +242,9 @@ class KeyTable:
         self._reserve(len(fps))
         fpa, cla, cap = self.fp, self.clock, self.cap
         pos = _home(fps, cap)
-        while len(fps):
+        for _ in range(cap + 1):  # _reserve kept a free slot for each: each is placed within a lap
+            if not len(fps):
+                break
             free = fpa[pos] <= TOMB
             if free.any():
                 cand = np.flatnonzero(free)
@@ -221,6 +260,8 @@ class KeyTable:
                 fps, clocks, pos = fps[keep], clocks[keep], pos[keep]
             pos = pos + 1
             pos[pos == cap] = 0
+        if len(fps):
+            raise RuntimeError(f"key table of {cap} slots has no free slot for {len(fps)} keys")
 
     def remove_slots(self, slots: np.ndarray) -> None:
         """Forget the keys at ``slots`` (from :meth:`find`; -1 entries ignored)."""

@@ -344,29 +344,53 @@ class FsTier:
     def _make_room(self) -> None:
         """Evict least recently used chunks until the view is within ``max_bytes``. The
         index knows keys by fingerprint: the victims' names come from listing their
-        directories (one listing per directory, a cost that grows with the evictions)."""
-        fb = self.file_bytes
+        directories (one listing per directory, a cost that grows with the evictions).
+        Keys whose fingerprints collide are one entry: their files are kept or deleted
+        together, each deletion reported. Never raises: a store that called it still
+        finishes and releases its reservation."""
         removed: list[tuple[float, bytes]] = []
-        with self._evicting:
-            for _ in range(64):
-                excess = self.index.excess(self.max_bytes)
-                if excess <= 0:
-                    break
-                victims = self.index.victims(-(-excess // fb))
-                if not victims:
-                    break
-                by_dir: dict[int, dict[int, float]] = {}
-                for fp, clock in victims:
-                    by_dir.setdefault(dir_of(fp), {})[fp] = clock
-                for d, wanted in by_dir.items():
-                    found = self.walker.find_in_dir(d, wanted)
-                    for fp, key, path, mtime in found:
-                        clock = wanted.pop(fp)
-                        if mtime > clock + 0.05:  # used by another instance since: not old after all
-                            self.index.refresh(fp, clock, mtime)
-                            continue
-                        if not self.index.evicted(fp, clock, key):
-                            continue  # used, read or stored here meanwhile
+        try:
+            with self._evicting:
+                self._evict(removed)
+        except Exception:
+            log.exception("fs tier: eviction under %s failed", self.nsdir)
+        if removed:
+            keys = [k for _, k in sorted(removed)]  # reported least recently used first
+            # a store of the same key may have found the old file and re-added it meanwhile
+            for k in keys:
+                if k in self.index and not os.path.exists(self.path(k)):
+                    self.index.drop(k)
+            self.ctx.removed(keys, "evicted")
+
+    def _evict(self, removed: list[tuple[float, bytes]]) -> None:
+        """:meth:`_make_room`'s passes (under ``_evicting``); adds ``(clock, key)`` to
+        ``removed`` for each file deleted."""
+        fb = self.file_bytes
+        for _ in range(64):
+            excess = self.index.excess(self.max_bytes)
+            if excess <= 0:
+                break
+            victims = self.index.victims(-(-excess // fb))
+            if not victims:
+                break
+            by_dir: dict[int, dict[int, float]] = {}
+            for fp, clock in victims:
+                by_dir.setdefault(dir_of(fp), {})[fp] = clock
+            for d, wanted in by_dir.items():
+                files: dict[int, list[tuple[bytes, str, float]]] = {}
+                for fp, key, path, mtime in self.walker.find_in_dir(d, wanted):
+                    files.setdefault(fp, []).append((key, path, mtime))
+                for fp, same in files.items():  # (more than one: keys whose fingerprints collide)
+                    clock = wanted.pop(fp)
+                    newest = max(mtime for _, _, mtime in same)
+                    if newest > clock + 0.05:  # used by another instance since: not old after all
+                        self.index.refresh(fp, clock, newest)
+                        continue
+                    if not self.index.evicted(fp, clock, same[0][0]):
+                        continue  # used, read or stored here meanwhile
+                    for key, _, _ in same[1:]:
+                        self.index.drop(key)  # (its entry went with the first: forget the key itself)
+                    for key, path, _ in same:
                         try:
                             os.unlink(path)
                         except FileNotFoundError:
@@ -375,15 +399,8 @@ class FsTier:
                             log.warning("fs tier: could not remove %s: %s", path, e)
                             continue
                         removed.append((clock, key))
-                    for fp, clock in wanted.items():  # not there any more: removed by someone else
-                        self.index.forget(fp, clock)
-        if removed:
-            keys = [k for _, k in sorted(removed)]  # reported least recently used first
-            # a store of the same key may have found the old file and re-added it meanwhile
-            for k in keys:
-                if k in self.index and not os.path.exists(self.path(k)):
-                    self.index.drop(k)
-            self.ctx.removed(keys, "evicted")
+                for fp, clock in wanted.items():  # not there any more: removed by someone else
+                    self.index.forget(fp, clock)
 
     # -- hooks -------------------------------------------------------------------------------
     @hookimpl
@@ -670,8 +687,8 @@ class FsTier:
                 self._key_done(js, key, 0, f"{key.hex()}: not loaded, file left alone: {e}")
                 return
             except Corrupt as e:
-                self._discard_corrupt(path, fd, key)
-                self._key_done(js, key, 0, f"{key.hex()}: corrupt chunk removed: {e}")
+                what = self._discard_corrupt(path, fd, key, str(e))
+                self._key_done(js, key, 0, f"{key.hex()}: corrupt chunk {what}: {e}")
                 return
             except OSError as e:
                 self._key_done(js, key, 0, f"{key.hex()}: read: {_oserror(e)}")
@@ -720,16 +737,30 @@ class FsTier:
         if layout.data_digest(data) != digest:
             raise Corrupt("checksum mismatch")
 
-    def _discard_corrupt(self, path: str, fd: int, key: bytes) -> None:
-        if self._no_write is None:
+    def _discard_corrupt(self, path: str, fd: int, key: bytes, why: str) -> str:
+        """Delete corrupt chunk ``path`` (open as ``fd``) if it is still the file that was
+        read, and say what happened. Only a file that really went is reported removed
+        (``ctx.removed``, ``"corrupt"``); one that stays (a read-only root, an unlink that
+        failed) is logged as left in place, and its key is forgotten like a probed miss (a
+        later probe may find it again; each load of it fails, never with wrong bytes)."""
+        kept = self._no_write
+        if kept is None:
             try:  # only the file we read: another instance may have published a good copy since
-                if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                    os.unlink(path)
-            except OSError:
-                pass
+                if os.stat(path).st_ino != os.fstat(fd).st_ino:
+                    log.info("fs tier: corrupt chunk %s was replaced meanwhile; the new file is kept", path)
+                    return "replaced meanwhile"
+                os.unlink(path)
+            except FileNotFoundError:
+                pass  # removed by someone else: gone all the same
+            except OSError as e:
+                kept = f"could not remove it: {_oserror(e)}"
         self.index.drop(key)
-        log.warning("fs tier: removed corrupt chunk %s", path)
+        if kept is not None:
+            log.warning("fs tier: corrupt chunk %s left in place (%s): %s", path, kept, why)
+            return f"left in place ({kept})"
+        log.warning("fs tier: removed corrupt chunk %s: %s", path, why)
         self.ctx.removed([key], "corrupt")
+        return "removed"
 
 
 def _other_geometry(size: int) -> bool:
