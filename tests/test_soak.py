@@ -99,6 +99,34 @@ def test_memory_one_process_and_the_table(tmp_path):
     assert any(ln.startswith("RSS MiB ") for ln in lines)
 
 
+def test_sigterm_ends_the_soak_and_its_processes_cleanly(tmp_path):
+    """Stopped in its first interval, the soak's processes finish their step and close the
+    tier: none is left running, and no temporary file of a store is left behind."""
+    import psutil
+
+    root = tmp_path / "kv"
+    env = dict(os.environ)
+    proc = subprocess.Popen([sys.executable, "-m", "kvtiers.commands", "bench", "tier", "fs", "--config",
+                             json.dumps({"root_dir": str(root)}), "--soak", "120s", "--interval", "2s",
+                             "--processes", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stdout:
+            if line.lstrip()[:1].isdigit():  # the first row: both processes are storing
+                break
+        children = psutil.Process(proc.pid).children()
+        assert len(children) == 2
+        proc.terminate()
+        assert proc.wait(60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive
+    assert list(root.rglob("*.tmp")) == []
+    assert list(root.rglob("*.bin"))  # it did store
+
+
 def test_wrong_bytes_fail_the_soak():
     r = kvtiers("bench", "tier", "broken_tiers:BitFlipTier", "--soak", "3s", "--interval", "1s",
                 "--chunk-bytes", "8K")

@@ -23,6 +23,7 @@ import os
 import queue
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -113,8 +114,17 @@ class _Worker:
         return " | ".join(text[-3:])
 
     def stop(self) -> None:
+        """End the process if it still runs: SIGTERM (it closes its tier), SIGKILL after 20 s."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            try:
+                self.proc.stdin.close()  # one still waiting for its start reads the end of input
+            except OSError:
+                pass
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
         self.proc.wait()
         self.stderr.close()
 
@@ -168,10 +178,18 @@ def run_soak(tier_type: str, options: dict[str, Any] | None, *, duration: float,
     return report
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def _run_workers(spec: dict[str, Any], processes: int, n: int, interval: float, report: dict[str, Any],
-           on_row: Callable[[dict[str, Any]], None] | None) -> None:
+                 on_row: Callable[[dict[str, Any]], None] | None) -> None:
+    """Start the processes, add up their rows as they come, stop them whatever happens (a
+    SIGTERM of this process too: they close their tiers)."""
     lines: queue.Queue = queue.Queue()
     workers: list[_Worker] = []
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _terminated) if main else None
     try:
         for i in range(processes):
             workers.append(_Worker(i, spec, lines))
@@ -208,6 +226,8 @@ def _run_workers(spec: dict[str, Any], processes: int, n: int, interval: float, 
     finally:
         for w in workers:
             w.stop()
+        if main:
+            signal.signal(signal.SIGTERM, old)
 
 
 def _next(lines: queue.Queue, timeout: float, workers: list[_Worker], what: str,

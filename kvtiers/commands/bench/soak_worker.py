@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import sys
 import threading
@@ -176,7 +177,10 @@ class Soaker:
         start = time.monotonic() + max(0.0, start_epoch - time.time())
         time.sleep(max(0.0, start - time.monotonic()))
         i, last = 0, start
+        parent = os.getppid()
         while i < n:
+            if _STOP.is_set() or os.getppid() != parent:  # asked to stop, or the soak's parent is gone
+                raise KeyboardInterrupt
             self.step()
             now = time.monotonic()
             if now >= start + (i + 1) * interval:
@@ -192,8 +196,19 @@ class Soaker:
         return time.perf_counter() - t0
 
 
+_STOP = threading.Event()  # set by SIGTERM or SIGINT: the soak ends after the step in progress
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    _STOP.set()
+
+
 def main() -> int:
-    """The worker's entry point: spec on stdin, JSON lines on stdout."""
+    """The worker's entry point: spec on stdin, JSON lines on stdout. SIGTERM or SIGINT (or
+    the death of the parent) ends the soak after the step in progress, closing the tier
+    (exit status 130)."""
+    signal.signal(signal.SIGTERM, _interrupted)
+    signal.signal(signal.SIGINT, _interrupted)
     spec = json.loads(sys.stdin.readline())
     try:
         soaker = Soaker(spec)
@@ -206,6 +221,9 @@ def main() -> int:
         if not line:
             return 1
         soaker.run(float(json.loads(line)["start"]))
+    except KeyboardInterrupt:
+        soaker.close()
+        return 130
     except Exception as e:
         _emit({"error": f"{type(e).__name__}: {e}"})
         soaker.close()
