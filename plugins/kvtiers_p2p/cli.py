@@ -43,7 +43,7 @@ def p2p() -> None:
 @click.option("--max-sessions-per-peer", type=click.IntRange(1), default=32, show_default=True,
               help="Sessions of one peer at once (its address; its client key with CurveZMQ).")
 @click.option("--max-pending-per-peer", type=click.IntRange(1), default=16, show_default=True,
-              help="Connections without a session from one address at once; one more is closed at once.")
+              help="Connections that have not said HELLO from one address at once; one more is closed at once.")
 @click.option("--stall-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
               help="Seconds a client may read nothing while replies wait for it before it is disconnected.")
 @click.option("--curve-secret", type=click.Path(dir_okay=False), help="The server's secret key file (CurveZMQ).")

@@ -69,7 +69,7 @@ class ServerLimits:
     max_namespaces: int = 64  #: namespaces at once; a HELLO for one more is refused with ``full``
     max_chunk_sizes: int = 8  #: distinct chunk sizes at once; a HELLO for one more is refused with ``full``
     max_sessions_per_peer: int = 32  #: sessions of one peer (address; CurveZMQ key with CurveZMQ) at once
-    max_pending_per_peer: int = 16  #: connections without a session from one address at once
+    max_pending_per_peer: int = 16  #: connections that have not said HELLO from one address at once
 
 
 @dataclass
