@@ -11,6 +11,10 @@ the CPU primary tier in the shared offload region, the secondary tiers: any kvti
 the worker is vLLM's own. On vLLM's CPU platform, where vLLM refuses to offload, the worker is
 :class:`~.cpu_worker.KvtiersCPUWorker`: the same rows of the same region, filled and read by
 kvtiers' DMA engine. See docs/vllm.md.
+
+On every platform it also sees that vLLM's offload region in ``/dev/shm`` outlives no engine
+(see :mod:`.shm_region`): it removes regions no live process holds when it starts, and unlinks
+its own once the scheduler and the workers have mapped it.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ import logging
 from typing import Any
 
 from vllm.platforms import current_platform
-from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingWorker
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from .cpu_worker import KvtiersCPUWorker
+from .shm_region import sweep_stale_regions, unlink_when_mapped, watch_region
 
 log = logging.getLogger("kvtiers.integrations.vllm")
 
@@ -35,6 +40,24 @@ def vllm_offloads_here() -> bool:
 
 class KvtiersOffloadingSpec(TieringOffloadingSpec):
     """``TieringOffloadingSpec`` that also offloads on vLLM's CPU platform (see the module)."""
+
+    def get_manager(self) -> OffloadingManager:
+        """vLLM's tiering manager; the offload region is swept for stale files before it is
+        made and unlinked once it is mapped (vLLM builds the workers' side first)."""
+        if getattr(self, "_manager", None) is None:
+            try:
+                sweep_stale_regions()
+            except Exception as e:  # a sweep must never stop an engine
+                log.warning("kvtiers: sweeping stale offload regions failed: %s", e)
+            manager = super().get_manager()
+            region = getattr(self, "_scheduler_mmap", None)
+            if region is not None:
+                try:
+                    unlink_when_mapped(region, self.config.parallel.world_size + 1)
+                except Exception as e:
+                    log.warning("kvtiers: could not unlink the offload region early: %s", e)
+            return manager
+        return super().get_manager()
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if vllm_offloads_here():
@@ -64,6 +87,7 @@ class KvtiersOffloadingSpec(TieringOffloadingSpec):
         except Exception:
             region.cleanup()
             raise
+        watch_region(region)
         log.info("KvtiersOffloadingSpec: vLLM offloads only on GPUs here (%s); kvtiers' CPU worker copies "
                  "%d chunks of %d blocks", type(current_platform).__name__, self.num_chunks, self.blocks_per_chunk)
         return worker

@@ -1,0 +1,126 @@
+"""No vLLM offload region is left in /dev/shm, however the engine stops.
+
+Real processes with vLLM 0.33's own ``SharedOffloadRegion`` and tiering manager, and
+``KvtiersOffloadingSpec`` with kvtiers' CPU worker, in the order vLLM's engine process builds
+them (the worker's side first, then the scheduler's): killed with SIGKILL, nothing is left;
+regions of engines killed earlier are swept at the next start, regions in use are not.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is installed by `make test`")
+
+from kvtiers.integrations.vllm.shm_region import sweep_stale_regions  # noqa: E402
+
+ENGINE = r'''
+import sys, time, uuid
+import torch
+from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
+                                       OffloadingModelConfig, OffloadingParallelConfig)
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from kvtiers.integrations.vllm import KvtiersOffloadingSpec
+
+engine_id, what = sys.argv[1], sys.argv[2]
+PAGE, LAYERS, BPC = 1024, 3, 2
+par = OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                               data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                               is_parallelism_agnostic=True)
+cfg = OffloadingConfig(
+    groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=tuple(f"l{i}" for i in range(LAYERS)), group_id=0),),
+    worker_kv_bytes_per_block=LAYERS * PAGE, enable_kv_cache_events=False,
+    extra_config={"cpu_bytes_to_use": 8 * 8192, "secondary_tiers": []}, engine_id=engine_id,
+    model=OffloadingModelConfig(name="m", dtype="bfloat16"), cache=OffloadingCacheConfig(16, BPC), parallel=par)
+if what == "region":  # a worker's side only, as when an engine dies before its scheduler starts
+    region = SharedOffloadRegion(engine_id=engine_id, num_chunks=8, rank=0, kv_bytes_per_chunk=8192,
+                                 cpu_page_size=LAYERS * BPC * PAGE)
+else:  # the worker's side (kvtiers' CPU worker), then the scheduler's: what vLLM's engine process does
+    kv = [torch.zeros((16, PAGE), dtype=torch.int8) for _ in range(LAYERS)]
+    caches = CanonicalKVCaches([CanonicalKVCacheTensor(t, PAGE) for t in kv],
+                               [[CanonicalKVCacheRef(i, PAGE) for i in range(LAYERS)]])
+    worker = KvtiersOffloadingSpec(cfg).get_worker(caches)
+    manager = KvtiersOffloadingSpec(cfg).get_manager()
+    rows = manager.primary_tier.get_kv_memoryview().cast("B")
+    worker._flat[3 * 8192:3 * 8192 + 5] = b"hello"  # the worker's mapping and the scheduler's are one memory still
+    assert bytes(rows[3 * 8192:3 * 8192 + 5]) == b"hello"
+print("ready", flush=True)
+if what == "exit":
+    del rows
+    manager.shutdown()
+    worker.shutdown()
+    sys.exit(0)
+time.sleep(300)
+'''
+
+
+def leftovers(engine_id: str) -> list[str]:
+    return sorted(str(p) for p in Path("/dev/shm").glob(f"vllm_offload_{engine_id}.mmap*"))
+
+
+def start(*jobs: tuple[str, str]) -> list[subprocess.Popen]:
+    """One process per ``(engine id, what)``, started together (each imports vLLM: slow here),
+    once each has said it is ready."""
+    procs = [subprocess.Popen([sys.executable, "-c", ENGINE, eid, what], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for eid, what in jobs]
+    for proc in procs:
+        if proc.stdout.readline().strip() != "ready":
+            for p in procs:
+                p.kill()
+            raise AssertionError(f"engine process failed: {proc.communicate(timeout=30)[1][-3000:]}")
+    return procs
+
+
+def kill(proc: subprocess.Popen) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def test_an_engine_killed_with_sigkill_leaves_no_region_behind_nor_one_that_exits() -> None:
+    killed, exits = (f"kvtiers-shm-{uuid.uuid4().hex[:12]}" for _ in range(2))
+    proc, clean = start((killed, "kill"), (exits, "exit"))
+    try:
+        # worker and scheduler both mapped it: the name is gone already, the memory in use
+        assert leftovers(killed) == []
+    finally:
+        kill(proc)
+    assert leftovers(killed) == []
+    _, err = clean.communicate(timeout=60)
+    assert clean.returncode == 0, err[-3000:]
+    assert leftovers(exits) == []
+    assert "Failed to unlink" not in err  # vLLM's clean-up was told the file is gone
+
+
+def test_stale_regions_are_swept_at_start_and_live_ones_kept() -> None:
+    dead, live = (f"kvtiers-shm-{uuid.uuid4().hex[:12]}" for _ in range(2))
+    gone, holder = start((dead, "region"), (live, "region"))
+    kill(gone)  # killed before anything unlinked it: the leak vLLM has today
+    try:
+        assert len(leftovers(dead)) == 1 and len(leftovers(live)) == 1
+        assert sweep_stale_regions() == []  # both younger than the grace period
+        past = time.time() - 60
+        for p in leftovers(dead) + leftovers(live):
+            os.utime(p, (past, past))
+        removed = sweep_stale_regions()
+        assert leftovers(dead) == [] and any(dead in p for p in removed)
+        assert len(leftovers(live)) == 1  # mapped by a live process: kept
+    finally:
+        kill(holder)
+    for p in leftovers(live):
+        os.utime(p, (time.time() - 60,) * 2)
+    # a new engine's start sweeps it: KvtiersOffloadingSpec's scheduler side, in this process
+    ns: dict = {}
+    exec(ENGINE.split("if what ==")[0].replace("engine_id, what = sys.argv[1], sys.argv[2]",
+                                              f"engine_id, what = {'kvtiers-shm-' + uuid.uuid4().hex[:12]!r}, ''"), ns)
+    manager = ns["KvtiersOffloadingSpec"](ns["cfg"]).get_manager()
+    manager.shutdown()
+    assert leftovers(live) == []
