@@ -46,7 +46,7 @@ class P2PTier:
     take before its keys fail); ``lookup_timeout`` (a peer not answering a LOOKUP this long
     counts as not holding the keys); ``negative_ttl`` / ``positive_ttl`` (how long a MISS /
     a HIT is remembered); ``max_bytes`` (the cap the peers keep for this namespace: the
-    smallest of its connected clients' caps applies); ``curve_server_key`` (the server's
+    largest of its connected clients' caps, none while one asks none); ``curve_server_key`` (the server's
     public key file) with ``curve_secret_file`` (this client's secret key file);
     ``backend`` (``"zmq"``, or ``"nixl"``: servers write loads straight into the arena's
     slots) with ``nixl_fence_timeout`` (seconds a failed NIXL load waits for a silent server
