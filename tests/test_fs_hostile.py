@@ -131,6 +131,29 @@ def test_probes_of_a_table_with_no_free_slot_end():
         KeyTable.from_arrays(fp.copy(), np.ones(1024))
 
 
+def test_from_arrays_takes_every_table_a_writer_makes_and_no_other():
+    rng = np.random.default_rng(7)
+    # 60 fingerprints whose home is one of the last slots (their runs wrap to slot 0), tombstones
+    tail = (np.uint64(0xFFFFFFF0_00000000) | rng.integers(0, 2**16, 60, dtype=np.uint64)
+            | np.uint64(0xFFFF0000)) + np.uint64(2)
+    fps = np.unique(np.concatenate([tail, rng.integers(2, 2**63, 600, dtype=np.uint64)]))
+    t = KeyTable()
+    t.put_many(fps, np.ones(len(fps)))
+    for f in fps[::7].tolist():
+        t.remove(f)
+    live = np.flatnonzero(t.fp > keytable.TOMB)
+    assert (keytable._home(t.fp[live], t.cap) > live).any()  # some probes did wrap
+    back = KeyTable.from_arrays(t.fp.copy(), t.clock.copy())
+    assert len(back) == len(t) and (back.find(fps) == t.find(fps)).all()
+    # the same key again in the first free slot after its own: reachable, but twice
+    fp = t.fp.copy()
+    i = int(live[0])
+    j = next(s % t.cap for s in range(i + 1, i + t.cap) if fp[s % t.cap] == keytable.EMPTY)
+    fp[j] = fp[i]
+    with pytest.raises(ValueError, match="twice"):
+        KeyTable.from_arrays(fp, t.clock.copy())
+
+
 def test_a_snapshot_with_no_free_slot_is_refused_and_lookups_return(env, caplog):
     t = env.open()
     t.close()

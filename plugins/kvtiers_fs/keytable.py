@@ -68,18 +68,18 @@ def _home(fps: np.ndarray, cap: int) -> np.ndarray:
 
 
 def _check_placement(fpa: np.ndarray) -> None:
-    """Raise ``ValueError`` unless every key of ``fpa`` (which has an empty slot) is where a
-    probe finds it: no empty slot between its home and it, and no fingerprint twice. A few
-    vectorised passes (a probe of every key would take seconds at 10M keys)."""
+    """Raise ``ValueError`` unless every key of ``fpa`` is where a probe finds it (no empty
+    slot between its home and its slot) and no fingerprint is there twice. A few vectorised
+    passes: a probe of every key would take seconds at 10M keys."""
     cap = len(fpa)
-    slot = np.arange(cap)
-    last_empty = np.where(fpa == EMPTY, slot, -1)  # the last empty slot at or before each slot
-    np.maximum.accumulate(last_empty, out=last_empty)
-    last_empty[last_empty < 0] = last_empty[-1] - cap  # before the first: the table's last one, a lap back
+    empties = np.zeros(cap + 1, np.int64)  # empties[i]: empty slots before slot i
+    np.cumsum(fpa == EMPTY, out=empties[1:])
     live = np.flatnonzero(fpa > TOMB)
     fps = fpa[live]
-    # the slots from the last empty one up to a key's slot: its home must be among them
-    if ((live - _home(fps, cap)) % cap >= live - last_empty[live]).any():
+    home = _home(fps, cap)
+    between = empties[live + 1] - empties[home]  # empty slots from home to slot, both included
+    between += empties[cap] * (home > live)  # (a probe that wrapped past the end)
+    if between.any():
         raise ValueError("keys out of their probe sequence")
     fps.sort()
     if (fps[1:] == fps[:-1]).any():
