@@ -51,7 +51,8 @@ def test_a_load_batch_that_outlasts_the_lease_is_fetched_again_not_failed() -> N
 
 def test_the_scratch_pool_holds_a_round_of_the_bench_defaults() -> None:
     default_round = inspect.signature(run_tier_bench).parameters["total_bytes"].default
-    assert SHARED_SEGMENT >= 4 * default_round  # the tier's round and the raw baseline's, twice over
+    # a round (the tier's and the raw baseline's) and the one before it, with room to spare
+    assert SHARED_SEGMENT >= 8 * default_round
 
 
 def test_the_bench_runs_a_default_sized_round_without_a_config() -> None:

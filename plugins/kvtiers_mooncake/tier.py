@@ -189,8 +189,8 @@ class MooncakeTier(AsyncTier):
 
     @classmethod
     def conformance_config(cls, scratch) -> dict:
-        """A master and a ``serve`` process holding 1 GiB (sized for a round of ``kvtiers bench
-        tier``'s defaults, :data:`kvtiers_mooncake.pool.SHARED_SEGMENT`), started once per
+        """A master and a ``serve`` process holding 2 GiB (sized for ``kvtiers bench tier``'s
+        default rounds, :data:`kvtiers_mooncake.pool.SHARED_SEGMENT`), started once per
         process (killed when it exits); instances contribute no memory of their own, so
         ``durable`` checks a new instance against what the serve process holds."""
         from .pool import shared_test_pool
