@@ -41,18 +41,19 @@ def _returns_within(fn: Callable[[], object], seconds: float) -> object:
 
 
 @contextmanager
-def _address_space_cap(extra: int):
-    """Cap this process's address space at its size now plus ``extra`` bytes, so that an
-    unbounded read fails with MemoryError instead of taking the machine's memory."""
+def _memory_cap(extra: int):
+    """Cap this process's data (heap and private writable mappings) at what it uses now
+    plus ``extra`` bytes, so that an unbounded read fails with MemoryError instead of taking
+    the machine's memory."""
     with open("/proc/self/status") as f:
-        size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-    old = resource.getrlimit(resource.RLIMIT_AS)
+        size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+    old = resource.getrlimit(resource.RLIMIT_DATA)
     cap = size + extra if old[1] == resource.RLIM_INFINITY else min(old[1], size + extra)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, old[1]))
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, old[1]))
     try:
         yield
     finally:
-        resource.setrlimit(resource.RLIMIT_AS, old)
+        resource.setrlimit(resource.RLIMIT_DATA, old)
 
 
 def _warnings_naming(caplog, what: str) -> list[str]:
@@ -100,7 +101,7 @@ def test_a_special_file_at_index_snapshot_is_a_full_listing_and_the_cleaner_stil
     os.unlink(snap)
     make(snap)
     caplog.set_level(logging.WARNING, logger="kvtiers.fs")
-    with _address_space_cap(4 << 30):
+    with _memory_cap(2 << 30):
         t = env.open(max_bytes=8 * FILE, rescan_seconds=3600.0)
         assert t.scanned.wait(30), "the open-time scan never finished (blocked on the snapshot?)"
         assert t.is_cleaner and not t.snapshot_loaded
