@@ -2,29 +2,23 @@
 
 The master keeps the pool's metadata in memory: objects, leases, segments. It listens on an
 RPC port and a metrics port; either one taken kills it at start, so :func:`start_master`
-picks free ports and tries again with new ones if the master exits early. It is stopped by
-its own PID (:meth:`MasterProcess.stop`), and killed when the process that started it exits
-(``atexit``, and the kernel's parent-death signal where it was started from the main thread).
+picks free ports and tries again with new ones if the master exits early. It is started,
+stopped by its own PID (:meth:`MasterProcess.stop`) and killed when the process that started it
+exits (``atexit``, and the kernel's parent-death signal where it was started from the main
+thread) by the one launcher, :class:`kvtiers.launcher.ChildProcess`.
 """
 
 from __future__ import annotations
 
-import atexit
-import ctypes
-import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-_children: list[subprocess.Popen] = []
-PR_SET_PDEATHSIG = 1
+from kvtiers import TierError
+from kvtiers.launcher import ChildProcess, LaunchError, tcp_listening
 
 
 def master_binary() -> str:
@@ -55,71 +49,39 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-@dataclass
-class MasterProcess:
-    """A running ``mooncake_master``: its process and ports."""
+class MasterProcess(ChildProcess):
+    """A running ``mooncake_master`` (the launcher's process) and its ports."""
 
-    proc: subprocess.Popen
-    host: str
-    rpc_port: int
-    metrics_port: int
+    def __init__(self, argv: Sequence[str], *, host: str, rpc_port: int, metrics_port: int, **kwargs: Any) -> None:
+        super().__init__(argv, name="mooncake_master", ready=tcp_listening(host, rpc_port), **kwargs)
+        self.host = host
+        self.rpc_port = rpc_port
+        self.metrics_port = metrics_port
 
     @property
     def address(self) -> str:
         """``host:rpc_port``, what clients take as ``master_server_address``."""
         return f"{self.host}:{self.rpc_port}"
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL if it has not exited within ``timeout``."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        """SIGKILL (a crash: every object's metadata is lost)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-
-
-def _pdeathsig() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except Exception:
-        pass
-
-
-def _listening(host: str, port: int) -> bool:
-    try:
-        socket.create_connection((host, port), 0.2).close()
-        return True
-    except OSError:
-        return False
-
 
 def start_master(*, host: str = "127.0.0.1", rpc_port: int = 0, metrics_port: int = 0,
                  client_ttl: float | None = None, default_kv_lease_ttl: int | None = None,
                  eviction_high_watermark_ratio: float | None = None, eviction_ratio: float | None = None,
                  extra: Sequence[str] = (), quiet: bool = True, timeout: float = 30.0,
-                 stderr=subprocess.DEVNULL) -> MasterProcess:
+                 stderr: Any = None) -> MasterProcess:
     """Start ``mooncake_master`` bound to ``host`` and wait until its RPC port answers.
 
     Port 0 (the default) picks a free one; with both ports chosen here a start that loses a
     port race is retried with new ports (three tries). ``client_ttl`` (seconds a client is
     alive after its last heartbeat) and ``default_kv_lease_ttl`` (milliseconds) short make
     failure tests fast; ``extra``: more ``--flag=value`` arguments for the master.
+    ``stderr``: where its output goes (default: an unnamed file that ``log_tail()`` reads).
     """
+    from .client import missing
+
+    why = missing()
+    if why is not None:
+        raise TierError(f"mooncake_master: {why}")
     args_fixed = [f"--rpc_address={host}", f"--metrics_host={host}"]
     if client_ttl is not None:
         args_fixed.append(f"--client_ttl={int(client_ttl) if float(client_ttl).is_integer() else client_ttl}")
@@ -134,35 +96,18 @@ def start_master(*, host: str = "127.0.0.1", rpc_port: int = 0, metrics_port: in
     args_fixed += list(extra)
     binary = master_binary()
     tries = 3 if rpc_port == 0 and metrics_port == 0 else 1
-    main = threading.current_thread() is threading.main_thread()
-    last = ""
+    last: LaunchError | None = None
     for _ in range(tries):
         rp = rpc_port or free_port(host)
         mp = metrics_port or free_port(host)
         while mp == rp:
             mp = free_port(host)
-        proc = subprocess.Popen([binary, f"--rpc_port={rp}", f"--metrics_port={mp}", *args_fixed],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
-                                close_fds=True, preexec_fn=_pdeathsig if main else None)
-        _children.append(proc)
-        deadline = time.monotonic() + timeout
-        while proc.poll() is None and not _listening(host, rp):
-            if time.monotonic() > deadline:
-                proc.kill()
-                proc.wait(10)
-                raise RuntimeError(f"mooncake_master did not listen on {host}:{rp} within {timeout:g} s")
-            time.sleep(0.01)
-        if proc.poll() is None:
-            return MasterProcess(proc, host, rp, mp)
-        last = f"mooncake_master exited with status {proc.returncode} (ports {rp}, {mp})"
-    raise RuntimeError(last or "mooncake_master did not start")
-
-
-@atexit.register
-def _kill_children() -> None:
-    for p in _children:
-        if p.poll() is None:
-            try:
-                os.kill(p.pid, signal.SIGKILL)
-            except OSError:
-                pass
+        master = MasterProcess([binary, f"--rpc_port={rp}", f"--metrics_port={mp}", *args_fixed], host=host,
+                               rpc_port=rp, metrics_port=mp, log=stderr, die_with_parent=True)
+        try:
+            return master.start(timeout)
+        except LaunchError as e:
+            if master.returncode is None or master.returncode < 0:  # not ready in time (killed): no retry
+                raise
+            last = e  # exited early: a port taken between our probe and its bind; new ports
+    raise last or LaunchError("mooncake_master did not start")

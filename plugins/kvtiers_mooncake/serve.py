@@ -5,7 +5,7 @@ Mooncake's own store service does, so engine clients can run with ``global_segme
 and an engine restart loses nothing. It prints ``ready <hostname>`` once mounted, and runs
 until SIGTERM/SIGINT (then unmounts: its objects leave the pool), until ``--parent-pid``
 exits, or until ``--exit-when-missing`` disappears. :func:`start_serve` starts one as a
-child process (tests, demos, the conformance suite).
+child process (tests, demos, the conformance suite) through :class:`kvtiers.launcher.ChildProcess`.
 
     python -m kvtiers_mooncake.serve --master 127.0.0.1:50051 --segment 8GiB
 """
@@ -13,17 +13,19 @@ child process (tests, demos, the conformance suite).
 from __future__ import annotations
 
 import argparse
-import atexit
 import os
 import re
 import signal
-import subprocess
 import sys
+import tempfile
 import threading
-from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtiers import TierError
+from kvtiers.launcher import ChildProcess, file_text
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_children: list[subprocess.Popen] = []
 
 
 def parse_size(text: str | int) -> int:
@@ -38,8 +40,9 @@ def parse_size(text: str | int) -> int:
 
 def serve(master: str, segment: int, *, local_hostname: str = "127.0.0.1", protocol: str = "tcp",
           device_name: str = "", metadata_server: str = "P2PHANDSHAKE", parent_pid: int | None = None,
-          exit_when_missing: str | None = None, out=None) -> int:
-    """Mount a ``segment``-byte segment on ``master`` and hold it until told to stop."""
+          exit_when_missing: str | None = None, out=None, ready_file: str | None = None) -> int:
+    """Mount a ``segment``-byte segment on ``master`` and hold it until told to stop.
+    ``ready_file`` receives the ``ready`` line too, written atomically."""
     from .client import code_name, load_store_module
 
     out = out or sys.stdout
@@ -51,7 +54,13 @@ def serve(master: str, segment: int, *, local_hostname: str = "127.0.0.1", proto
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"ready {local_hostname} segment={segment} master={master}", file=out, flush=True)
+    ready = f"ready {local_hostname} segment={segment} master={master}"
+    print(ready, file=out, flush=True)
+    if ready_file:
+        tmp = f"{ready_file}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(ready + "\n")
+        os.replace(tmp, ready_file)
     while not stop.wait(0.2):
         if parent_pid is not None and not _alive(parent_pid):
             break
@@ -71,71 +80,42 @@ def _alive(pid: int) -> bool:
         return True
 
 
-@dataclass
-class ServeProcess:
-    """A running ``serve`` child: its process and what it contributes."""
+class ServeProcess(ChildProcess):
+    """A running ``serve`` child (the launcher's process) and what it contributes."""
 
-    proc: subprocess.Popen
-    master: str
-    segment: int
+    stop_timeout = 10.0  # SIGTERM unmounts its segment: a graceful Mooncake close takes ~2 s
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM (it unmounts its segment), then SIGKILL after ``timeout``."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        """SIGKILL: the segment dies with its objects (the master learns after client_ttl)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
+    def __init__(self, argv: list[str], *, master: str, segment: int, **kwargs: Any) -> None:
+        super().__init__(argv, name=f"mooncake serve for {master}", **kwargs)
+        self.master = master
+        self.segment = segment
 
 
 def start_serve(master: str, segment: int, *, exit_when_missing: str | None = None, timeout: float = 60.0,
-                extra: list[str] | None = None, stderr=subprocess.DEVNULL) -> ServeProcess:
+                extra: list[str] | None = None, stderr: Any = None) -> ServeProcess:
     """Start ``python -m kvtiers_mooncake.serve`` and wait until its segment is mounted. The
-    child exits when this process does (``--parent-pid``) or ``exit_when_missing`` goes."""
+    child exits when this process does (``--parent-pid``) or ``exit_when_missing`` goes.
+    ``stderr``: where its output goes (default: an unnamed file that ``log_tail()`` reads)."""
+    from .client import missing
+
+    why = missing()
+    if why is not None:
+        raise TierError(f"mooncake serve: {why}")
+    fd, ready_file = tempfile.mkstemp(prefix="kvtiers-mooncake-serve-", suffix=".ready")
+    os.close(fd)
+    os.unlink(ready_file)
     args = [sys.executable, "-m", "kvtiers_mooncake.serve", "--master", master, "--segment", str(segment),
-            "--parent-pid", str(os.getpid())]
+            "--parent-pid", str(os.getpid()), "--ready-file", ready_file]
     if exit_when_missing:
         args += ["--exit-when-missing", exit_when_missing]
     args += extra or []
     env = dict(os.environ)
     env.setdefault("MC_LOG_LEVEL", "ERROR")
-    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, env=env,
-                            close_fds=True, text=True)
-    _children.append(proc)
-    box: list[str] = []
-    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    line = box[0] if box else ""
-    if not line.startswith("ready"):
-        proc.kill()
-        proc.wait(10)
-        raise RuntimeError(f"mooncake serve for {master} did not mount its segment within {timeout:g} s "
-                           f"(status {proc.returncode})")
-    proc.stdout.close()
-    return ServeProcess(proc, master, segment)
-
-
-@atexit.register
-def _kill_children() -> None:
-    for p in _children:
-        if p.poll() is None:
-            p.kill()
+    srv = ServeProcess(args, master=master, segment=segment, ready=file_text(ready_file), env=env, log=stderr)
+    try:
+        return srv.start(timeout)
+    finally:
+        Path(ready_file).unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metadata-server", default="P2PHANDSHAKE")
     ap.add_argument("--parent-pid", type=int)
     ap.add_argument("--exit-when-missing")
+    ap.add_argument("--ready-file", help="a file that receives the 'ready' line once the segment is mounted")
     a = ap.parse_args(argv)
     try:
         segment = parse_size(a.segment)
@@ -157,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--segment must be > 0 (a serve process only contributes memory)")
     return serve(a.master, segment, local_hostname=a.local_hostname, protocol=a.protocol,
                  device_name=a.device_name, metadata_server=a.metadata_server, parent_pid=a.parent_pid,
-                 exit_when_missing=a.exit_when_missing)
+                 exit_when_missing=a.exit_when_missing, ready_file=a.ready_file)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ Used by the obj tier's tests and handy for trying ``kvtiers bench obj`` locally:
 The server listens on loopback only, on free ports (each with its +10000 gRPC twin free
 too), with telemetry, WebDAV and the admin UI off. Authentication is on only when
 ``credentials`` are given (SeaweedFS reads them from ``AWS_ACCESS_KEY_ID`` /
-``AWS_SECRET_ACCESS_KEY`` at start).
+``AWS_SECRET_ACCESS_KEY`` at start). It is started and stopped by the one launcher,
+:class:`kvtiers.launcher.ChildProcess`, in a process group of its own.
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ import random
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
+
+from kvtiers.launcher import ChildProcess, http_answers
 
 PORT_NAMES = ("master", "volume", "filer", "s3")
 
@@ -62,20 +62,23 @@ def free_ports(n: int = 4, lo: int = 12000, hi: int = 22000) -> list[int]:
     raise RuntimeError("no free port pairs found for SeaweedFS")
 
 
-class SeaweedServer:
-    """One ``weed mini`` process on loopback, with its data in ``data_dir``.
+class SeaweedServer(ChildProcess):
+    """One ``weed mini`` process on loopback, with its data in ``data_dir`` and its output in
+    ``data_dir/weed.log``.
 
     ``start()`` waits until the S3 port answers; ``stop()`` ends it (SIGTERM, then SIGKILL)
     and waits; ``kill()`` is SIGKILL; ``pause()``/``resume()`` are SIGSTOP/SIGCONT (a slow,
     unresponsive server); ``start()`` again reuses the same directory and ports.
     """
 
+    stop_timeout = 3.0
+
     def __init__(self, data_dir: str | os.PathLike, credentials: tuple[str, str] | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.credentials = credentials
         self.ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
-        self.proc: subprocess.Popen | None = None
-        self._log = None
+        super().__init__(name=f"SeaweedFS S3 at {self.endpoint_url}", ready=http_answers(self.endpoint_url + "/"),
+                         log=self.data_dir / "weed.log", new_session=True)
 
     @property
     def endpoint_url(self) -> str:
@@ -92,85 +95,15 @@ class SeaweedServer:
 
     def start(self, timeout: float = 60.0) -> SeaweedServer:
         """Start the server (if not running) and wait until its S3 API answers."""
-        if self.proc is not None and self.proc.poll() is None:
-            return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "S3_BUCKET"}
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "S3_BUCKET"}
         if self.credentials:
-            env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"] = self.credentials
-        self._log = open(self.data_dir / "weed.log", "ab")
-        self.proc = subprocess.Popen(
-            self.command(), env=env, stdout=self._log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-        self.wait_ready(timeout)
+            self.env["AWS_ACCESS_KEY_ID"], self.env["AWS_SECRET_ACCESS_KEY"] = self.credentials
+        super().start(timeout)
         return self
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        """Poll until the S3 port answers an HTTP request (any status), or raise."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc is None or self.proc.poll() is not None:
-                raise RuntimeError(f"weed mini exited early (see {self.data_dir / 'weed.log'})")
-            try:
-                urllib.request.urlopen(self.endpoint_url + "/", timeout=2).close()
-                return
-            except urllib.error.HTTPError:
-                return  # 403 with auth on: it answers
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"SeaweedFS S3 at {self.endpoint_url} not ready after {timeout:g} s")
-            time.sleep(0.1)
-
-    def _signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def pause(self) -> None:
-        """SIGSTOP the server: connections are accepted by the kernel, nothing answers."""
-        self._signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self._signal(signal.SIGCONT)
-
-    def kill(self) -> None:
-        """SIGKILL the server and wait for it."""
-        self._signal(signal.SIGCONT)
-        self._signal(signal.SIGKILL)
-        self._reap()
-
-    def stop(self, timeout: float = 3.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout``; wait for the process."""
-        if self.proc is None:
-            return
-        self._signal(signal.SIGCONT)
-        self._signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self._signal(signal.SIGKILL)
-        self._reap()
-
-    def _reap(self) -> None:
-        if self.proc is not None:
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-            self.proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
 
     def __enter__(self) -> SeaweedServer:
         return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     with SeaweedServer(args[0]) as srv:
         print(f"SeaweedFS S3 at {srv.endpoint_url} (data in {args[0]}); Ctrl-C stops it", flush=True)
         try:
-            while srv.proc is not None and srv.proc.poll() is None:
+            while srv.alive():
                 time.sleep(0.5)
         except KeyboardInterrupt:
             pass

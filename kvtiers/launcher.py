@@ -1,0 +1,336 @@
+"""Child processes a tier, a test or a command starts and must stop: one launcher.
+
+The servers kvtiers starts for itself (the p2p tier's peer server, Mooncake's master and its
+memory-only ``serve`` process, SeaweedFS for the obj tier) and a third-party tier's own
+server in its ``conformance_config`` all go through :class:`ChildProcess`::
+
+    srv = ChildProcess([sys.executable, "-m", "mytier.server", "--port", str(port)], name="mytier server",
+                       ready=tcp_listening("127.0.0.1", port)).start(timeout=30)
+    ...
+    srv.stop()  # SIGTERM by its own PID, SIGKILL after a grace period
+
+``start`` spawns the process and polls its ``ready`` check until that returns something
+truthy (kept as :attr:`~ChildProcess.ready_value`); a child that exits first, or is not
+ready in time (it is killed then), raises :class:`LaunchError` with the last line of its log.
+Its stdout and stderr go to ``log``: a path (appended to), an open file, ``subprocess.DEVNULL``,
+or by default an unnamed temporary file (nothing left on disk) that :meth:`~ChildProcess.log_tail`
+reads. Every child still running when this process exits is killed (SIGKILL by PID, its
+process group with ``new_session``); ``die_with_parent`` also has the kernel kill it when this
+process dies without running exit handlers. No torch, no command here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from .errors import TierError
+
+__all__ = ["ChildProcess", "LaunchError", "file_text", "http_answers", "tcp_listening"]
+
+PR_SET_PDEATHSIG = 1
+_TAIL_BYTES = 8192
+
+
+class LaunchError(TierError):
+    """A child process exited before it was ready, or was not ready in time (it was killed).
+    A :class:`~kvtiers.TierError`: the ``kvtiers`` command reports it in one line."""
+
+
+class ChildProcess:
+    """One child process: started, checked ready, stopped and killed by its own PID.
+
+    ``argv``: the command line (subclasses may set it, or override :meth:`command`, before
+    ``start``); ``name``: what it is, for messages; ``ready``: a function of no arguments
+    polled after the start until it returns something truthy; ``env``: the child's whole
+    environment (default: this one's); ``log``: where its output goes (see the module);
+    ``new_session``: its own process group, and signals go to the whole group (a server that
+    starts helpers of its own); ``die_with_parent``: SIGKILL from the kernel when the thread
+    that started it exits (Linux; honoured when started from the main thread).
+    ``stop_timeout``: the default grace period of :meth:`stop`.
+    """
+
+    stop_timeout = 5.0
+
+    def __init__(self, argv: Sequence[str] = (), *, name: str = "child process",
+                 ready: Callable[[], Any] | None = None, env: Mapping[str, str] | None = None,
+                 log: str | os.PathLike | IO | int | None = None, new_session: bool = False,
+                 die_with_parent: bool = False, stop_timeout: float | None = None) -> None:
+        self.argv = list(argv)
+        self.name = name
+        self.ready = ready
+        self.env = dict(env) if env is not None else None
+        self.log = log
+        self.new_session = new_session
+        self.die_with_parent = die_with_parent
+        if stop_timeout is not None:
+            self.stop_timeout = stop_timeout
+        self.proc: subprocess.Popen | None = None
+        self.ready_value: Any = None
+        self._log_file: IO | None = None  # a file this object opened (and closes)
+        self._tail = b""  # the log's last bytes, kept when its file is closed
+
+    # -- starting ---------------------------------------------------------------------
+
+    def command(self) -> list[str]:
+        """The command line ``start`` runs (``argv``)."""
+        return list(self.argv)
+
+    def start(self, timeout: float = 30.0) -> ChildProcess:
+        """Spawn the process (unless it is running) and wait until it is ready."""
+        if self.alive():
+            return self
+        _reap()
+        argv = self.command()
+        out = self._open_log()
+        main = threading.current_thread() is threading.main_thread()
+        try:
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                close_fds=True, start_new_session=self.new_session,
+                preexec_fn=_die_with_parent if self.die_with_parent and main else None,
+            )  # fmt: skip
+        except OSError as e:
+            self._close_log()
+            raise LaunchError(f"{self.name}: cannot run {argv[0]!r}: {e}") from None
+        _running.append(self)
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> Any:
+        """Poll the ``ready`` check until it returns something truthy, and return that (also
+        kept as ``ready_value``). Raises :class:`LaunchError` if the process exits first, or
+        after ``timeout`` seconds (the process is killed then)."""
+        if self.ready is None:
+            return None
+        deadline = time.monotonic() + timeout
+        while True:
+            value = self.ready()
+            if value:
+                self.ready_value = value
+                return value
+            if self.proc is None or self.proc.poll() is not None:
+                status = None if self.proc is None else self.proc.returncode
+                raise LaunchError(f"{self.name} exited with status {status} before it was ready{self._last_line()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise LaunchError(f"{self.name} was not ready within {timeout:g} s{self._last_line()}")
+            time.sleep(0.02)
+
+    # -- state ------------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int:
+        """The child's process id (its process group's too, with ``new_session``)."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was not started")
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once it has exited (negative: killed by that signal), else None."""
+        return None if self.proc is None else self.proc.poll()
+
+    def alive(self) -> bool:
+        """Whether it was started and has not exited."""
+        return self.proc is not None and self.proc.poll() is None
+
+    # -- stopping ---------------------------------------------------------------------
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the child (to its process group with ``new_session``), if running."""
+        if not self.alive():
+            return
+        try:
+            if self.new_session:
+                os.killpg(self.proc.pid, sig)  # type: ignore[union-attr]
+            else:
+                self.proc.send_signal(sig)  # type: ignore[union-attr]
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM, then SIGKILL if it has not exited within ``timeout`` seconds (default
+        ``stop_timeout``); wait for it and return its exit status."""
+        if self.proc is None:
+            return None
+        timeout = self.stop_timeout if timeout is None else timeout
+        self.signal(signal.SIGCONT)  # a paused child could not act on SIGTERM
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+        return self._reap()
+
+    def kill(self) -> int | None:
+        """SIGKILL (a crash: nothing of it runs any more); wait for it and return its status."""
+        if self.proc is None:
+            return None
+        self.signal(signal.SIGKILL)
+        return self._reap()
+
+    def pause(self) -> None:
+        """SIGSTOP: the kernel still accepts its connections, nothing answers them."""
+        self.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        self.signal(signal.SIGCONT)
+
+    def _reap(self) -> int | None:
+        try:
+            self.proc.wait(30)  # type: ignore[union-attr]
+        except subprocess.TimeoutExpired:
+            pass
+        self._close_log()
+        if self in _running:
+            _running.remove(self)
+        return self.proc.poll()  # type: ignore[union-attr]
+
+    # -- the log ----------------------------------------------------------------------
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines the child wrote to its log ("" where it is not readable)."""
+        data = self._read_tail()
+        return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
+
+    def _last_line(self) -> str:
+        last = [x for x in self.log_tail(5).splitlines() if x.strip()]
+        return f"; its log ends: {last[-1].strip()}" if last else ""
+
+    def _read_tail(self) -> bytes:
+        f = self._log_file if self._log_file is not None else self.log
+        if isinstance(f, (str, os.PathLike)):
+            return _file_tail(Path(f))
+        fileno = getattr(f, "fileno", None)
+        if fileno is None:  # DEVNULL, a bare descriptor, or an unnamed log already closed
+            return self._tail
+        try:
+            fd = fileno()
+            size = os.fstat(fd).st_size
+            return os.pread(fd, min(size, _TAIL_BYTES), max(0, size - _TAIL_BYTES))
+        except (OSError, ValueError):  # closed, or opened write-only by its owner
+            return self._tail
+
+    def _open_log(self) -> Any:
+        if self.log is None:  # an unnamed file: readable by us, gone from the disk already
+            fd, path = tempfile.mkstemp(prefix="kvtiers-child-", suffix=".log")
+            os.close(fd)
+            self._log_file = open(path, "ab+")
+            os.unlink(path)
+            return self._log_file
+        if isinstance(self.log, (str, os.PathLike)):
+            self._log_file = open(self.log, "ab+")
+            return self._log_file
+        return self.log  # DEVNULL, a descriptor, or the caller's open file
+
+    def _close_log(self) -> None:
+        if self._log_file is not None:
+            if self.log is None:
+                self._tail = self._read_tail()
+            self._log_file.close()
+            self._log_file = None
+
+    # -- a context manager: started on entry, stopped on exit ---------------------------
+
+    def __enter__(self) -> ChildProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "not started" if self.proc is None else ("running" if self.alive() else f"exited {self.returncode}")
+        return f"<{type(self).__name__} {self.name} pid={self.proc.pid if self.proc else None} {state}>"
+
+
+# -- ready checks ------------------------------------------------------------------------
+
+def file_text(path: str | os.PathLike) -> Callable[[], str | None]:
+    """Ready once ``path`` holds text (a child that writes its address there when bound);
+    the check returns that text, stripped."""
+
+    def check() -> str | None:
+        try:
+            return Path(path).read_text().strip() or None
+        except FileNotFoundError:
+            return None
+
+    return check
+
+
+def tcp_listening(host: str, port: int) -> Callable[[], bool]:
+    """Ready once ``host:port`` accepts a TCP connection."""
+
+    def check() -> bool:
+        try:
+            socket.create_connection((host, port), 0.2).close()
+            return True
+        except OSError:
+            return False
+
+    return check
+
+
+def http_answers(url: str) -> Callable[[], bool]:
+    """Ready once ``url`` answers an HTTP request, with any status (a 403 is an answer)."""
+
+    def check() -> bool:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return True
+        except urllib.error.HTTPError:
+            return True
+        except OSError:
+            return False
+
+    return check
+
+
+# -- bookkeeping -------------------------------------------------------------------------
+
+_running: list[ChildProcess] = []  # started here and not yet reaped
+
+
+def _file_tail(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(max(0, size - _TAIL_BYTES))
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _reap() -> None:
+    """Release what children that exited on their own still hold (their log files)."""
+    for child in list(_running):
+        if child.proc is not None and child.proc.poll() is not None:
+            child._reap()
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except Exception:
+        pass
+
+
+@atexit.register
+def _kill_running() -> None:
+    for child in list(_running):
+        child.signal(signal.SIGCONT)
+        child.signal(signal.SIGKILL)

@@ -1,0 +1,183 @@
+"""The one launcher (``kvtiers.launcher.ChildProcess``) with real child processes: started and
+checked ready, stopped and killed by PID, its log's tail in errors, nothing left running or
+on disk; and the four servers kvtiers starts are that class."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kvtiers import TierError
+from kvtiers.launcher import ChildProcess, LaunchError, file_text, tcp_listening
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def _gone(pid: int, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True  # a zombie: ended, waiting for its parent (not us) to reap it
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_start_waits_for_ready_and_stop_ends_it_by_pid(tmp_path):
+    ready = tmp_path / "ready"
+    child = ChildProcess(_py(f"""
+        import pathlib, signal, sys, time
+        print("starting", flush=True)
+        time.sleep(0.3)
+        pathlib.Path({str(ready)!r}).write_text("addr-1\\n")
+        signal.signal(signal.SIGTERM, lambda *a: (print("bye", flush=True), sys.exit(0)))
+        while True:
+            time.sleep(0.1)
+    """), name="test server", ready=file_text(ready))
+    assert not child.alive() and child.returncode is None
+    with child:
+        assert child.ready_value == "addr-1" and child.alive()
+        assert child.start() is child  # running: nothing new started
+        assert "starting" in child.log_tail()
+        pid = child.pid
+    assert child.returncode == 0 and not child.alive() and _gone(pid)
+    assert child.log_tail().splitlines()[-1] == "bye"  # the unnamed log is still readable
+
+
+def test_a_child_that_exits_before_ready_is_one_line_with_its_log():
+    child = ChildProcess(_py("""
+        import sys
+        print("loading the thing", flush=True)
+        sys.exit("fatal: no such thing")
+    """), name="broken server", ready=lambda: False)
+    with pytest.raises(LaunchError) as e:
+        child.start(timeout=60)
+    msg = str(e.value)
+    assert isinstance(e.value, TierError)  # the kvtiers command prints it as one line
+    assert msg == "broken server exited with status 1 before it was ready; its log ends: fatal: no such thing", msg
+    assert "\n" not in msg
+
+
+def test_a_child_not_ready_in_time_is_killed():
+    child = ChildProcess(_py("import time; time.sleep(60)"), name="slow server", ready=lambda: False)
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"slow server was not ready within 0.5 s"):
+        child.start(timeout=0.5)
+    assert time.monotonic() - t0 < 30
+    assert child.returncode == -signal.SIGKILL
+
+
+def test_stop_escalates_to_sigkill_and_kill_is_sigkill(tmp_path):
+    ready = tmp_path / "r"
+    stubborn = ChildProcess(_py(f"""
+        import pathlib, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        pathlib.Path({str(ready)!r}).write_text("up")
+        time.sleep(60)
+    """), ready=file_text(ready)).start()
+    assert stubborn.stop(timeout=0.5) == -signal.SIGKILL
+    crash = ChildProcess(_py("import time; time.sleep(60)")).start()
+    assert crash.alive() and crash.kill() == -signal.SIGKILL
+
+
+def test_new_session_signals_reach_the_whole_group(tmp_path):
+    pidfile = tmp_path / "grandchild"
+    child = ChildProcess(_py(f"""
+        import pathlib, subprocess, sys, time
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        pathlib.Path({str(pidfile)!r}).write_text(str(p.pid))
+        time.sleep(60)
+    """), ready=file_text(pidfile), new_session=True).start()
+    grandchild = int(child.ready_value)
+    child.pause()
+    deadline = time.monotonic() + 10
+    while _state(grandchild) != "T" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _state(child.pid) == "T" and _state(grandchild) == "T"
+    child.resume()
+    child.stop()
+    assert _gone(grandchild), "the grandchild outlived its group's stop"
+
+
+def test_tcp_ready_check_and_a_log_file_of_ones_own(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "server.log"
+    child = ChildProcess(_py(f"""
+        import socket, time
+        print("binding", flush=True)
+        s = socket.socket(); s.bind(("127.0.0.1", {port})); s.listen()
+        time.sleep(60)
+    """), name="tcp server", ready=tcp_listening("127.0.0.1", port), log=log).start()
+    try:
+        assert child.ready_value is True and "binding" in log.read_text()
+        assert child.log_tail() == "binding"
+    finally:
+        child.stop()
+
+
+def test_children_die_with_the_process_that_started_them():
+    r = subprocess.run(_py("""
+        import sys
+        from kvtiers.launcher import ChildProcess
+        c = ChildProcess([sys.executable, "-c", "import time; time.sleep(120)"]).start()
+        print(c.pid, flush=True)
+    """), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert _gone(int(r.stdout)), "a child outlived the process that started it"
+
+
+def test_the_default_log_is_on_no_disk_and_closed_with_the_child():
+    child = ChildProcess(_py("print('hello', flush=True); import time; time.sleep(60)"))
+    child.ready = lambda: "hello" in child.log_tail()
+    child.start()
+    fd = child._log_file.fileno()
+    assert os.readlink(f"/proc/self/fd/{fd}").endswith(" (deleted)")
+    child.stop()
+    assert not os.path.exists(f"/proc/self/fd/{fd}") or "kvtiers-child-" not in os.readlink(f"/proc/self/fd/{fd}")
+    assert child.log_tail() == "hello"
+
+
+def test_a_command_that_cannot_run_is_a_launch_error():
+    with pytest.raises(LaunchError, match="no-such-server: cannot run '/nonexistent/server'"):
+        ChildProcess(["/nonexistent/server"], name="no-such-server").start()
+
+
+def test_the_servers_kvtiers_starts_are_the_one_launcher():
+    from kvtiers_mooncake.master import MasterProcess
+    from kvtiers_mooncake.serve import ServeProcess
+    from kvtiers_obj.seaweed import SeaweedServer
+    from kvtiers_p2p.spawn import ServerProcess
+
+    for cls in (ServerProcess, ServeProcess, MasterProcess, SeaweedServer):
+        assert issubclass(cls, ChildProcess), cls
+        for name in ("wait_ready", "stop", "kill", "alive", "pid", "log_tail"):  # start: SeaweedFS makes its dir first
+            assert getattr(cls, name) is getattr(ChildProcess, name), (cls, name)
+
+
+def test_a_p2p_server_is_started_and_stopped_through_it(tmp_path):
+    pytest.importorskip("zmq")
+    from kvtiers_p2p.spawn import start_server
+
+    srv = start_server(capacity=1 << 20)
+    assert srv.alive() and srv.endpoint.startswith("tcp://127.0.0.1:") and srv.port > 0
+    assert srv.stop() == 0  # SIGTERM: it stops cleanly, printing its counters
+    assert "stats {" in srv.log_tail()
