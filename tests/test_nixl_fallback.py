@@ -118,7 +118,7 @@ def test_p2p_server_falls_back_and_nixl_clients_load_over_zmq(tmp_path, monkeypa
 
 def test_p2p_server_strict_refuses_to_start(tmp_path):
     env = {**os.environ, canary.CACHE_ENV: str(tmp_path / "canary"), canary.FAULT_ENV: "segv"}
-    r = subprocess.run([sys.executable, "-m", "kvtiers_p2p.server", "--nixl", "--nixl-strict", "--bind",
+    r = subprocess.run([sys.executable, "-m", "kvtiers_p2p", "serve", "--nixl", "--nixl-strict", "--bind",
                         "tcp://127.0.0.1:0"], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "p2p server: NIXL is unsafe in this process (NIXL's UCX canary process was killed by SIGSEGV" in r.stderr

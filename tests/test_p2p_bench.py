@@ -65,7 +65,7 @@ def test_bench_p2p_json(capsys):
     _check_rows(report["results"], {("store", "zmq", 1 << 20), ("load", "zmq", 1 << 20)})
     assert all(r["baseline_kind"] == "raw zmq" and r["chunks"] == 8 for r in report["results"])
     assert report["lookup"][0]["hits"] == report["lookup"][0]["batch"]
-    assert _gone("kvtiers_p2p.rawpeer") and _gone("kvtiers_p2p.server")
+    assert _gone("kvtiers_p2p.rawpeer") and _gone("kvtiers_p2p")
 
 
 def test_bench_tier_p2p_starts_its_server_and_compares_with_raw_zmq(capsys):
@@ -135,4 +135,4 @@ def test_bench_p2p_both_backends_against_their_own_baselines(capsys):
     assert kinds == {("store", "zmq"): "raw zmq", ("load", "zmq"): "raw zmq", ("store", "nixl"): "raw zmq",
                      ("load", "nixl"): "raw nixl ucx write"}
     assert "nixl: raw ZMQ DEALER/ROUTER stores, raw NIXL UCX WRITEs" in report["baseline"]
-    assert _gone("kvtiers_p2p.rawpeer") and _gone("kvtiers_p2p.server")
+    assert _gone("kvtiers_p2p.rawpeer") and _gone("kvtiers_p2p")

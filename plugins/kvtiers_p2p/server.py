@@ -18,7 +18,7 @@ another client of its namespace asked for (see :meth:`PeerServer.quota`).
 No client can hold up another: each session has its own queue of replies its pipe had no
 room for (at most ``max_queued``); a client whose pipe is full is skipped, and one that
 reads nothing for ``stall_timeout`` seconds is disconnected, its streams cancelled.
-``python -m kvtiers_p2p.server`` runs one (what ``kvtiers p2p serve`` and the tests start).
+``python -m kvtiers_p2p serve`` runs one (what ``kvtiers p2p serve`` and the tests start).
 """
 
 from __future__ import annotations
@@ -875,13 +875,3 @@ def run(bind: str, capacity: int, *, limits: ServerLimits = ServerLimits(), name
     finally:
         server.close()
 
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m kvtiers_p2p.server``: the same options as ``kvtiers p2p serve``."""
-    from .cli import serve
-
-    serve.main(args=argv, prog_name="kvtiers_p2p.server")
-
-
-if __name__ == "__main__":
-    main()
