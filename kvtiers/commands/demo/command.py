@@ -60,6 +60,8 @@ def demo(turns: int, conversations: int, directory: str | None, keep: bool, conf
 
     Exits 1 if any loaded chunk differs from what was stored.
     """
+    from ..requires import require
+
     if engine == "vllm":  # real vLLM engines on CPU (docs/vllm.md)
         from .vllm import vllm_command
 
@@ -71,23 +73,28 @@ def demo(turns: int, conversations: int, directory: str | None, keep: bool, conf
         raise click.exceptions.Exit(vllm_command(lens, [t.strip() for t in vllm_tiers.split(",") if t.strip()],
                                                  as_json, directory))
     if engine == "transformers":  # a transformers model behind PrefixCache (docs/transformers.md)
+        require("kvtiers demo --engine transformers", "torch", "transformers")
         from .transformers import transformers_command
 
         return transformers_command(directory, keep=keep, seed=seed, device=device, config_text=config_text,
                                     as_json=as_json)
     if scenario == "pd" and pd_tier == "mooncake":  # both processes on one Mooncake pool (docs/mooncake.md)
+        require("kvtiers demo --scenario pd --tier mooncake", "torch")
         from .pd_mooncake import pd_mooncake_command
 
         return pd_mooncake_command(prompts=conversations, seed=seed, device=device, as_json=as_json)
     if scenario == "weights":  # model weights through the tiers (docs/engine.md, Weights)
+        require("kvtiers demo --scenario weights", "torch", "transformers", "safetensors")
         from .weights import weights_command
 
         return weights_command(directory=directory, keep=keep, config_text=config_text, device=device,
                                as_json=as_json)
     if scenario == "pd":  # prefill/decode disaggregation over the p2p tier (docs/p2p.md)
+        require("kvtiers demo --scenario pd", "torch", "zmq", "msgpack")
         from .pd import pd_command
 
         return pd_command(prompts=conversations, seed=seed, device=device, as_json=as_json, backend=p2p_backend)
+    require("kvtiers demo", "torch")
     from ...config import parse_json_option
     from ...metrics import serve_metrics
     from .chat import render, run_demo, summary

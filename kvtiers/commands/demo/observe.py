@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..requires import require
+
 __all__ = ["observe_config", "observe_lines", "observe_summary", "require_metrics_server"]
 
 
@@ -14,26 +16,15 @@ def observe_config(events: str | None, events_replay: str | None, linger: float)
     prometheus_client is installed), KV events when ``events`` names an endpoint."""
     out: dict[str, Any] = {"metrics": {}}
     if events:
-        _require(("zmq", "pyzmq"), ("msgspec", "msgspec"), what="KV events")
+        require("KV events (--events)", "zmq", "msgspec", extra="observe")
         out["kv_events"] = {"endpoint": events, "replay_endpoint": events_replay,
                             "linger": linger if events_replay else 0.0}
     return out
 
 
-def _require(*modules: tuple[str, str], what: str) -> None:
-    """Raise a one-line ConfigError naming the missing package of the ``observe`` extra."""
-    import importlib.util
-
-    from ...errors import ConfigError
-
-    for mod, dist in modules:
-        if importlib.util.find_spec(mod) is None:
-            raise ConfigError(f"{what} need {dist}, which is not installed (pip install 'kvtiers[observe]')")
-
-
 def require_metrics_server() -> None:
-    """Raise a ConfigError unless prometheus_client can serve /metrics."""
-    _require(("prometheus_client", "prometheus-client"), what="Prometheus metrics")
+    """Raise a one-line error unless prometheus_client can serve /metrics."""
+    require("Prometheus metrics (--metrics-port)", "prometheus_client", extra="observe")
 
 
 def observe_summary(mgr: Any) -> dict[str, Any]:

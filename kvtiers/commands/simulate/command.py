@@ -105,6 +105,10 @@ def simulate(concurrency: str, policies: tuple[str, ...], turns: int, context_to
     drive (datasheet GB/s times its efficiency measured here against raw I/O); obj and p2p
     at the GB/s measured here.
     Prints throughput and prefill tokens saved per offload policy and concurrency."""
+    if plot_path:
+        from ..plot import require_plot
+
+        require_plot()  # before the run, not after it
     from ..progress import Progress
     from .run import POLICIES, format_table, steps
     from .run import simulate as run
