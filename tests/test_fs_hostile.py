@@ -105,7 +105,8 @@ def test_a_special_file_at_index_snapshot_is_a_full_listing_and_the_cleaner_stil
         t = env.open(max_bytes=8 * FILE, rescan_seconds=3600.0)
         assert t.scanned.wait(30), "the open-time scan never finished (blocked on the snapshot?)"
         assert t.is_cleaner and not t.snapshot_loaded
-        assert len(chunk_files(env.root)) <= 8  # the lease holder listed everything and cleaned
+        # the lease holder listed everything and cleaned
+        wait_for(lambda: len(chunk_files(env.root)) <= 8, timeout=30, what="the root back within its bound")
         assert len(_warnings_naming(caplog, snap)) == 1, caplog.text
         # the tier goes on: stores and loads work, and the bound holds
         assert env.store(t, [b"after"]).ok and env.load(t, [b"after"]).ok
@@ -183,7 +184,8 @@ def test_a_snapshot_with_nan_clocks_is_refused_and_the_bound_holds(env, caplog):
     caplog.set_level(logging.WARNING, logger="kvtiers.fs")
     t = env.open(max_bytes=8 * FILE, rescan_seconds=3600.0)
     assert t.scanned.wait(60) and t.is_cleaner and not t.snapshot_loaded
-    assert len(chunk_files(env.root)) <= 8
+    wait_for(lambda: len(chunk_files(env.root)) <= 8, timeout=30, what="the root back within its bound")
+    wait_for(lambda: sum(why == "evicted" for _, why in env.removed) >= 12, timeout=30, what="the evictions' report")
     evicted = [k for k, why in env.removed if why == "evicted"]
     assert len(evicted) == 12 and b"h-19" not in evicted
     assert len(_warnings_naming(caplog, snapshot.path(t.nsdir))) == 1, caplog.text
