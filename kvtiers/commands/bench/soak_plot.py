@@ -34,9 +34,11 @@ def plot_soak(report: dict[str, Any], path: str) -> None:
     n = len(rows[0]["rss"]) if rows else 0
     other = proc.twinx()
     for p in range(n):
-        proc.plot(t, [(r["rss"][p] or 0) / (1 << 20) for r in rows], "o-", label=f"RSS, process {p}")
-        other.plot(t, [r["fds"][p] or 0 for r in rows], "--", color="tab:gray", label=f"fds, process {p}")
-        other.plot(t, [r["threads"][p] or 0 for r in rows], ":", color="tab:purple", label=f"threads, process {p}")
+        color = f"C{p % 10}"  # one color per process: RSS solid, fds dashed, threads dotted
+        proc.plot(t, [(r["rss"][p] or 0) / (1 << 20) for r in rows], "o-", color=color, label=f"RSS, process {p}")
+        other.plot(t, [r["fds"][p] or 0 for r in rows], "--", color=color, alpha=0.7, label=f"fds, process {p}")
+        other.plot(t, [r["threads"][p] or 0 for r in rows], ":", color=color, alpha=0.7,
+                   label=f"threads, process {p}")
     proc.set_ylabel("RSS, MiB")
     proc.set_ylim(bottom=0)
     other.set_ylabel("open fds, threads")
