@@ -26,6 +26,7 @@ def kvtiers(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 def soak(*args: str) -> dict:
     r = kvtiers("bench", "tier", *args, "--json")
     assert r.returncode == 0, r.stderr + r.stdout[-2000:]
+    assert r.stderr == ""  # --json: no progress, no rows on stderr
     return json.loads(r.stdout)
 
 
