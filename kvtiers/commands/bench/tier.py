@@ -165,6 +165,10 @@ def run_soak_command(tier_type: str, options: dict[str, Any], kw: dict[str, Any]
     from ..progress import bar_only
     from .soak import format_header, format_row, format_summary, run_soak
 
+    if kw["plot_path"]:  # before the soak, not after it
+        from ..requires import require
+
+        require("--plot", "matplotlib")
     src = click.get_current_context(silent=True)
     default_chunk = src is not None and src.get_parameter_source("chunk_bytes") is click.core.ParameterSource.DEFAULT
     chunk = 64 << 10 if default_chunk else kw["chunk_bytes"][0]
