@@ -21,7 +21,7 @@ import random
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -29,9 +29,6 @@ from kvtiers import Arena, AsyncTier, Job, JobResult, Lookup, Namespace, TierCon
 from kvtiers.registry import TierHandle, TierInfo, get_registry, open_tier, validate_tier_class
 
 from .limits import DEFAULT_LIMITS, Limits
-
-if TYPE_CHECKING:
-    from .peer import RemoteInstance
 
 POISON_WORD = b"\xde\xad\xbe\xef"
 
@@ -180,14 +177,6 @@ class Harness:
         handle = open_tier(self.tier_type if by_name else self.info.cls, self.options(max_bytes), ctx)
         inst = Instance(self, handle, arena, removed)
         self.instances.append(inst)
-        return inst
-
-    def open_remote(self, *, slot_bytes: int | None = None, max_bytes: int | None = None) -> RemoteInstance:
-        """A new instance of the tier in another process (see :mod:`.peer`)."""
-        from .peer import RemoteInstance
-
-        inst = RemoteInstance(self, slot_bytes=slot_bytes, max_bytes=max_bytes)
-        self.instances.append(inst)  # type: ignore[arg-type]  # close_all closes it too
         return inst
 
     def close_all(self) -> None:

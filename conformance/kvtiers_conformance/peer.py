@@ -1,7 +1,8 @@
 """A tier instance in another process, driven from the parent's check (level ``shared``).
 
-:class:`RemoteInstance` starts :mod:`~kvtiers_conformance.peer_child` and offers the
-:class:`~.harness.Instance` calls the shared checks need. A rule the child finds broken is
+:class:`RemoteInstance` (``RemoteInstance(h)`` in a check) starts
+:mod:`~kvtiers_conformance.peer_child` and offers the :class:`~.harness.Instance` calls the shared
+checks need. A rule the child finds broken is
 raised here as :class:`~.harness.ConformanceFailure`, marked as seen in the second process.
 """
 
@@ -48,6 +49,7 @@ class RemoteInstance:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=child_env(), text=True,
         )
         self._reply(START_S + h.limits.finish_s, "start")
+        h.instances.append(self)  # type: ignore[arg-type]  # the harness's close_all closes it too
 
     # -- protocol ---------------------------------------------------------------------------
     def _stderr_tail(self) -> str:

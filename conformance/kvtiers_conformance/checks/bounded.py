@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from kvtiers import Lookup
 
 from ..harness import CheckSkipped, Harness, Instance, fail, qkey
+from ..peer import RemoteInstance
 from ..rules import check
 
 
@@ -127,7 +128,7 @@ def bounded_shared(h: Harness) -> None:
     lim = h.limits
     cap = lim.bounded_slots
     a = h.open(max_bytes=cap * lim.slot_bytes, num_slots=max(lim.num_slots, 4 * cap + 1))
-    b = h.open_remote(max_bytes=cap * lim.slot_bytes)
+    b = RemoteInstance(h, max_bytes=cap * lim.slot_bytes)
     early = h.keys(cap // 2, b"U")
     a.store(early)
     b.wait_hit(early)  # b has seen them: it may keep answering HIT once a evicts them

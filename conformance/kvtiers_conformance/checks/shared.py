@@ -13,6 +13,7 @@ from __future__ import annotations
 from kvtiers import Lookup
 
 from ..harness import Harness, fail, qkey
+from ..peer import RemoteInstance
 from ..rules import check
 
 
@@ -40,7 +41,7 @@ def read_your_writes_shared(h: Harness) -> None:
     """A key stored by one live instance becomes HIT on another in another process (polling,
     see the module docstring) and loads exactly there; also after the other first answered
     MISS; and the other way round."""
-    a, b = h.open(), h.open_remote()
+    a, b = h.open(), RemoteInstance(h)
     early = h.keys(8, b"H")
     b.resolve(early)  # b now believes these are absent (a negative cache may hold that)
     a.store(early)
@@ -59,7 +60,7 @@ def read_your_writes_shared(h: Harness) -> None:
 def concurrent_stores_shared(h: Harness) -> None:
     """Two live instances in two processes store the same keys (same bytes) at once: both
     succeed, one valid copy."""
-    a, b = h.open(), h.open_remote()
+    a, b = h.open(), RemoteInstance(h)
     keys = h.keys(32, b"W")
     ids_b = b.submit_stores([keys[i:i + 8][::-1] for i in range(0, 32, 8)])
     ids_a = [a.submit("store", keys[i:i + 8]) for i in range(0, 32, 8)]
