@@ -3,7 +3,8 @@ reads, ``kvtiers/engine/`` the library an engine links against, ``kvtiers/comman
 ``kvtiers`` command. Data flows one way: commands use the engine and the SDK, the engine uses
 the SDK; the SDK imports neither, and the engine imports no plugin (plugin features reach it
 through registration hooks). Checked on the syntax trees, so an import inside a function,
-which no import-time test would see, counts too.
+which no import-time test would see, counts too. No two modules of ``kvtiers/``, ``plugins/``
+or ``conformance/`` import each other, directly or round a longer circle.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import ast
 from pathlib import Path
 
 import tomllib
-from test_torch_boundary import ROOT, imports_of
+from test_torch_boundary import ROOT, imports_of, module_name
 
 SDK = ROOT / "kvtiers"
 ENGINE = SDK / "engine"
@@ -125,6 +126,71 @@ def test_the_commands_import_each_other_without_circles() -> None:
 def test_the_circle_check_finds_a_circle() -> None:
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_circle({"a": {"b"}, "b": set(), "c": {"b"}}) is None
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every shipped module of ``kvtiers/``, ``plugins/`` and ``conformance/`` (by import name)
+    -> the shipped modules it imports, at any depth of its syntax tree (``from pkg import
+    name`` is an edge to ``pkg.name`` where that is a module, else to ``pkg``)."""
+    paths = {module_name(p): p for top in ("kvtiers", "plugins", "conformance") for p in (ROOT / top).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        deps = set()
+        for _line, mod in imported(path):
+            mod = mod.removeprefix("plugins.").removeprefix("conformance.")  # relative imports, resolved by path
+            while mod and mod not in paths:
+                mod = mod.rpartition(".")[0]
+            if mod and mod != name:
+                deps.add(mod)
+        graph[name] = deps
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import circle of ``graph`` (a strongly connected set of two or more modules), as
+    one path round it that ends where it began."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if dep not in index:
+                visit(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            members = {stack.pop()}
+            while node not in members:
+                members.add(stack.pop())
+            if len(members) > 1:
+                found.append(find_circle({m: graph[m] & members for m in members}) or sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def test_no_module_of_kvtiers_plugins_or_conformance_is_in_an_import_circle() -> None:
+    graph = module_graph()
+    # the scan sees each kind of import: relative in a plugin and in a subpackage, absolute, inside a function
+    assert "kvtiers_p2p.protocol" in graph["kvtiers_p2p.tier"], graph["kvtiers_p2p.tier"]
+    assert "kvtiers_conformance.rules" in graph["kvtiers_conformance.checks.lookup"]
+    assert "kvtiers.registry" in graph["kvtiers.engine.build"] and "kvtiers.config" in graph["kvtiers.engine.build"]
+    assert "kvtiers_conformance.checks" in graph["kvtiers_conformance.catalog"]  # inside all_checks()
+    found = circles(graph)
+    assert found == [], "import circles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_circles_finds_every_circle_once() -> None:
+    graph = {"a": {"b"}, "b": {"c", "a"}, "c": {"a"}, "d": {"e"}, "e": {"d"}, "f": {"a", "g"}, "g": set()}
+    assert circles(graph) == [["a", "b", "a"], ["d", "e", "d"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
 
 
 def test_the_all_extra_installs_every_torch_free_extra() -> None:
