@@ -59,6 +59,8 @@ OVERHEAD = PAGE
 #: a submit whose chunks hold at most this many bytes is sealed (a result opened) on the
 #: caller's thread: cheaper than a hop to a worker; bigger ones go to the workers (rule 8)
 INLINE_BYTES = 256 << 10
+#: a big job goes to the tier (and to the workers) in pieces of about this many bytes
+PIECE_BYTES = 8 << 20
 #: default budget of the staging arena (bytes), bounded by the caller's arena size
 STAGING_BYTES = 256 << 20
 MIN_STAGING_SLOTS = 8
@@ -463,7 +465,8 @@ class SealedTier:
             if not outer.todo:
                 self._waiting.popleft()
             if outer.kind == "load":
-                self._to_inner("load", (outer, items))
+                for piece in self._split(outer, items):
+                    self._to_inner("load", piece)
             elif len(items) * self.slot_bytes <= INLINE_BYTES:
                 self._done.append(("sealed", (outer, items), self._seal(items)))
             else:
@@ -471,9 +474,10 @@ class SealedTier:
                     self._spawn("sealed", piece, self._seal)
 
     def _split(self, outer: _Outer, items: list) -> list[_Piece]:
-        """At most one piece per worker thread, so big jobs seal in parallel."""
-        n = max(1, min(len(items), self._threads))
-        return [(outer, items[i::n]) for i in range(n) if items[i::n]]
+        """Pieces of about :data:`PIECE_BYTES`: sealing, the tier's I/O and opening overlap
+        piece by piece, and the workers share a big job."""
+        n = max(1, PIECE_BYTES // self.slot_bytes)
+        return [(outer, items[i:i + n]) for i in range(0, len(items), n)]
 
     def _spawn(self, what: str, piece: _Piece, fn: Callable[[list], list]) -> None:
         with self._pool_lock:
@@ -617,8 +621,7 @@ class SealedTier:
         if final or len(good) * self.slot_bytes <= INLINE_BYTES:
             self._done.append(("opened", (outer, good), self._open(good)))
         else:
-            for piece in self._split(outer, good):
-                self._spawn("opened", piece, self._open)
+            self._spawn("opened", (outer, good), self._open)
 
 
 def _summary(what: str, errs: list[tuple[bytes, str, str]]) -> str:
@@ -638,7 +641,7 @@ def staging_slots(spec: Mapping[str, Any], arena: Arena) -> int:
     budget = spec.get("staging_bytes", STAGING_BYTES)
     if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
         raise ConfigError(f"encrypt: 'staging_bytes' expects a positive int (bytes), got {budget!r}")
-    n = max(MIN_STAGING_SLOTS, budget // sealed_bytes(arena.slot_bytes))
+    n = max(MIN_STAGING_SLOTS, budget // arena.slot_bytes)
     return max(1, min(len(arena), n))
 
 

@@ -400,3 +400,53 @@ def test_check_options_accepts_encrypt_for_any_tier():
     assert check_options("memory", MemoryTier, {"encrypt": {"key_file": "/k"}}) == {"encrypt": {"key_file": "/k"}}
     with pytest.raises(ConfigError, match="tier 'memory': option 'encrypt' expects an object, got int"):
         check_options("memory", MemoryTier, {"encrypt": 1})
+
+
+def test_a_config_tier_entry_takes_encrypt(tmp_path):
+    """A config's tier entry (ours or vLLM's secondary_tiers) keeps 'encrypt' among the tier's
+    options; the manager and the vLLM tier open them with open_tier, as here."""
+    from kvtiers.config import load_config
+
+    key = _key(tmp_path)
+    cfg = load_config({"cpu_bytes_to_use": 1 << 30, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(tmp_path / "kv"), "encrypt": {"key_file": key}}]})
+    (tier,) = cfg.tiers
+    assert tier.options["encrypt"] == {"key_file": key}
+    ctx = _ctx()
+    h = open_tier(tier.type, tier.options, ctx)
+    assert _store(h, ctx, [b"cfg"]).ok and _load(h, ctx, [b"cfg"]).ok
+    h.close()
+    assert not any(b"KVTIERS-PLAINTEXT-MARKER" in p.read_bytes() for p in (tmp_path / "kv").rglob("*.bin"))
+
+
+def test_the_cipher_releases_the_gil():
+    """Sealing on the workers runs in parallel with Python on other threads: with a switch
+    interval of 1 s, a thread that held the GIL through encrypt_into would stall this one
+    for a second; this one keeps counting while the worker seals."""
+    import sys
+    import threading
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    aes = AESGCM(os.urandom(32))
+    data, out = bytearray(16 << 20), bytearray((16 << 20) + 16)
+    stop = threading.Event()
+
+    def seal() -> None:
+        while not stop.is_set():
+            aes.encrypt_into(os.urandom(12), memoryview(data), b"", memoryview(out))
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    try:
+        t0 = time.perf_counter()
+        worker = threading.Thread(target=seal)
+        worker.start()
+        counted = 0
+        while time.perf_counter() - t0 < 0.5:
+            counted += 1
+    finally:
+        stop.set()
+        sys.setswitchinterval(old)
+        worker.join()
+    assert counted > 0
