@@ -63,10 +63,10 @@ def config(tier: dict | None, *, tp: int = 1, canonical: bool = False, model: st
 class Engine:
     """vLLM's scheduler side with one kvtiers tier: the real spec, manager and primary region."""
 
-    def __init__(self, tier: dict, **kw) -> None:
-        self.m = TieringOffloadingSpec(config(tier, **kw)).get_manager()
+    def __init__(self, tier: dict, spec: type = TieringOffloadingSpec, **kw) -> None:
+        self.m = spec(config(tier, **kw)).get_manager()
         self.rows = np.frombuffer(self.m.primary_tier.get_kv_memoryview(), dtype=np.uint8).reshape(-1, ROW)
-        self.tier = self.m.secondary_tiers[0]
+        self.tier = self.m.secondary_tiers[0] if self.m.secondary_tiers else None
 
     def settle(self) -> None:
         for _ in range(10000):

@@ -23,11 +23,12 @@ import logging
 from typing import Any
 
 from vllm.platforms import current_platform
-from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingWorker
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingMetricMetadata, OffloadingWorker
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from .cpu_worker import KvtiersCPUWorker
+from .metrics import host_series_definitions, host_stats
 from .shm_region import sweep_stale_regions, unlink_when_mapped, watch_region
 
 log = logging.getLogger("kvtiers.integrations.vllm")
@@ -38,8 +39,31 @@ def vllm_offloads_here() -> bool:
     return bool(current_platform.is_cuda_alike() or current_platform.is_xpu())
 
 
+def _add_host_stats(manager: Any) -> None:
+    """Make the manager's ``get_stats`` report the kvtiers_host_* gauges of its primary tier too."""
+    primary = getattr(manager, "primary_tier", None)
+    if primary is None:
+        return
+    vllm_stats = manager.get_stats
+
+    def get_stats() -> Any:
+        stats = vllm_stats()
+        host = host_stats(primary)
+        if stats is None:
+            return host
+        stats.aggregate(host)
+        return stats
+
+    manager.get_stats = get_stats
+
+
 class KvtiersOffloadingSpec(TieringOffloadingSpec):
     """``TieringOffloadingSpec`` that also offloads on vLLM's CPU platform (see the module)."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        """vLLM's tiering series, each secondary tier's, and the kvtiers_host_* gauges."""
+        return {**super().build_metric_definitions(extra_config), **host_series_definitions()}
 
     def get_manager(self) -> OffloadingManager:
         """vLLM's tiering manager; the offload region is swept for stale files before it is
@@ -50,6 +74,7 @@ class KvtiersOffloadingSpec(TieringOffloadingSpec):
             except Exception as e:  # a sweep must never stop an engine
                 log.warning("kvtiers: sweeping stale offload regions failed: %s", e)
             manager = super().get_manager()
+            _add_host_stats(manager)
             region = getattr(self, "_scheduler_mmap", None)
             if region is not None:
                 try:

@@ -18,7 +18,8 @@ vLLM                        kvtiers
 ``touch(keys, ctx)``        ``touch(keys)``
 ``shutdown()``              ``close()``
 ``take_events()``           keys stored, and keys the tier removed (``ctx.removed``)
-``get_stats()``             removed / failed chunks and backlog (see ``metrics.py``)
+``get_stats()``             removed / failed chunks and backlog, and the kvtiers_tier_*
+                            series (see ``metrics.py``)
 ==========================  ============================================================
 
 A key whose load failed answers MISS until it is stored again, so a tier that keeps
@@ -49,12 +50,13 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...errors import ConfigError
+from ...metrics import TierObserver
 from ...registry import TierHandle, open_tier
 from ...types import PAGE, Arena, Job, Lookup, Namespace, TierContext
 from ...types import JobResult as TierResult
 from ..keys import tier_key
 from .compat import HAS_CONFIG_INFO, ConfigInfoMapping
-from .metrics import TierStats, metric_definitions
+from .metrics import TierSeries, TierStats, metric_definitions, tier_series_definitions
 from .namespace import namespace_fields
 
 log = logging.getLogger("kvtiers.integrations.vllm")
@@ -148,6 +150,11 @@ class KvtiersTier(SecondaryTierManager):
             self._flat.release()
             raise
         self.kvtiers_name = name
+        # kvtiers' own counting around the tier's hooks, reported as kvtiers_tier_* through get_stats
+        observer = TierObserver(tier_type, None)
+        self.handle.add_wrapper(observer, name="kvtiers-metrics")
+        ctx.add_removed_listener(observer.removed)
+        self._series = TierSeries(tier_type, observer)
         log.info("vLLM secondary tier %r: kvtiers tier %r, namespace %s, %d chunks of %d bytes",
                  tier_type, name, self.namespace.digest, len(self.arena), self.arena.slot_bytes)
         if not HAS_CONFIG_INFO:
@@ -182,11 +189,14 @@ class KvtiersTier(SecondaryTierManager):
         k = self._key(key)
         if k in self._failed_loads:
             return LookupResult.MISS
+        t0 = time.perf_counter()
         try:
             (answer,) = self.handle.lookup([k])
         except Exception as e:  # rule 4 says a tier never raises here; if one does, it is a miss
             log.warning("kvtiers tier %r: lookup raised %s: %s", self.kvtiers_name, type(e).__name__, e)
             return LookupResult.MISS
+        finally:
+            self._series.lookup_took(time.perf_counter() - t0)
         return _ANSWER[answer]
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
@@ -298,14 +308,17 @@ class KvtiersTier(SecondaryTierManager):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        return metric_definitions()
+        return {**metric_definitions(), **tier_series_definitions()}
 
     def get_stats(self) -> Any:
         try:
             backlog = 0 if self._closed else self.handle.backlog()
         except Exception:
             backlog = len(self._jobs)
-        return self._stats.take(backlog)
+        stats = self._stats.take(backlog)
+        self._series.take(stats)
+        self._series.backlog(stats, backlog)
+        return stats
 
     # vLLM 0.33's info-metric hooks; vLLM 0.32 has none and never calls them (see compat.py)
     @classmethod
