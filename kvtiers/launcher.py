@@ -38,7 +38,7 @@ from typing import IO, Any
 
 from .errors import TierError
 
-__all__ = ["ChildProcess", "LaunchError", "file_text", "http_answers", "tcp_listening"]
+__all__ = ["ChildProcess", "LaunchError", "file_text", "free_port", "http_answers", "tcp_listening"]
 
 PR_SET_PDEATHSIG = 1
 _TAIL_BYTES = 8192
@@ -255,6 +255,14 @@ class ChildProcess:
     def __repr__(self) -> str:
         state = "not started" if self.proc is None else ("running" if self.alive() else f"exited {self.returncode}")
         return f"<{type(self).__name__} {self.name} pid={self.proc.pid if self.proc else None} {state}>"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the kernel's choice), for a child that cannot bind
+    port 0 and say which port it got."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 # -- ready checks ------------------------------------------------------------------------

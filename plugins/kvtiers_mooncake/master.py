@@ -11,14 +11,13 @@ thread) by the one launcher, :class:`kvtiers.launcher.ChildProcess`.
 from __future__ import annotations
 
 import shutil
-import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvtiers import TierError
-from kvtiers.launcher import ChildProcess, LaunchError, tcp_listening
+from kvtiers.launcher import ChildProcess, LaunchError, free_port, tcp_listening
 
 
 def master_binary() -> str:
@@ -40,13 +39,6 @@ def master_binary() -> str:
     except (ImportError, ValueError):
         pass
     raise FileNotFoundError("mooncake_master not found: pip install 'kvtiers[mooncake]'")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (the kernel's choice)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class MasterProcess(ChildProcess):
