@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -114,6 +115,17 @@ def test_bench_tier_plot_without_matplotlib_is_one_error_line(tmp_path):
     assert "Traceback" not in r.stderr and r.returncode == 2, r.stderr
     errors = [x for x in r.stderr.splitlines() if x.startswith("kvtiers: error: ")]
     assert len(errors) == 1 and "pip install 'kvtiers[plot]'" in errors[0], r.stderr
+
+
+def test_each_extra_the_table_names_installs_that_package():
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for module, (dist, extra) in PACKAGES.items():
+        if extra is not None:  # torch and vllm: installed apart (see INSTALL)
+            assert extra in extras, (module, extra)
+            assert any(req.lower().startswith(dist.lower()) for req in extras[extra]), (module, dist, extras[extra])
 
 
 def test_every_optional_package_has_a_way_to_install_it():
