@@ -43,6 +43,8 @@ def make_tiny_model(
     max_position_embeddings: int = 16384,
     dtype: str = "bfloat16",
     seed: int = 0,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
     """Make (or find in the cache) a ``arch``-shaped causal LM and return its directory.
 
@@ -50,6 +52,10 @@ def make_tiny_model(
     saved weights (``bfloat16``, ``float16`` or ``float32``). The weights are random but fixed by
     ``seed``; the tokenizer has ``vocab_size`` tokens. With ``out_dir`` None the model goes to
     ``build_dir()/models/tiny-<arch>-<digest of the arguments>``.
+
+    ``layer_types`` (one per layer, ``"full_attention"`` or ``"sliding_attention"``) with
+    ``sliding_window`` (tokens) makes a hybrid: its sliding layers attend to the last
+    ``sliding_window`` tokens only (vLLM honours them: one KV cache group per kind).
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"make_tiny_model: arch {arch!r} is not one of {sorted(ARCHITECTURES)}")
@@ -63,6 +69,15 @@ def make_tiny_model(
     params = dict(arch=arch, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                   num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, vocab_size=vocab_size,
                   max_position_embeddings=max_position_embeddings, dtype=dtype, seed=seed, version=1)
+    if layer_types is not None or sliding_window is not None:  # only then: other models keep their digest
+        kinds = ("full_attention", "sliding_attention")
+        if layer_types is None or len(layer_types) != num_layers or any(t not in kinds for t in layer_types):
+            raise ValueError(f"make_tiny_model: layer_types must give one of {kinds} for each of the {num_layers} "
+                             f"layers, got {layer_types!r}")
+        if "sliding_attention" in layer_types and (not isinstance(sliding_window, int) or sliding_window <= 0):
+            raise ValueError(f"make_tiny_model: sliding layers need sliding_window (tokens) > 0, "
+                             f"got {sliding_window!r}")
+        params.update(layer_types=list(layer_types), sliding_window=sliding_window)
     if out_dir is None:
         digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
         out = build_dir() / "models" / f"tiny-{arch}-{digest}"
@@ -130,6 +145,9 @@ def _save_model(path: Path, p: dict, vocab: int) -> None:
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
     )
     config.architectures = [ARCHITECTURES[p["arch"]]]
+    if "layer_types" in p:
+        config.layer_types = p["layer_types"]
+        config.sliding_window = p["sliding_window"]
     model_cls = getattr(transformers, ARCHITECTURES[p["arch"]])
     with torch.random.fork_rng():
         torch.manual_seed(p["seed"])

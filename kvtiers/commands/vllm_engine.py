@@ -6,6 +6,8 @@ Run in vLLM's environment (``make demo-vllm`` and the end-to-end tests use ``.ve
 
 ``JOB.json``: ``{"model": dir, "prompts": [[token ids], ...], "max_tokens": N,
 "kv_transfer_config": {...} or null, "max_model_len": N, "kvcache_gib": N, "runs": [...]}``.
+With no ``model``, the tiny model of ``kvtiers.commands.tinymodel`` is made (once) and used,
+with the options in ``"tiny_model"`` (e.g. ``{"layer_types": [...], "sliding_window": 256}``).
 ``runs`` (optional) lists rounds, each a list of prompt indices served in order, one request
 at a time (default: every prompt once); ``"reset"`` between rounds drops vLLM's device prefix
 cache, so the next round's prefixes must come from the offload tiers. One engine per process:
@@ -137,7 +139,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     if not job.get("model"):
         from .tinymodel import make_tiny_model
 
-        job = dict(job, model=str(make_tiny_model()))
+        job = dict(job, model=str(make_tiny_model(**(job.get("tiny_model") or {}))))
     prompts: list[list[int]] = job["prompts"]
     longest = max(len(p) for p in prompts)
     max_tokens = int(job.get("max_tokens", 8))

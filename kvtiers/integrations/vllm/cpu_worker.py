@@ -1,16 +1,23 @@
-"""KvtiersCPUWorker: vLLM's offloading worker on its CPU platform, through kvtiers' DMA engine.
+"""KvtiersCPUWorker: vLLM's offloading worker on its CPU platform.
 
 vLLM's own worker (``CPUOffloadingWorker``) copies between the device KV cache and the rows
 of the shared offload region with CUDA/XPU kernels, so vLLM refuses to offload on CPU. This
-worker does the same copies where the "device" KV cache is vLLM's CPU KV cache: the region's
-rows are a kvtiers arena (row ``c`` is slot ``c``), and each job is one batched
-:class:`~kvtiers.engine.dma.DmaEngine` transfer (strided ``np.copyto`` / ``memmove`` on the
-caller's thread, no per-block Python work). A job is finished when its submit returns, and is
-reported by the next ``get_finished``: the model step waits for the copy itself, nothing else.
+worker does the same copies where the "device" KV cache is vLLM's CPU KV cache: one strided
+numpy copy per (KV cache group, tensor the group's refs name) of a job, on the caller's
+thread, no per-block Python work. A job is finished when its submit returns and is reported
+by the next ``get_finished``: the model step waits for the copy itself, nothing else.
 
 Row layout, the same as vLLM's worker writes it (``SharedOffloadRegion.create_next_worker_view``):
-for each canonical KV tensor in order, the chunk's ``blocks_per_chunk`` blocks of that tensor
-back to back. The primary tier and every secondary tier see the same bytes as on a GPU.
+a row is one chunk of one KV cache group; this worker's slot of it starts at ``slot_offset``
+(``rank * cpu_page_size_per_worker`` with tensor parallelism: the ranks' slots side by side)
+and holds, for each canonical KV tensor in order, ``blocks_per_chunk`` pages of that
+tensor's page size back to back. A group copies only into the tensors its refs name, and
+only the ref's ``page_size_bytes`` of each page (a page may be padded). Hybrid models (a
+sliding-window and a full-attention group sharing tensors, SSM state) therefore work as on a
+GPU: each group's blocks come in ``group_sizes`` order, each group's first chunk may start
+mid-chunk (``block_indices[g] % blocks_per_chunk`` positions skipped), and a sliding-window
+group stores and reloads only the blocks vLLM's scheduler asks for (its window). The primary
+tier and every secondary tier see the same bytes as on a GPU.
 """
 
 from __future__ import annotations
@@ -30,103 +37,121 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from ...engine.arena import HostArena
-from ...engine.dma import DmaEngine
-from ...engine.layout import KVGroup, KVLayout
-
 log = logging.getLogger("kvtiers.integrations.vllm")
 
-
-def region_arena(flat: memoryview, num_slots: int, slot_bytes: int) -> HostArena:
-    """A :class:`HostArena` over memory someone else owns (vLLM's offload region), unpinned.
-
-    Closing it lets go of the views only; the owner unmaps the memory.
-    """
-    if len(flat) < num_slots * slot_bytes:
-        raise ValueError(f"offload region of {len(flat)} bytes is smaller than {num_slots} rows of {slot_bytes}")
-    return HostArena(mem=flat, buf=flat[: num_slots * slot_bytes], num_slots=num_slots, slot_bytes=slot_bytes,
-                     pinned=False, pin=None, shared_memory=None, creator=False, fd=None, elastic=False,
-                     elastic_max_bytes=0, elastic_reserve_bytes=0)
+__all__ = ["KvtiersCPUWorker", "slot_bytes"]
 
 
-def kv_layout(kv_caches: CanonicalKVCaches) -> tuple[KVLayout, dict[str, list[list[Any]]]]:
-    """The kvtiers layout of vLLM's canonical KV tensors, and the tensors per group and layer.
+def slot_bytes(kv_caches: CanonicalKVCaches, blocks_per_chunk: int) -> int:
+    """Bytes of one worker's slot of a row: every canonical tensor's page, ``blocks_per_chunk`` times."""
+    return sum(ct.page_size_bytes for ct in kv_caches.tensors) * blocks_per_chunk
 
-    One group of ``len(tensors)`` one-tensor layers when every tensor has the same page size
-    (a plain decoder), else one group per tensor; both give the row layout above.
-    """
+
+def _kv_pages(kv_caches: CanonicalKVCaches) -> list[np.ndarray]:
+    """Each canonical KV tensor as ``uint8 [num_blocks, page_size_bytes]`` over its memory."""
     import torch
 
-    if len(kv_caches.group_data_refs) != 1:
-        raise NotImplementedError(
-            f"KvtiersOffloadingSpec on CPU handles models with one KV cache group; this model has "
-            f"{len(kv_caches.group_data_refs)} (a hybrid model): offload it on a GPU, where vLLM's own worker runs")
-    tensors = []
+    out = []
     for i, ct in enumerate(kv_caches.tensors):
-        t = ct.tensor.view(torch.int8).view(-1, ct.page_size_bytes) if ct.tensor.is_contiguous() else ct.tensor
+        t = ct.tensor
         if not t.is_contiguous():
-            raise NotImplementedError(f"KV tensor {i} has blocks {t.stride(0)} bytes apart but pages of "
-                                      f"{ct.page_size_bytes} (a packed layout): not supported on CPU")
-        tensors.append(t)
-    pages = [t.shape[1] for t in tensors]
-    if len(set(pages)) == 1:
-        layout = KVLayout([KVGroup("kv", len(tensors), 1, pages[0])])
-        return layout, {"kv": [[t] for t in tensors]}
-    groups = [KVGroup(f"t{i}", 1, 1, p) for i, p in enumerate(pages)]
-    return KVLayout(groups), {g.name: [[t]] for g, t in zip(groups, tensors, strict=True)}
+            raise NotImplementedError(f"KV tensor {i} of shape {tuple(t.shape)} is not contiguous (a packed layout): "
+                                      f"not supported on CPU")
+        pages = t.view(torch.int8).view(-1, ct.page_size_bytes)
+        out.append(pages.numpy().view(np.uint8))
+    return out
 
 
 class KvtiersCPUWorker(OffloadingWorker):
-    """Copies KV chunks between vLLM's CPU KV cache and the shared offload region rows.
+    """Copies KV chunks between vLLM's CPU KV cache and this worker's slot of the offload region rows.
 
     ``region`` is vLLM's ``SharedOffloadRegion`` for this worker; the worker owns it from a
-    successful construction on and cleans it up on :meth:`shutdown`.
+    successful construction on and cleans it up on :meth:`shutdown`. ``slot_offset``: where this
+    worker's slot starts in each row (``rank * cpu_page_size_per_worker``; 0 with one worker).
     """
 
-    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, region: Any) -> None:
-        layout, tensors = kv_layout(kv_caches)
-        self.blocks_per_chunk = blocks_per_chunk
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, region: Any, *,
+                 slot_offset: int = 0) -> None:
+        if blocks_per_chunk <= 0:
+            raise ValueError(f"kvtiers CPU worker: blocks_per_chunk must be positive, got {blocks_per_chunk}")
+        self.blocks_per_chunk = bpc = int(blocks_per_chunk)
+        self._kv = _kv_pages(kv_caches)
+        self._refs = [[(int(r.tensor_idx), int(r.page_size_bytes)) for r in refs]
+                      for refs in kv_caches.group_data_refs]
+        for g, refs in enumerate(self._refs):
+            for t, size in refs:
+                if not 0 <= t < len(self._kv):
+                    raise ValueError(f"kvtiers CPU worker: group {g} names KV tensor {t}; there are {len(self._kv)}")
+                if not 0 < size <= self._kv[t].shape[1]:
+                    raise ValueError(f"kvtiers CPU worker: group {g}'s ref to tensor {t} has pages of {size} bytes; "
+                                     f"the tensor's pages are {self._kv[t].shape[1]}")
         self._region = region
-        view = region.create_kv_memoryview()
-        self._flat = view.cast("B")
-        self.host = region_arena(self._flat, view.shape[0], view.shape[1])
-        self.dma = DmaEngine(layout, tensors, self.host, blocks_per_chunk)
-        self._group = layout.groups[0].name if len(layout.groups) == 1 else None
-        self._names = [g.name for g in layout.groups]
-        self._block_bytes = sum(g.num_layers * g.block_bytes for g in layout.groups)  # one block, every tensor
+        self._view = region.create_kv_memoryview()
+        rows = np.asarray(self._view).view(np.uint8)
+        num_rows, row_stride = rows.shape
+        need = slot_bytes(kv_caches, bpc)
+        if slot_offset < 0 or slot_offset + need > row_stride:
+            raise ValueError(f"kvtiers CPU worker: a slot of {need} bytes at offset {slot_offset} does not fit in "
+                             f"offload region rows of {row_stride} bytes")
+        self._rows: list[np.ndarray] = []  # per tensor: uint8 [num_rows, bpc, page] over its part of every row
+        off = slot_offset
+        for kv in self._kv:
+            page = kv.shape[1]
+            self._rows.append(np.lib.stride_tricks.as_strided(
+                rows[:, off:], shape=(num_rows, bpc, page), strides=(row_stride, page, 1), writeable=True))
+            off += bpc * page
         self._done: list[TransferResult] = []
-        log.info("kvtiers CPU offloading worker: %d KV tensors, %d-byte blocks, %d rows of %d bytes",
-                 len(kv_caches.tensors), self._block_bytes, self.host.num_slots, self.host.slot_bytes)
+        log.info("kvtiers CPU offloading worker: %d KV tensors, %d KV cache group(s), slot of %d bytes at %d in "
+                 "%d rows of %d bytes", len(self._kv), len(self._refs), need, slot_offset, num_rows, row_stride)
 
-    def _chunks(self, gpu: GPULoadStoreSpec, chunk_spec: LoadStoreSpec) -> tuple[list[tuple[Any, int]], int]:
-        """The DMA chunks ``(block ids, row)`` of a job, and the number of blocks it copies.
+    def _plan(self, gpu: GPULoadStoreSpec, chunk_spec: LoadStoreSpec) -> list[tuple[int, np.ndarray, np.ndarray,
+                                                                                    np.ndarray]]:
+        """Per KV cache group with blocks in the job: ``(group, block ids, rows, positions in the row)``.
 
-        vLLM's first chunk of a job may start mid-chunk (``block_indices[0] % blocks_per_chunk``
-        blocks in): those positions are ``-1``, not copied.
+        Blocks come group by group (``group_sizes``); group ``g``'s first block is the
+        request's block ``block_indices[g]``, so its first chunk starts
+        ``block_indices[g] % blocks_per_chunk`` positions in. Rows come group by group too.
         """
         if not isinstance(chunk_spec, BlockIDsLoadStoreSpec):
             raise TypeError(f"kvtiers CPU worker: expected a CPU chunk spec, got {type(chunk_spec).__name__}")
         blocks = np.asarray(gpu.block_ids, dtype=np.int64).reshape(-1)
         rows = np.asarray(chunk_spec.block_ids, dtype=np.int64).reshape(-1)
-        (start,) = gpu.block_indices
+        sizes = [int(s) for s in gpu.group_sizes]
+        starts = [int(s) for s in gpu.block_indices]
+        if len(sizes) != len(self._refs) or len(starts) != len(sizes):
+            raise ValueError(f"kvtiers CPU worker: the job has {len(sizes)} group sizes and {len(starts)} block "
+                             f"indices; the model has {len(self._refs)} KV cache groups")
         bpc = self.blocks_per_chunk
-        skip = int(start) % bpc
-        ids = np.concatenate([np.full(skip, -1, np.int64), blocks]) if skip else blocks
-        n = -(-len(ids) // bpc)
-        if n != len(rows):
-            raise ValueError(f"kvtiers CPU worker: {len(blocks)} blocks from block {start} fill {n} chunks of "
-                             f"{bpc}, but the job names {len(rows)} rows")
-        pieces = [ids[i * bpc:(i + 1) * bpc] for i in range(n)]
-        if skip:  # a position to skip needs the per-group form
-            return [({name: p for name in self._names}, int(r)) for p, r in zip(pieces, rows, strict=True)], len(blocks)
-        return [(p, int(r)) for p, r in zip(pieces, rows, strict=True)], len(blocks)
+        plan = []
+        b0 = r0 = 0
+        for g, (n, start) in enumerate(zip(sizes, starts, strict=True)):
+            if n == 0:
+                continue
+            skip = start % bpc
+            nrows = -(-(n + skip) // bpc)
+            if b0 + n <= len(blocks) and r0 + nrows <= len(rows):
+                pos = np.arange(skip, skip + n)
+                plan.append((g, blocks[b0:b0 + n], rows[r0:r0 + nrows][pos // bpc], pos % bpc))
+            b0, r0 = b0 + n, r0 + nrows
+        if b0 != len(blocks) or r0 != len(rows):
+            what = (f"{len(blocks)} blocks from block {starts[0]}" if len(sizes) == 1 else
+                    f"{len(blocks)} blocks in groups of {sizes} from blocks {starts}")
+            raise ValueError(f"kvtiers CPU worker: {what} fill {r0} chunks of {bpc}, "
+                             f"but the job names {len(rows)} rows")
+        return plan
 
     def _run(self, job_id: int, gpu: GPULoadStoreSpec, chunk_spec: LoadStoreSpec, load: bool) -> bool:
         t0 = time.perf_counter()
-        chunks, nblocks = self._chunks(gpu, chunk_spec)
-        (self.dma.submit_load if load else self.dma.submit_store)(job_id, chunks)
-        self.dma.poll()  # CPU transfers are finished when submit returns
-        self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=nblocks * self._block_bytes,
+        nbytes = 0
+        for g, blocks, rows, pos in self._plan(gpu, chunk_spec):
+            for t, size in self._refs[g]:
+                kv, cells = self._kv[t], self._rows[t]
+                if load:
+                    kv[blocks, :size] = cells[rows, pos, :size]
+                else:
+                    cells[rows, pos, :size] = kv[blocks, :size]
+                nbytes += len(blocks) * size
+        self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
                                          transfer_time=time.perf_counter() - t0))
         return True
 
@@ -148,14 +173,13 @@ class KvtiersCPUWorker(OffloadingWorker):
         return
 
     def shutdown(self) -> None:
-        """Close the DMA engine, let go of the region's views, and clean the region up."""
+        """Let go of the arrays over the region and the KV cache, and clean the region up."""
         if self._region is None:
             return
-        self.dma.close()
-        self.dma = None  # type: ignore[assignment]  # drops its arrays over the region
-        self.host.close()
+        self._rows.clear()
+        self._kv.clear()
         try:
-            self._flat.release()
+            self._view.release()
         except BufferError:  # a view still alive: vLLM's clean-up then logs that it could not unmap
             log.debug("kvtiers CPU worker: offload region views still alive at shutdown")
         region, self._region = self._region, None
