@@ -110,6 +110,10 @@ def run_command(tier_type: str, kw: dict[str, Any], variants: dict[str, dict[str
     options = parse_json_option(kw["config_text"], kw["config_file"])
     options.pop("type", None)
     get_registry().tier_info(tier_type)  # an unknown type is an error before anything runs
+    if kw["plot_path"]:  # matplotlib missing: said before the run, not after it
+        from ..plot import require_plot
+
+        require_plot()
     if kw.get("soak") is not None:
         many = [d for d in (variants, runs) if d and len(d) > 1]
         if many:
