@@ -95,3 +95,27 @@ def test_rewrite_needs_keys_and_a_directory(tmp_path, capsys):
     assert rc == 2 and "rewrite needs the tier's 'encrypt' option" in err
     rc, _, err = _cli(capsys, "encrypt", "scan", "memory", "--config", "{}")
     assert rc == 2 and "its options name no existing directory" in err
+
+
+def test_bench_tier_takes_encrypt(tmp_path, capsys):
+    """`kvtiers bench tier TYPE --config` with 'encrypt': the tier is measured sealed."""
+    config = json.dumps({"root_dir": str(tmp_path / "kv"), "encrypt": {"key_file": _key(tmp_path, "k")}})
+    rc, out, err = _cli(capsys, "bench", "tier", "fs", "--config", config, "--chunk-bytes", "64KiB",
+                        "--total-bytes", "1MiB", "--rounds", "1", "--no-concurrency", "--no-baseline", "--json")
+    assert rc == 0, err
+    rows = json.loads(out)["results"]
+    assert {r["op"] for r in rows} == {"store", "load"}
+    chunks = list((tmp_path / "kv").rglob("*.bin"))
+    assert all(read_header(p.read_bytes()[:HEADER.size]) is not None for p in chunks)  # sealed, if kept
+
+
+def test_missing_cryptography_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):
+    """Fault injection: the package cannot be imported."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
+    config = json.dumps({"root_dir": str(tmp_path), "encrypt": {"key_file": _key(tmp_path, "k")}})
+    rc, _, err = _cli(capsys, "encrypt", "rewrite", "fs", "--config", config)
+    assert rc == 2
+    assert err.strip() == ("kvtiers: error: tier 'fs': encrypt: needs the 'cryptography' package: "
+                           "pip install 'kvtiers[encrypt]'")
