@@ -85,6 +85,7 @@ def cli(verbose: int) -> None:
         "arena": ("kvtiers.commands.bench.arena:arena", "Device<->arena chunk copies against np.copyto."),
         "asynctier": ("kvtiers.commands.bench.asynctier:asynctier",
                       "Cost per key of the AsyncTier base class (no I/O)."),
+        "serve": ("kvtiers.commands.bench.serve:serve", "Offloading on a real vllm serve under vLLM's own client."),
         "tier": ("kvtiers.commands.bench.tier:tier",
                  "Any tier's GB/s, lookups and submit latency, against its baseline."),
     },

@@ -1,0 +1,249 @@
+"""``kvtiers bench serve``: the offloading curve on a real ``vllm serve``, driven by vLLM's own client.
+
+Per configuration — ``none`` (no offloading), ``host`` (kvtiers' host arena only, empty
+``secondary_tiers``), the arena plus each kvtiers tier named (``fs``, ``obj``, ``p2p``,
+``mooncake``, any installed tier) and ``vllm-fs`` (vLLM's own fs tier under the same spec, the
+peer) — it starts ``vllm serve`` on 127.0.0.1 with the tiny local model and vLLM's device
+cache held to ``--gpu-blocks`` blocks, and runs ``vllm bench serve --dataset-name
+prefix_repetition`` against it for every working set (``--prefixes``) and concurrency. Each
+configuration's server is fresh (its tiers too); configurations are interleaved, the whole
+round repeated ``--repeats`` times. Per cell: req/s, output tok/s, TTFT mean/median/p99, failed
+requests (from the client's ``--save-result`` JSON); prompt tokens by source, per-tier chunk
+hits and bytes, promotion allocation failures and lookup waits (from the server's /metrics
+before and after); the machine's load. After its cells each server answers a few fixed greedy
+prompts: their tokens must be the same under every configuration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import click
+
+from . import serve_metrics as sm
+from . import serve_run as sr
+
+__all__ = ["run_bench_serve", "serve"]
+
+BENCH_FIELDS = ("request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+                "completed", "failed", "duration")
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{what}: {text!r} is not a comma-separated list of integers") from None
+    if not vals or min(vals) < 1:
+        raise click.BadParameter(f"{what}: {text!r} must name at least one integer, each >= 1")
+    return vals
+
+
+def _one_server(cfg: sr.Config, repeat: int, settings: sr.ServeSettings, cells: list[tuple[int, int]],
+                workdir: str, tier_extra: dict[str, dict[str, Any]], bar: Any) -> dict[str, Any]:
+    """Start ``cfg``'s server (and tier servers), run its cells and the greedy prompts, stop it."""
+    from ...integrations.vllm.shm_region import sweep_stale_regions
+
+    wd = os.path.join(workdir, f"{cfg.name}-r{repeat}")
+    os.makedirs(wd, exist_ok=True)
+    run: dict[str, Any] = {"config": cfg.name, "repeat": repeat, "cells": []}
+    shm_before = sr.shm_regions()
+    with contextlib.ExitStack() as stack:
+        ktc = sr.server_config(cfg, settings, wd, stack, tier_extra)
+        run["kv_transfer_config"] = ktc
+        srv = sr.VllmServer(settings, ktc, os.path.join(wd, "server.log"))
+        t0 = time.monotonic()
+        srv.start(timeout=settings.start_timeout)
+        stack.callback(srv.stop)
+        sr.warm_up(srv.base_url, settings.model)
+        run["start_s"] = time.monotonic() - t0
+        bar.advance(note=f"{cfg.name} r{repeat}: server up in {run['start_s']:.0f} s")
+        for i, (prefixes, conc) in enumerate(cells):
+            seed = 1000 + i  # the same prompts in every configuration and repeat
+            before = sm.scrape(srv.base_url)
+            load0 = sr.load_now()
+            res = sr.bench_cell(srv.base_url, settings, prefixes, conc, seed,
+                                os.path.join(wd, f"bench-p{prefixes}-c{conc}.json"), os.path.join(wd, "bench.log"))
+            time.sleep(1.0)  # the last step's stats reach the API server
+            d = sm.delta(before, sm.scrape(srv.base_url))
+            cell = {"prefixes": prefixes, "concurrency": conc, "seed": seed,
+                    "bench": {k: res.get(k) for k in BENCH_FIELDS},
+                    "metrics": sm.summarize(d),
+                    "metrics_delta": {k: v for k, v in d.items() if "kv_offload" in k or "kvtiers" in k
+                                      or "prompt_tokens" in k or "prefix_cache" in k},
+                    "load": [load0, sr.load_now()]}
+            run["cells"].append(cell)
+            bar.advance(note=f"{cfg.name} r{repeat} {prefixes} prefixes C={conc}: "
+                             f"{res.get('request_throughput', 0):.2f} req/s")
+        run["greedy"] = sr.greedy_outputs(srv.base_url, settings.model, sr.greedy_prompts(settings),
+                                          settings.output_len)
+    left = sr.wait_gone(sr.shm_regions() - shm_before)
+    run["shm_left"] = sorted(left)
+    for p in left:  # reported, then removed unless some process still holds it
+        sweep_stale_regions(pattern=p)
+    return run
+
+
+def _aggregate(report: dict[str, Any]) -> None:
+    """Per (configuration, prefixes, concurrency): medians over repeats, ranges, fractions."""
+    rows: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    for run in report["runs"]:
+        for c in run["cells"]:
+            rows.setdefault((run["config"], c["prefixes"], c["concurrency"]), []).append(c)
+    fit_p = min(report["prefixes"])
+    out = []
+    for (name, p, conc), cells in rows.items():
+        rps = [c["bench"]["request_throughput"] or 0.0 for c in cells]
+        row: dict[str, Any] = {"config": name, "prefixes": p, "concurrency": conc, "repeats": len(cells),
+                               "req_s": statistics.median(rps), "req_s_range": [min(rps), max(rps)]}
+        for k in ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms"):
+            row[k] = statistics.median([c["bench"][k] or 0.0 for c in cells])
+        row["failed"] = sum(c["bench"]["failed"] or 0 for c in cells)
+        row["completed"] = sum(c["bench"]["completed"] or 0 for c in cells)
+        m = [c["metrics"] for c in cells]
+        row["prompt_tokens"] = _mean_dicts([x["prompt_tokens"] for x in m])
+        row["cached_by_source"] = _mean_dicts([x["cached_by_source"] for x in m])
+        row["tiers"] = {t: _mean_dicts([x["tiers"].get(t, {}) for x in m])
+                        for t in sorted({t for x in m for t in x["tiers"]})}
+        for k in ("promotion_alloc_failures", "lookup_async_delay_s", "lookup_async_waits"):
+            row[k] = statistics.mean(x[k] for x in m)
+        row["load"] = statistics.mean(c["load"][1] for c in cells)
+        out.append(row)
+    ref = {(r["concurrency"]): r["req_s"] for r in out if r["config"] == "none" and r["prefixes"] == fit_p}
+    for r in out:
+        own = next((x["req_s"] for x in out if x["config"] == r["config"] and x["prefixes"] == fit_p
+                    and x["concurrency"] == r["concurrency"]), None)
+        base = ref.get(r["concurrency"], own)
+        r["fraction_of_fit"] = (r["req_s"] / base) if base else None
+    report["fit"] = {"prefixes": fit_p, "reference": "none" if ref else "own"}
+    order = {n: i for i, n in enumerate(report["configs"])}
+    report["cells"] = sorted(out, key=lambda r: (r["concurrency"], r["prefixes"], order[r["config"]]))
+
+
+def _mean_dicts(ds: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = sorted({k for d in ds for k in d})
+    out: dict[str, Any] = {}
+    for k in keys:
+        vals = [d.get(k, 0.0) for d in ds]
+        out[k] = _mean_dicts([v if isinstance(v, dict) else {} for v in vals]) if any(
+            isinstance(v, dict) for v in vals) else statistics.mean(vals)
+    return out
+
+
+def _identity(report: dict[str, Any]) -> None:
+    runs = report["runs"]
+    ref = runs[0]["greedy"] if runs else None
+    differ = sorted({f"{r['config']} r{r['repeat']}" for r in runs if r["greedy"] != ref})
+    report["identity"] = {"reference": f"{runs[0]['config']} r0" if runs else None, "prompts": len(ref or []),
+                          "identical": not differ, "differ": differ}
+
+
+def run_bench_serve(configs: list[sr.Config], settings: sr.ServeSettings, prefixes: list[int],
+                    concurrency: list[int], repeats: int, *, workdir: str | None = None,
+                    tier_extra: dict[str, dict[str, Any]] | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Run the sweep; the report (see :func:`kvtiers.commands.bench.serve_report.render`)."""
+    from ..progress import Progress
+
+    own = workdir is None
+    wd = tempfile.mkdtemp(prefix="kvtiers-bench-serve-") if own else workdir
+    os.makedirs(wd, exist_ok=True)
+    cells = [(p, c) for p in prefixes for c in concurrency]
+    report: dict[str, Any] = {
+        "engine": "vllm serve", "model": settings.model, "configs": [c.name for c in configs], "prefixes": prefixes,
+        "concurrency": concurrency, "repeats": repeats,
+        "settings": {"prefix_len": settings.prefix_len, "suffix_len": settings.suffix_len,
+                     "output_len": settings.output_len, "requests_per_prefix": settings.per_prefix,
+                     "gpu_blocks": settings.gpu_blocks, "cpu_bytes": settings.cpu_bytes},
+        "machine": {"cpus": os.cpu_count(), "load_at_start": list(os.getloadavg())}, "runs": []}
+    try:
+        with Progress(repeats * len(configs) * (1 + len(cells)), "bench serve", quiet=quiet) as bar:
+            for r in range(repeats):
+                for cfg in configs:
+                    report["runs"].append(_one_server(cfg, r, settings, cells, wd, tier_extra or {}, bar))
+    finally:
+        if own:
+            shutil.rmtree(wd, ignore_errors=True)
+    report["machine"]["load_at_end"] = list(os.getloadavg())
+    _aggregate(report)
+    _identity(report)
+    return report
+
+
+@click.command(name="serve")
+@click.option("--tiers", default="fs", show_default=True,
+              help="kvtiers tiers to measure, each behind the host arena (fs, obj, p2p, mooncake, any "
+                   "installed tier); '' for none.")
+@click.option("--peer/--no-peer", default=True, show_default=True,
+              help="Also measure vLLM's own fs tier (vllm-fs) under the same spec.")
+@click.option("--configs", default=None,
+              help="The configurations, in order, instead of none,host,<tiers>,vllm-fs (e.g. none,host).")
+@click.option("--prefixes", default="2,6,12,24", show_default=True, help="Working sets: distinct prefixes.")
+@click.option("--concurrency", default="4", show_default=True, help="Client concurrencies (--max-concurrency).")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1), help="Interleaved rounds.")
+@click.option("--prefix-len", default=4096, show_default=True, type=click.IntRange(1), help="Prefix tokens.")
+@click.option("--suffix-len", default=64, show_default=True, type=click.IntRange(1), help="Suffix tokens.")
+@click.option("--output-len", default=16, show_default=True, type=click.IntRange(1), help="Output tokens.")
+@click.option("--requests-per-prefix", default=8, show_default=True, type=click.IntRange(1),
+              help="Requests sharing each prefix.")
+@click.option("--gpu-blocks", default=96, show_default=True, type=click.IntRange(1),
+              help="vLLM's device cache, in blocks (--num-gpu-blocks-override).")
+@click.option("--cpu-bytes", default=512 << 20, show_default=True, type=click.IntRange(1),
+              help="cpu_bytes_to_use: the host arena.")
+@click.option("--model", default=None, help="Model directory (default: the tiny local Llama).")
+@click.option("--tier-config", "tier_config", multiple=True, metavar="NAME=JSON",
+              help="Extra keys of a tier's secondary_tiers entry, e.g. fs='{\"verify\": true}'.")
+@click.option("--serve-arg", "serve_args", multiple=True, help="One more argument for every vllm serve.")
+@click.option("--workdir", default=None, help="Keep servers' logs, tiers and results here (default: a temp dir).")
+@click.option("--plot", "plot_file", default=None, help="Draw req/s against working set to this file.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def serve(tiers: str, peer: bool, configs: str | None, prefixes: str, concurrency: str, repeats: int,
+          prefix_len: int, suffix_len: int, output_len: int, requests_per_prefix: int, gpu_blocks: int,
+          cpu_bytes: int, model: str | None, tier_config: tuple[str, ...], serve_args: tuple[str, ...],
+          workdir: str | None, plot_file: str | None, as_json: bool) -> None:
+    """Offloading on a real `vllm serve` under load, per configuration, with vLLM's own client."""
+    from . import serve_report
+
+    names = configs.split(",") if configs is not None else (
+        ["none", "host"] + [t for t in tiers.split(",") if t.strip()] + (["vllm-fs"] if peer else []))
+    try:
+        cfgs = sr.configs_for(names)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--configs/--tiers") from None
+    extra: dict[str, dict[str, Any]] = {}
+    for item in tier_config:
+        name, eq, text = item.partition("=")
+        try:
+            val = json.loads(text) if eq else None
+        except json.JSONDecodeError:
+            val = None
+        if not isinstance(val, dict):
+            raise click.BadParameter(f"{item!r} is not NAME=JSON-object", param_hint="--tier-config")
+        extra[name.strip()] = val
+    p_list, c_list = _ints(prefixes, "--prefixes"), _ints(concurrency, "--concurrency")
+    if plot_file:
+        serve_report.require_plot()
+    from ..requires import require
+
+    require("kvtiers bench serve", "vllm")
+    if model is None:
+        from ..tinymodel import make_tiny_model
+
+        model = str(make_tiny_model())
+    settings = sr.ServeSettings(model=model, prefix_len=prefix_len, suffix_len=suffix_len, output_len=output_len,
+                                per_prefix=requests_per_prefix, gpu_blocks=gpu_blocks, cpu_bytes=cpu_bytes,
+                                extra_serve_args=list(serve_args))
+    rep = run_bench_serve(cfgs, settings, p_list, c_list, repeats, workdir=workdir, tier_extra=extra, quiet=as_json)
+    if plot_file:
+        serve_report.plot(rep, plot_file)
+    click.echo(json.dumps(rep) if as_json else serve_report.render(rep))
+    failed = sum(r["failed"] for r in rep["cells"])
+    if failed or not rep["identity"]["identical"]:
+        sys.exit(1)

