@@ -674,10 +674,10 @@ def open_sealed(info: Any, options: Mapping[str, Any], ctx: TierContext, spec: A
     except ConfigError as e:
         raise ConfigError(where + str(e)) from None
     staging = Arena.allocate(n, sealed_bytes(ctx.arena.slot_bytes))
-    options = scaled_bound(options, ctx.arena.slot_bytes)
+    scaled = scaled_bound(options, ctx.arena.slot_bytes)
     inner_ctx = TierContext(staging, ctx.namespace, removed=ctx.removed)
-    tier = construct_tier(info, options, inner_ctx)
-    inner = TierHandle(info, tier, inner_ctx, options)
+    tier = construct_tier(info, scaled, inner_ctx)
+    inner = TierHandle(info, tier, inner_ctx, scaled)
     wrapper = SealedTier(inner, ctx, keyring, threads=threads)
     log.info("kvtiers: tier %s encrypted (key id %s, %d retired, %d staging slots of %d bytes)",
              info.name, keyring.current, len(keyring.retired), n, staging.slot_bytes)
