@@ -111,3 +111,6 @@ def gc(root: str, max_bytes: int | None, namespace: str | None, drop: bool, dry_
 
 # `kvtiers bench fs`: the one tier-bench harness with the tier fixed (kvtiers.commands.bench.harness)
 from .bench import bench_fs  # noqa: E402, F401
+from .churn import churn as _churn  # noqa: E402  (`kvtiers fs churn`: the store rate under eviction)
+
+fs.add_command(_churn)

@@ -164,15 +164,16 @@ def gc_root(
     chunks: list[tuple[float, str, int]] = []
     for d in nsdirs:
         for path, mtime, size in _temps(d):
-            try:
-                stale = layout.temp_is_stale(path, mtime, now, stale_after)
+            try:  # (the lock decides, never the pid in the name: see layout.remove_if_abandoned)
+                if dry_run:
+                    stale = layout.temp_is_stale(path, mtime, now, stale_after)
+                else:
+                    stale = layout.remove_if_abandoned(path, now, stale_after)
             except FileNotFoundError:
                 continue  # published or removed meanwhile
             if stale:
                 report.removed.append((path, "stale temporary file"))
                 report.freed_bytes += size
-                if not dry_run:
-                    _unlink(path)
         found, _ = scan(d, stale_after=float("inf"), stopping=lambda: False, clean=False)
         chunks.extend((t, layout.chunk_path(d, k), n) for t, k, n in found)
         if progress is not None:

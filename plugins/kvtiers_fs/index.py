@@ -33,12 +33,14 @@ from itertools import compress
 import numpy as np
 
 from . import layout
-from .keytable import KeyTable, fingerprint, fingerprints
+from .drops import DropRing
+from .keytable import KeyTable, dir_of, fingerprint, fingerprints
 
 log = logging.getLogger("kvtiers.fs")
 
 HOT_KEYS = 16384  # at most this many keys in Index.hot (about 2 MiB)
 HOT_BATCH = 256  # keys found by lookups of at most this many keys join Index.hot
+ABSENT_KEYS = 65536  # at most this many remembered MISSes of dropped keys (see Index._absent)
 
 
 class Index:
@@ -58,7 +60,8 @@ class Index:
         self.reading: dict[int, int] = {}  # fingerprint -> loads of this instance reading it
         self.writing: dict[bytes, int] = {}  # keys this instance is storing: counted in `reserved`
         self._writing_fp: dict[int, int] = {}
-        self.dropped: dict[int, float] = {}  # fingerprint -> wall time it was dropped (for listings under way)
+        self.dropped = DropRing()  # recent drops, stamped by _now (for listings under way)
+        self.relist: set[int] = set()  # directories a merge could not trust (see merge_listing)
         self._clock = 0.0
         self._cand: list[tuple[int, float]] = []  # eviction candidates, oldest last
         # keys lookups found lately: answered by one dict membership test, like a plain dict
@@ -168,14 +171,31 @@ class Index:
             old = self._remove(fp, key)
             self._dropped(fp)
             if absent:
-                self.absent[key] = time.monotonic() + self.negative_ttl
+                self._absent(key)
             return old is not None
 
     def _dropped(self, fp: int) -> None:
-        self.dropped[fp] = time.time()
-        if len(self.dropped) > 65536:
-            horizon = time.time() - 3600
-            self.dropped = {f: t for f, t in self.dropped.items() if t > horizon}
+        self.dropped.add(fp, self._now())  # O(1), fixed memory; stamped by the monotonic index clock
+
+    def _absent(self, key: bytes) -> None:
+        """Remember ``key`` as a MISS for ``negative_ttl`` (lock held). At most
+        :data:`ABSENT_KEYS` entries: past that, the expired and then the oldest half go (a
+        forgotten one is probed again), so a drop costs O(1) amortised whatever the churn."""
+        absent = self.absent
+        absent[key] = time.monotonic() + self.negative_ttl
+        if len(absent) > ABSENT_KEYS:
+            now = time.monotonic()
+            keep = {k: t for k, t in absent.items() if t > now or k in self.unread}
+            if len(keep) > ABSENT_KEYS // 2:
+                keep = dict(list(keep.items())[-(ABSENT_KEYS // 2):])
+            self.absent = keep
+
+    def stamp(self) -> float:
+        """The index clock now (strictly increasing: never earlier than any stamp or use it
+        gave before, whatever the wall clock does): what a listing passes to
+        :meth:`merge_listing` as ``started``."""
+        with self.lock:
+            return self._now()
 
     def mark_absent(self, keys: Iterable[bytes]) -> None:
         until = time.monotonic() + self.negative_ttl
@@ -192,21 +212,31 @@ class Index:
     # -- listings --------------------------------------------------------------------
     def merge_listing(self, dirs: Iterable[int], fps: np.ndarray, mtimes: np.ndarray, started: float) -> int:
         """Make the view of directories ``dirs`` (numbers 0-65535) what a listing that began
-        at wall time ``started`` found there: chunk files with fingerprints ``fps`` and
+        at ``started`` found there: chunk files with fingerprints ``fps`` and
         mtimes ``mtimes``. A listed key takes the later of its mtime and this instance's use
         as its clock; a known key of those directories that was not listed is forgotten,
         unless it was stored or used since ``started`` (what this instance did meanwhile
-        wins); a key dropped since ``started`` is not brought back. Returns how many keys
-        were forgotten."""
+        wins); a key dropped since ``started`` is not brought back. ``started`` is a
+        :meth:`stamp` taken before the listing began. Directories holding such a key, or all
+        of ``dirs`` when more keys were dropped meanwhile than :class:`DropRing` remembers (new
+        keys are then left out), are added to :attr:`relist`: the walker lists them again at
+        its next pass. Returns how many keys were forgotten."""
+        dirs = list(dirs)
         lut = np.zeros(65536, bool)
-        lut[list(dirs)] = True
+        lut[dirs] = True
         fps = np.asarray(fps, np.uint64)
         mtimes = np.asarray(mtimes, np.float64)
         with self.lock:
-            if self.dropped and len(fps):
-                recent = [f for f, t in self.dropped.items() if t >= started]
-                if recent:
-                    keep = ~np.isin(fps, np.array(recent, np.uint64))
+            if len(self.dropped) and len(fps):
+                recent, complete = self.dropped.since(started)
+                if len(recent):
+                    keep = ~np.isin(fps, recent)
+                    if not keep.all():
+                        self.relist.update(dir_of(fps[~keep]).tolist())
+                        fps, mtimes = fps[keep], mtimes[keep]
+                if not complete:  # drops lost from the ring: only keys known already are trusted
+                    self.relist.update(dirs)
+                    keep = self.table.find(fps) >= 0
                     fps, mtimes = fps[keep], mtimes[keep]
             t = self.table
             slots = t.find(fps)
@@ -327,7 +357,7 @@ class Index:
                 return False
             self._remove(fp, key)
             self._dropped(fp)
-            self.absent[key] = time.monotonic() + self.negative_ttl
+            self._absent(key)
             return True
 
     def refresh(self, fp: int, clock: float, mtime: float) -> None:
@@ -470,9 +500,7 @@ def scan(
                             if _stat.S_ISREG(st.st_mode):  # a FIFO, directory or link is no chunk
                                 found.append((st.st_mtime, key, st.st_size))
                     elif clean and name.endswith(layout.TEMP_SUFFIX):
-                        st = e.stat(follow_symlinks=False)
-                        if layout.temp_is_stale(e.path, st.st_mtime, now, stale_after):
-                            os.unlink(e.path)
+                        if layout.remove_if_abandoned(e.path, now, stale_after):
                             removed.append(e.path)
                 except FileNotFoundError:
                     continue  # another instance removed or published it meanwhile

@@ -19,9 +19,9 @@ into [arena slot, trailer buffer]. The trailer (little-endian), format version 2
     namespace digest (8 bytes: its 16 hex digits as binary) | xxh3-64 of the above (8)
 
 followed by zeros up to 4096 bytes. Version 1 (no namespace field; its xxh3-64 at offset
-112) is still read. A temporary file is held under an exclusive ``flock`` by its writer for
-as long as it is written: that, not the pid in its name, is how cleaners tell a live writer
-(:func:`temp_is_stale`).
+112) is still read. A temporary file is held under an exclusive ``flock`` by its writer from
+before it has a name until it is published: that, not the pid in its name, is how cleaners
+tell a live writer (:func:`create_locked_temp`, :func:`remove_if_abandoned`).
 """
 
 from __future__ import annotations
@@ -169,28 +169,147 @@ def _pid_alive(pid: int) -> bool:
 
 
 def temp_is_stale(path: str, mtime: float, now: float, stale_after: float) -> bool:
-    """Whether temporary file ``path`` (one of ours, by its name) is abandoned.
-
-    Its writer holds an exclusive ``flock`` on it while writing, which is seen across PID
-    namespaces and containers on one kernel: a held lock means a live writer, whatever its
-    pid says. A free lock on a file whose writer's host (in its name) is this host means the
-    writer is gone once its pid is not alive here or the file is older than
-    :data:`LOCK_GRACE_SECONDS` (a writer that does not lock, e.g. an older kvtiers; a writer
-    checks after locking that its file was not removed meanwhile). On another host a lock may
-    be local to that host (some NFS mounts), so there, and where locks are unsupported, only
-    age counts: older than ``stale_after`` seconds. Raises ``FileNotFoundError`` if the file
-    is gone.
-    """
+    """Whether temporary file ``path`` (one of ours, by its name) is abandoned; nothing is
+    removed (``kvtiers fs gc --dry-run``). Cleaners use :func:`remove_if_abandoned`, which
+    decides and removes while holding the file's lock. Raises ``FileNotFoundError`` if the
+    file is gone."""
     owner = temp_owner(os.path.basename(path))
     if owner is None:
         return False
     locked = temp_locked(path)
-    if locked:
-        return False
-    age = now - mtime
+    return not locked and _abandoned(owner, locked, now - mtime, stale_after)
+
+
+def _abandoned(owner: tuple[int, str], locked: bool | None, age: float, stale_after: float) -> bool:
+    """The rules for a temporary file whose lock is not held (``locked`` False: free, None:
+    unknown): see :func:`remove_if_abandoned`."""
     if locked is False and owner[1] == _HOST and (age > LOCK_GRACE_SECONDS or not _pid_alive(owner[0])):
         return True
     return age > stale_after
+
+
+def remove_if_abandoned(path: str, now: float, stale_after: float) -> bool:
+    """Remove temporary file ``path`` (one of ours, by its name) if its writer is gone;
+    True if it was removed.
+
+    A writer holds an exclusive ``flock`` on its temporary file from before the file has a
+    name (``O_TMPFILE``, then a link; see :func:`create_locked_temp`) until it is published,
+    and that lock is seen across PID namespaces and containers on one kernel: a held lock
+    means a live writer, whatever its pid says, and the file is left alone. The cleaner
+    takes the lock itself (never blocking) and decides and unlinks while holding it, so a
+    writer can never lock a file that is then removed under it. With the lock free, a file
+    whose writer's host (in its name) is this host is abandoned once its pid is not alive
+    here or it is older than :data:`LOCK_GRACE_SECONDS` (a writer that does not lock, e.g.
+    an older kvtiers; one that names its file before locking it, where ``O_TMPFILE`` is
+    unsupported, checks after locking that its file still has a name and otherwise starts
+    again). On another host a lock may be local to that host (some NFS mounts), so there,
+    and where locks are unsupported, only age counts: older than ``stale_after`` seconds.
+    Raises ``FileNotFoundError`` if the file is gone.
+    """
+    owner = temp_owner(os.path.basename(path))
+    if owner is None:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError:  # cannot be opened (permissions): ask nothing of its lock
+        st = os.lstat(path)
+        if not _abandoned(owner, None, now - st.st_mtime, stale_after):
+            return False
+        os.unlink(path)
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked: bool | None = False
+        except BlockingIOError:
+            return False  # a live writer
+        except OSError:
+            locked = None
+        st = os.fstat(fd)
+        if not _abandoned(owner, locked, now - st.st_mtime, stale_after):
+            return False
+        if os.lstat(path).st_ino != st.st_ino:
+            return False  # replaced meanwhile: not the file we judged
+        os.unlink(path)  # still holding its lock
+        return True
+    finally:
+        os.close(fd)  # (releases the lock)
+
+
+_AT_FDCWD = -100
+_AT_SYMLINK_FOLLOW = 0x400
+_libc = None
+
+
+def _link_fd(fd: int, path: str) -> None:
+    """Give the unnamed file open as ``fd`` (``O_TMPFILE``) the name ``path``:
+    ``linkat(AT_FDCWD, "/proc/self/fd/N", AT_FDCWD, path, AT_SYMLINK_FOLLOW)``, which
+    ``os.link`` does not call without a directory descriptor."""
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        _libc = ctypes.CDLL(None, use_errno=True)
+    if _libc.linkat(_AT_FDCWD, f"/proc/self/fd/{fd}".encode(), _AT_FDCWD, os.fsencode(path), _AT_SYMLINK_FOLLOW):
+        import ctypes
+
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+
+
+_ANON_UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EISDIR, errno.EINVAL, errno.ENOSYS}
+
+
+def create_locked_temp(final: str, flags: int, anon: bool = True) -> tuple[str, int, bool]:
+    """Create a temporary file next to ``final`` that is locked (:func:`lock_temp`) before
+    any cleaner can see it; return ``(path, fd, anon)``. ``flags`` are the open flags
+    besides ``O_CREAT``/``O_EXCL``/``O_TMPFILE`` (``O_WRONLY``, ``O_DIRECT``, ...).
+
+    With ``anon`` it opens an unnamed file in the directory (``O_TMPFILE``), locks it, then
+    links it under its temporary name: a cleaner never sees it unlocked. Where the file
+    system (or ``/proc``) does not allow that, the returned ``anon`` is False (pass it next
+    time) and the file is created under its name and then locked; a cleaner may remove it
+    in between, which the writer notices (no name left after locking) and starts again
+    under a new name. ``FileNotFoundError``: the directory does not exist."""
+    d = os.path.dirname(final)
+    for _ in range(3):
+        tmp = temp_path(final)
+        if anon:
+            try:
+                fd = os.open(d, (flags & ~(os.O_CREAT | os.O_EXCL)) | os.O_TMPFILE, 0o644)
+            except OSError as e:
+                if e.errno not in _ANON_UNSUPPORTED:
+                    raise
+                anon = False
+            else:
+                try:
+                    lock_temp(fd)
+                    _link_fd(fd, tmp)
+                    return tmp, fd, True
+                except FileExistsError:
+                    os.close(fd)
+                    continue
+                except OSError as e:
+                    os.close(fd)
+                    if e.errno == errno.ENOENT and os.path.isdir("/proc/self/fd"):
+                        raise FileNotFoundError(errno.ENOENT, "directory removed", d) from None
+                    if e.errno not in _ANON_UNSUPPORTED | {errno.ENOENT, errno.EPERM, errno.EXDEV}:
+                        raise
+                    anon = False
+                except BaseException:
+                    os.close(fd)
+                    raise
+        fd = os.open(tmp, flags | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            if not lock_temp(fd) or os.fstat(fd).st_nlink:
+                return tmp, fd, False
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # a cleaner removed it before the lock: a new one
+    raise OSError(errno.EAGAIN, "temporary files removed as soon as created")
 
 
 def namespace_tag(digest: str) -> bytes:

@@ -5,9 +5,15 @@ A :class:`Walker` remembers the mtime of every ``<h1>`` and ``<h1>/<h2>`` direct
 last listing. A pass ``stat``s the directories and lists only those whose mtime changed
 (creating, renaming or deleting a file changes its directory's mtime; reading or touching a
 file does not), so after the first pass its cost grows with the churn, not with the number
-of files. A directory whose mtime is within :data:`RACY_SECONDS` of the listing, or that
-held temporary files, is listed again at the next pass (a change in the same clock tick
-would not show). ``full`` lists everything (the first pass without a snapshot).
+of files. A directory whose mtime is too close to the listing, or that held temporary
+files, is listed again at the next pass (a change in the same clock tick would not show):
+"too close" is read on the file system's own clock (the mtime it gives the clock file
+when the walker touches it, :meth:`Walker.fs_now`), never on this host's wall clock, so a
+wall clock stepped or skewed either way changes nothing; and it is :data:`RACY_SECONDS`
+plus the mtime granularity the directory's mtime shows (:func:`granularity`: a whole even
+second is read as a FAT-like 2 s tick, a whole second as a 1 s tick; a file system with
+finer mtimes shows finer ones). ``full`` lists everything (the first pass without a
+snapshot).
 
 It counts what it does (``listed``: directory entries read; ``stats``: directories
 ``stat``ed), for ``kvtiers bench fs --scale``.
@@ -40,11 +46,27 @@ def _is_hex(name: str) -> bool:
     return name[0] in _HEX and name[1] in _HEX
 
 
+def granularity(mtime_ns: int) -> float:
+    """The mtime tick an mtime may come from, in seconds: 2 for a whole even second
+    (FAT-like), 1 for a whole second, 0 otherwise (finer; one in a billion fine mtimes is
+    read as coarse, which costs one more listing of its directory)."""
+    if mtime_ns % 1_000_000_000:
+        return 0.0
+    return 1.0 if mtime_ns % 2_000_000_000 else 2.0
+
+
+def racy(now: float, mtime_ns: int) -> bool:
+    """Whether a directory with mtime ``mtime_ns`` listed at file-system time ``now`` may
+    still change within the same mtime tick (then its next pass lists it again)."""
+    return now - mtime_ns / 1e9 < RACY_SECONDS + granularity(mtime_ns)
+
+
 class Walker:
     """The directory mtimes of one namespace directory and the passes over it."""
 
-    def __init__(self, nsdir: str, index: Index, file_bytes: int) -> None:
+    def __init__(self, nsdir: str, index: Index, file_bytes: int, clock_path: str | None = None) -> None:
         self.nsdir = nsdir
+        self.clock_path = clock_path  # a file whose mtime the walker sets to read the file system's clock
         self.index = index
         self.file_bytes = file_bytes
         self.dir_mtime = np.zeros(65536, np.int64)  # ns at the last listing; UNKNOWN / AGAIN as above
@@ -52,6 +74,7 @@ class Walker:
         self.subdirs: dict[int, bytes] = {}  # h1 -> its h2 directories (as bytes 0-255: small)
         self.listed = 0
         self.stats = 0
+        self.deferred = 0  # directories merges could not trust (listed again next pass): the caller resets it
         self.problems: list[str] = []
         self.removed: list[str] = []
 
@@ -100,7 +123,7 @@ class Walker:
         batch_dirs: list[int] = []
         fps: list[int] = []
         mtimes: list[float] = []
-        started = time.time()
+        started, now = self.index.stamp(), self.fs_now()
         for h1 in level1:
             if stopping():
                 break
@@ -114,8 +137,7 @@ class Walker:
                     level2 = bytes(sorted(int(e.name, 16) for e in self._scandir(f"{self.nsdir}/{h1}")
                                           if len(e.name) == 2 and _is_hex(e.name) and e.is_dir(follow_symlinks=False)))
                     self.subdirs[n1] = level2
-                    racy1 = time.time() - st1.st_mtime < RACY_SECONDS
-                    self.h1_mtime[n1] = AGAIN if racy1 else st1.st_mtime_ns
+                    self.h1_mtime[n1] = AGAIN if racy(now, st1.st_mtime_ns) else st1.st_mtime_ns
             except ValueError:
                 continue
             except FileNotFoundError:
@@ -146,25 +168,52 @@ class Walker:
                 except OSError as e:
                     self._skip(path, e)
                     continue
-                racy = time.time() - st.st_mtime < RACY_SECONDS
-                racy |= self._collect(entries, fps, mtimes, clean, stale_after)
-                self.dir_mtime[d] = AGAIN if racy else st.st_mtime_ns
+                again = racy(now, st.st_mtime_ns)
+                again |= self._collect(entries, fps, mtimes, clean, stale_after, now)
+                self.dir_mtime[d] = AGAIN if again else st.st_mtime_ns
                 batch_dirs.append(d)
                 if len(batch_dirs) >= _BATCH:
-                    forgotten += self.index.merge_listing(batch_dirs, np.array(fps, np.uint64),
-                                                          np.array(mtimes), started)
-                    batch_dirs, fps, mtimes, started = [], [], [], time.time()
+                    forgotten += self._merge(batch_dirs, fps, mtimes, started)
+                    batch_dirs, fps, mtimes, started, now = [], [], [], self.index.stamp(), self.fs_now()
         if batch_dirs and not stopping():
-            forgotten += self.index.merge_listing(batch_dirs, np.array(fps, np.uint64), np.array(mtimes), started)
+            forgotten += self._merge(batch_dirs, fps, mtimes, started)
         if len(self.problems) > 3:
             log.warning("fs tier: scan of %s skipped %d entries in all", self.nsdir, len(self.problems))
         return forgotten
 
+    def _merge(self, dirs: list[int], fps: list[int], mtimes: list[float], started: float) -> int:
+        """Merge one batch into the index; the directories it could not trust (a key dropped
+        while they were listed, see :meth:`Index.merge_listing`) are listed again next pass."""
+        forgotten = self.index.merge_listing(dirs, np.array(fps, np.uint64), np.array(mtimes), started)
+        with self.index.lock:
+            relist, self.index.relist = self.index.relist, set()
+        for d in relist:
+            if self.dir_mtime[d] != UNKNOWN:
+                self.dir_mtime[d] = AGAIN
+        self.deferred += len(relist)
+        return forgotten
+
+    def fs_now(self) -> float:
+        """The file system's clock: the mtime it gives :attr:`clock_path` when touched now
+        (its own clock, at its own granularity); this host's wall clock where that file
+        cannot be touched (no clock file, a read-only root)."""
+        if self.clock_path is not None:
+            try:
+                fd = os.open(self.clock_path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o644)
+                try:
+                    os.utime(fd)
+                    return os.fstat(fd).st_mtime
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
+        return time.time()
+
     def _collect(self, entries: list[os.DirEntry], fps: list[int], mtimes: list[float], clean: bool,
-                 stale_after: float) -> bool:
+                 stale_after: float, now: float) -> bool:
         """Add the chunk files of one directory; True if it holds temporary files."""
         temps = False
-        now = time.time()
         fb = self.file_bytes
         for e in entries:
             name = e.name
@@ -179,11 +228,8 @@ class Walker:
                             mtimes.append(st.st_mtime)
                 elif name.endswith(layout.TEMP_SUFFIX):
                     temps = True
-                    if clean:
-                        st = e.stat(follow_symlinks=False)
-                        if layout.temp_is_stale(e.path, st.st_mtime, now, stale_after):
-                            os.unlink(e.path)
-                            self.removed.append(e.path)
+                    if clean and layout.remove_if_abandoned(e.path, now, stale_after):
+                        self.removed.append(e.path)
             except FileNotFoundError:
                 continue  # another instance removed or published it meanwhile
             except OSError as err:
