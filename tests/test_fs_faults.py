@@ -90,7 +90,8 @@ def test_permission_denied_is_a_failed_key(env, monkeypatch):
     denied_prefix = t.path(b"cannot-write")[: -len(".bin")]
 
     def guarded(path, flags, *a, **k):  # root ignores file modes: inject EACCES instead
-        if path == locked or str(path).startswith(denied_prefix):
+        unnamed = flags & os.O_TMPFILE == os.O_TMPFILE and path == os.path.dirname(denied_prefix)  # (O_TMPFILE)
+        if path == locked or str(path).startswith(denied_prefix) or unnamed:
             raise PermissionError(13, "Permission denied", path)
         return real_open(path, flags, *a, **k)
 

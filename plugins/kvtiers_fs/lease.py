@@ -5,8 +5,10 @@ this file is the cleaner: it lists the directories that changed every ``rescan_s
 evicts for everyone; the others store and read, and try to take the lease at each of their
 ``rescan_seconds``, so when the holder dies (the kernel, or the NFS lock manager, drops its
 lock) another one takes over within one period. The holder writes ``<pid>@<host>`` into the
-file for operators. Where the file system has no locks, every bounded instance is a cleaner
-(each lists what changed and evicts from its own view, as before the lease existed).
+file for operators, and its pass numbers into ``cleaner.passes`` (:func:`write_passes`) at
+the start and at the end of each pass, which is how the others know what its view counts
+(:mod:`kvtiers_fs.share`). Where the file system has no locks, every bounded instance is a
+cleaner (each lists what changed and evicts from its own view, as before the lease existed).
 """
 
 from __future__ import annotations
@@ -16,10 +18,17 @@ import fcntl
 import logging
 import os
 import socket
+import stat
+import struct
+
+import xxhash
 
 log = logging.getLogger("kvtiers.fs")
 
 NAME = "cleaner.lock"
+PASSES = "cleaner.passes"  # the cleaner's pass counters (see write_passes)
+_RECORD = struct.Struct("<8sQQ")
+_MAGIC = b"KVTPASS1"
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
 
 
@@ -71,3 +80,46 @@ class Lease:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+
+
+def write_passes(nsdir: str, started: int, completed: int) -> bool:
+    """Record in ``<nsdir>/cleaner.passes`` that the cleaner's pass number ``started`` has
+    begun and every pass up to ``completed`` has ended (the lease holder, at the start and
+    at the end of each pass). One 32-byte record with its own checksum, written in place
+    and closed (so NFS clients see it at their next open). False if it cannot be written."""
+    head = _RECORD.pack(_MAGIC, started, completed)
+    try:
+        fd = os.open(os.path.join(nsdir, PASSES), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        log.warning("fs tier: cannot write the cleaner's pass record under %s: %s", nsdir, e)
+        return False
+    try:
+        os.pwrite(fd, head + xxhash.xxh3_64_digest(head), 0)
+        return True
+    except OSError as e:
+        log.warning("fs tier: cannot write the cleaner's pass record under %s: %s", nsdir, e)
+        return False
+    finally:
+        os.close(fd)
+
+
+def read_passes(nsdir: str) -> tuple[int, int] | None:
+    """``(started, completed)`` from ``<nsdir>/cleaner.passes``, or None (no cleaner wrote
+    one yet, or it is not a valid record: a torn read, a file put there by someone else).
+    Never blocks: ``O_NONBLOCK | O_NOFOLLOW``, regular files only."""
+    try:
+        fd = os.open(os.path.join(nsdir, PASSES), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        raw = os.pread(fd, _RECORD.size + 8, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(raw) != _RECORD.size + 8 or xxhash.xxh3_64_digest(raw[: _RECORD.size]) != raw[_RECORD.size :]:
+        return None
+    magic, started, completed = _RECORD.unpack(raw[: _RECORD.size])
+    return (started, completed) if magic == _MAGIC and completed <= started else None

@@ -35,9 +35,10 @@ from . import direct as _direct
 from . import layout
 from . import snapshot as _snapshot
 from .index import HOT_BATCH, HOT_KEYS, Index, Prober
-from .keytable import dir_of
-from .lease import Lease
+from .keytable import dir_of, fingerprint
+from .lease import Lease, read_passes, write_passes
 from .pool import Pool
+from .share import Share, budget_for
 from .walker import Walker
 
 log = logging.getLogger("kvtiers.fs")
@@ -200,6 +201,12 @@ class FsTier:
         self.walker = Walker(self.nsdir, self.index, self.file_bytes)
         # the cleaner's lease: one bounded instance at a time evicts and lists for everyone
         self.lease = Lease(self.nsdir)
+        if self._no_write is None:  # the walker reads the file system's clock off the lease file's mtime
+            self.walker.clock_path = self.lease.path
+        # while another instance is the cleaner: the bytes this one added that it has not counted yet
+        self._share = (Share(budget_for(max_bytes, self.file_bytes), lambda: read_passes(self.nsdir))
+                       if max_bytes is not None and self._no_write is None else None)
+        self._passes: tuple[int, int] | None = None  # as the cleaner: (begun, completed) pass numbers
         if max_bytes is not None and self._no_write is None:
             self.lease.try_take()
         self.stale_removed: list[str] = []
@@ -321,6 +328,7 @@ class FsTier:
 
     def _scan_once(self, *, clean: bool, full: bool = True) -> None:
         t0 = time.time()
+        begun = self._begin_pass()
         try:
             self.walker.removed = []
             self.walker.run(full=full, clean=clean, stale_after=self.stale_temp_seconds,
@@ -333,6 +341,7 @@ class FsTier:
                 self._stopped_mid_scan = True
             else:
                 self._evict_to_bound()
+                self._end_pass(begun)
                 self.last_scan = (t0, time.time())
         except Exception:
             log.exception("fs tier: scan of %s failed", self.nsdir)
@@ -340,6 +349,53 @@ class FsTier:
     def _evict_to_bound(self) -> None:
         if self.is_cleaner:
             self._make_room()
+
+    def _begin_pass(self) -> int | None:
+        """As the lease holder: record that a pass begins (its number), before it lists
+        anything (see :mod:`kvtiers_fs.share`). None when this instance is not the cleaner,
+        or every bounded instance cleans (no locks)."""
+        if not self.is_cleaner or self.lease.unsupported:
+            return None
+        if self._passes is None:  # (taking over: go on from the last holder's numbers)
+            self._passes = read_passes(self.nsdir) or (0, 0)
+        begun = self._passes[0] + 1
+        self._passes = (begun, self._passes[1])
+        self.walker.deferred = 0
+        write_passes(self.nsdir, *self._passes)
+        return begun
+
+    def _end_pass(self, begun: int | None) -> None:
+        """Record that pass ``begun`` has completed: its view counts every chunk published
+        before it began and is within ``max_bytes``. A pass that left directories to list
+        again, or could not evict down to the bound, completes nothing."""
+        if begun is None or self.walker.deferred or self.index.excess(self.max_bytes) > 0:
+            return
+        self._passes = (begun, begun)
+        write_passes(self.nsdir, begun, begun)
+
+    def _evict_share(self) -> None:
+        """Not the cleaner, and over its share of the bound: remove this instance's own
+        oldest chunks that the cleaner has not counted yet until it is back within its
+        share (see :mod:`kvtiers_fs.share`); chunks being read or written here stay."""
+        share, index = self._share, self.index
+
+        def busy(key: bytes) -> bool:
+            return fingerprint(key) in index.reading or key in index.writing
+
+        gone = []
+        for key, n in share.take(share.excess(), skip=busy):
+            try:
+                os.unlink(self.path(key))
+            except FileNotFoundError:
+                pass  # removed already (the cleaner, gc): gone all the same
+            except OSError as e:
+                log.warning("fs tier: could not remove %s: %s", self.path(key), e)
+                share.give_back(key, n)
+                continue
+            index.drop(key)
+            gone.append(key)
+        if gone:
+            self.ctx.removed(gone, "evicted")
 
     def _make_room(self) -> None:
         """Evict least recently used chunks until the view is within ``max_bytes``. The
@@ -596,17 +652,24 @@ class FsTier:
         if self.max_bytes is not None and nbytes > self.max_bytes:
             self._key_done(js, key, 0, f"chunk file of {nbytes} bytes exceeds max_bytes={self.max_bytes}")
             return
+        shared = self._share is not None and not self.is_cleaner
         if self.index.reserve(nbytes, self.max_bytes, key) > 0 and self.is_cleaner:
             self._make_room()
+        elif shared and self._share.reserve(nbytes) > 0:
+            self._evict_share()
         try:
             self._write(key, final, self.arena[slot], scratch)
         except BaseException as e:
             self.index.unreserve(nbytes, key)
+            if shared:
+                self._share.unreserve(nbytes)
             if not isinstance(e, OSError):
                 raise
             self._key_done(js, key, 0, f"{key.hex()}: {_oserror(e)}")
             return
         self.index.commit(key, nbytes)
+        if shared:
+            self._share.published(key, nbytes)
         self._key_done(js, key, self.slot_bytes, None)
 
     def _write(self, key: bytes, final: str, data: memoryview, trailer: memoryview) -> None:
@@ -632,27 +695,17 @@ class FsTier:
             _fsync_dir(os.path.dirname(final))
 
     def _locked_temp(self, final: str) -> tuple[str, int]:
-        """Create a temporary file next to ``final`` and lock it; the lock is held until the
-        file is published, so cleaners see a live writer from any PID namespace. A cleaner
-        may remove the file between its creation and the lock: then try a new one."""
-        for _ in range(3):
-            tmp = layout.temp_path(final)
-            fd = self._open_temp(tmp)
-            try:
-                if not layout.lock_temp(fd) or os.fstat(fd).st_nlink:
-                    return tmp, fd
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)
-        raise OSError(errno.EAGAIN, "temporary files removed as soon as created")
-
-    def _open_temp(self, tmp: str) -> int:
+        """Create a temporary file next to ``final``, locked before any cleaner can see it
+        (:func:`layout.create_locked_temp`); the lock is held until the file is published,
+        so cleaners in any PID namespace see a live writer."""
         try:
-            return os.open(tmp, self._wflags, 0o644)
+            tmp, fd, self._anon_temps = layout.create_locked_temp(final, self._wflags, self._anon_temps)
         except FileNotFoundError:  # first chunk in this directory, or gc removed it
-            os.makedirs(os.path.dirname(tmp), exist_ok=True)
-            return os.open(tmp, self._wflags, 0o644)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            tmp, fd, self._anon_temps = layout.create_locked_temp(final, self._wflags, self._anon_temps)
+        return tmp, fd
+
+    _anon_temps = True  # O_TMPFILE works here (False once it did not)
 
     def _load_key(self, js: _JobState, key: bytes, slot: int, scratch: memoryview) -> None:
         path = self.path(key)

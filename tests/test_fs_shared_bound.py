@@ -1,0 +1,100 @@
+"""The shared bound in bytes (issue 36 item 2): several bounded processes on one root, each
+storing ten times the bound as fast as it can while the cleaner passes rarely, never hold
+more than ``max_bytes`` plus the documented slack: each instance that is not the cleaner
+adds at most its share (``kvtiers_fs.share.budget_for``) plus the stores it has in flight."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from kvtiers_fs import layout, lease
+from kvtiers_fs.share import Share, budget_for
+from test_fs_helpers import chunk_files
+from test_fs_shared_root import HELPERS, SHARED_WRITER, _read_log, _total
+
+
+def _run_writers(tmp_path, n_writers: int, rescan: float) -> tuple[int, int, int, list[int]]:
+    root = str(tmp_path / "root")
+    slot, n_files = 4096, 32
+    file_bytes = layout.file_bytes(slot)
+    bound = n_files * file_bytes
+    stop = str(tmp_path / "stop")
+    logs = [str(tmp_path / f"w{i}.log") for i in range(n_writers)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", SHARED_WRITER.format(
+            helpers=HELPERS, root=root, name=f"w{i}", log=logs[i], stop=stop, slot=slot,
+            max_bytes=bound, rescan=rescan, n=10 * n_files, pace=0.0)], stderr=subprocess.PIPE)
+        for i in range(n_writers)
+    ]
+    samples = []
+    try:
+        deadline = time.monotonic() + 120
+        while not all(_read_log(p)[2] for p in logs):
+            assert time.monotonic() < deadline, "the writers did not finish"
+            assert all(p.poll() is None for p in procs), [p.stderr.read().decode() for p in procs if p.poll()]
+            samples.append(_total(root))
+            time.sleep(0.005)
+        t_end = time.monotonic() + rescan + 10  # stores have stopped: the cleaner's next pass
+        while _total(root) > bound and time.monotonic() < t_end:
+            time.sleep(0.05)
+        final = _total(root)
+    finally:
+        open(stop, "w").close()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0] * n_writers, [p.stderr.read().decode() for p in procs]
+    stores = [_read_log(p)[1] for p in logs]
+    assert all(len(st) == 10 * n_files and all(ok for _, _, ok in st) for st in stores)  # stores keep succeeding
+    assert chunk_files(root, ".tmp") == []
+    return bound, file_bytes, final, samples
+
+
+@pytest.mark.parametrize("n_writers", [2, 4])
+def test_writers_storing_ten_times_the_bound_stay_within_max_bytes_plus_the_slack(tmp_path, n_writers):
+    rescan = 3.0  # the cleaner lists what the others stored every 3 s; they store 320 chunks each in less
+    bound, file_bytes, final, samples = _run_writers(tmp_path, n_writers, rescan)
+    # each other writer: its share, plus its one store in flight; plus a chunk per writer for
+    # the sampler's walk, which is not one instant
+    slack = (n_writers - 1) * (budget_for(bound, file_bytes) + file_bytes) + n_writers * file_bytes
+    worst = max(samples)
+    print(f"{n_writers} writers: bound {bound} B, slack {slack} B, worst sample {worst} B "
+          f"({worst / bound:.2f}x), final {final} B, {len(samples)} samples")
+    assert len(samples) > 20
+    assert worst <= bound + slack, f"{worst} bytes on a bound of {bound} (slack {slack})"
+    assert final <= bound, f"{final} bytes {rescan + 10:.0f} s after the last store; bound {bound}"
+
+
+def test_the_share_counts_what_the_cleaner_has_not_acknowledged(tmp_path):
+    nsdir = str(tmp_path)
+    share = Share(budget=3, read=lambda: lease.read_passes(nsdir))
+    assert share.reserve(2) == 0
+    share.published(b"a", 2)
+    assert share.reserve(2) == 1 and share.reads == 1  # over: the record read again (there is none yet)
+    share.published(b"b", 2)
+    lease.write_passes(nsdir, 5, 4)  # pass 5 began; 4 completed
+    assert share.reserve(1) == 2  # a and b were published before a read that saw 5: from pass 6 on
+    share.unreserve(1)  # (that store failed)
+    assert [k for k, _ in share.take(1)] == [b"a"] and share.net == 2  # its oldest, removed by the caller
+    share.give_back(b"a", 2)  # (it could not be removed after all)
+    lease.write_passes(nsdir, 6, 5)
+    share.refresh()
+    assert share.net == 4  # pass 6 began after that read but has not completed: still counted
+    lease.write_passes(nsdir, 6, 6)
+    share.refresh()
+    assert share.net == 2  # b is counted by the cleaner now; a was given back after the read
+    share.refresh()
+    assert share.net == 2
+    lease.write_passes(nsdir, 7, 7)
+    share.refresh()
+    assert share.net == 0
+    with open(os.path.join(nsdir, lease.PASSES), "r+b") as f:  # a torn or foreign record reads as none
+        f.write(b"garbage")
+    assert lease.read_passes(nsdir) is None
