@@ -123,7 +123,10 @@ class ChildProcess:
                 return value
             if self.proc is None or self.proc.poll() is not None:
                 status = None if self.proc is None else self.proc.returncode
-                raise LaunchError(f"{self.name} exited with status {status} before it was ready{self._last_line()}")
+                why = f"{self.name} exited with status {status} before it was ready{self._last_line()}"
+                if self.proc is not None:
+                    self._reap()  # its log file is closed now, not at the next start
+                raise LaunchError(why)
             if time.monotonic() > deadline:
                 self.kill()
                 raise LaunchError(f"{self.name} was not ready within {timeout:g} s{self._last_line()}")

@@ -108,7 +108,7 @@ def test_new_session_signals_reach_the_whole_group(tmp_path):
     grandchild = int(child.ready_value)
     child.pause()
     deadline = time.monotonic() + 10
-    while _state(grandchild) != "T" and time.monotonic() < deadline:
+    while {_state(child.pid), _state(grandchild)} != {"T"} and time.monotonic() < deadline:
         time.sleep(0.02)
     assert _state(child.pid) == "T" and _state(grandchild) == "T"
     child.resume()
