@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -196,42 +195,28 @@ def rewrite(tier_type: str, config_text: str | None, config_file: str | None, as
 def _rewrite(tier_type: str, options: dict[str, Any], fields: dict[str, Any], slot_bytes: int,
              files: list[SealedFile], report: Counter[str]) -> None:
     """Load, remove, store again: ``files`` (one namespace, one slot size) in batches."""
+    from ..integrations.blocking import BlockingTier
     from ..registry import open_tier
-    from ..types import Arena, Job, Namespace, TierContext
+    from ..types import Arena, Namespace, TierContext
 
     ctx = TierContext(Arena.allocate(BATCH, slot_bytes), Namespace(fields))
-    h = open_tier(tier_type, options, ctx)
-    ids = iter(range(1, 1 << 62))
+    tier = BlockingTier(open_tier(tier_type, options, ctx))
     try:
         for i in range(0, len(files), BATCH):
             part = files[i:i + BATCH]
-            keys = tuple(f.key for f in part)
-            r = _run(h, "load", Job(next(ids), keys, tuple(range(len(part)))))
-            ok = [f for f in part if f.key not in r.failed_keys]
+            r = tier.run("load", [f.key for f in part], range(len(part)))
+            ok = [(s, f) for s, f in enumerate(part) if f.key not in r.failed_keys]
             report["failed"] += len(part) - len(ok)
             if r.failed_keys:
                 click.echo(f"load failed, left as is: {r.error}", err=True)
-            for f in ok:
+            for _s, f in ok:
                 os.unlink(f.path)
             if not ok:
                 continue
-            slots = tuple(keys.index(f.key) for f in ok)
-            r = _run(h, "store", Job(next(ids), tuple(f.key for f in ok), slots))
+            r = tier.run("store", [f.key for _s, f in ok], [s for s, _f in ok])
             report["rewritten"] += len(ok) - len(r.failed_keys)
             report["failed"] += len(r.failed_keys)
             if r.failed_keys:  # removed and not stored again: a cache miss, said out loud
                 click.echo(f"store failed, {len(r.failed_keys)} chunk(s) dropped: {r.error}", err=True)
     finally:
-        h.close()
-        h.get_finished_jobs()
-
-
-def _run(h: Any, kind: str, job: Any, timeout: float = 300.0) -> Any:
-    (h.submit_load if kind == "load" else h.submit_store)(job)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for r in h.get_finished_jobs():
-            if r.job_id == job.job_id:
-                return r
-        time.sleep(0.001)
-    raise click.ClickException(f"a {kind} of {len(job.keys)} chunk(s) did not finish within {timeout:g} s")
+        tier.close()
