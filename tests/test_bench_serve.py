@@ -11,6 +11,7 @@ environment is built and ``KVTIERS_BENCH_SERVE_SMOKE=1`` asks for it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -120,12 +121,29 @@ def test_plot_draws_a_png(tmp_path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_report_file_prints_the_table_and_plot(tmp_path) -> None:
+    saved = tmp_path / "rep.json"
+    saved.write_text(json.dumps(_report()))
+    args = ["--report", str(saved)]
+    if importlib.util.find_spec("matplotlib"):
+        args += ["--plot", str(tmp_path / "f.png")]
+    p = _kvtiers(*args)
+    assert p.returncode == 0, p.stderr
+    assert "concurrency 4" in p.stdout and "  host             24    9.45" in p.stdout
+    if "--plot" in args:
+        assert (tmp_path / "f.png").stat().st_size > 0
+    (tmp_path / "bad.json").write_text('{"cells": []}')
+    p = _kvtiers("--report", str(tmp_path / "bad.json"))
+    assert p.returncode == 2 and "not a report of kvtiers bench serve" in p.stderr
+
+
 @pytest.mark.parametrize("args, says", [
     (["--prefixes", "2,x"], "--prefixes"),
     (["--concurrency", "0"], "--concurrency"),
     (["--configs", "none,none"], "named twice"),
     (["--configs", ","], "no configuration"),
     (["--tier-config", "fs=[1]"], "NAME=JSON-object"),
+    (["--tiers", "nosuchtier"], "tier 'nosuchtier' is not installed"),
 ])
 def test_bad_arguments_one_line_before_any_server(args: list[str], says: str) -> None:
     p = _kvtiers(*args)

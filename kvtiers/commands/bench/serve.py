@@ -146,6 +146,18 @@ def _identity(report: dict[str, Any]) -> None:
                           "identical": not differ, "differ": differ}
 
 
+def _saved(path: str) -> dict[str, Any]:
+    """A report saved with ``--json``; a clear error if the file is not one."""
+    try:
+        with open(path) as f:
+            rep = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise click.BadParameter(f"{path}: not a JSON report ({e})", param_hint="--report") from None
+    if not isinstance(rep, dict) or not {"cells", "runs", "identity", "settings"} <= rep.keys():
+        raise click.BadParameter(f"{path}: not a report of kvtiers bench serve --json", param_hint="--report")
+    return rep
+
+
 def run_bench_serve(configs: list[sr.Config], settings: sr.ServeSettings, prefixes: list[int],
                     concurrency: list[int], repeats: int, *, workdir: str | None = None,
                     tier_extra: dict[str, dict[str, Any]] | None = None, quiet: bool = False) -> dict[str, Any]:
@@ -204,17 +216,28 @@ def run_bench_serve(configs: list[sr.Config], settings: sr.ServeSettings, prefix
 @click.option("--workdir", default=None, help="Keep servers' logs, tiers and results here (default: a temp dir).")
 @click.option("--plot", "plot_file", default=None, help="Draw req/s against working set to this file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--report", "report_file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Start nothing: print the table (and --plot) of a report saved with --json.")
 def serve(tiers: str, peer: bool, configs: str | None, prefixes: str, concurrency: str, repeats: int,
           prefix_len: int, suffix_len: int, output_len: int, requests_per_prefix: int, gpu_blocks: int,
           cpu_bytes: int, model: str | None, tier_config: tuple[str, ...], serve_args: tuple[str, ...],
-          workdir: str | None, plot_file: str | None, as_json: bool) -> None:
+          workdir: str | None, plot_file: str | None, as_json: bool, report_file: str | None) -> None:
     """Offloading on a real `vllm serve` under load, per configuration, with vLLM's own client."""
     from . import serve_report
+
+    if report_file:
+        rep = _saved(report_file)
+        if plot_file:
+            serve_report.plot(rep, plot_file)
+        click.echo(json.dumps(rep) if as_json else serve_report.render(rep))
+        return
 
     names = configs.split(",") if configs is not None else (
         ["none", "host"] + [t for t in tiers.split(",") if t.strip()] + (["vllm-fs"] if peer else []))
     try:
         cfgs = sr.configs_for(names)
+        for c in cfgs:
+            sr.check_tier(c.name)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--configs/--tiers") from None
     extra: dict[str, dict[str, Any]] = {}

@@ -27,7 +27,7 @@ from ...launcher import ChildProcess, LaunchError, free_port, http_answers
 from ..vllm_engine import ENGINE_ENV, offload_config, prompt_family
 
 __all__ = ["BUILTIN", "Config", "ServeSettings", "VllmServer", "bench_cell", "configs_for", "greedy_outputs",
-           "shm_regions", "tier_entry"]
+           "check_tier", "shm_regions", "tier_entry"]
 
 #: configurations that are not "host arena + one kvtiers tier"
 BUILTIN = ("none", "host", "vllm-fs")
@@ -84,6 +84,32 @@ def configs_for(names: Sequence[str]) -> list[Config]:
     return out
 
 
+#: tiers whose servers this command starts, and the module each needs
+_SERVED = {"p2p": "kvtiers_p2p.spawn", "obj": "kvtiers_obj.seaweed", "mooncake": "kvtiers_mooncake.pool"}
+
+
+def check_tier(name: str) -> None:
+    """Raise ``ValueError`` (one line) unless tier ``name`` can be measured here: a built-in
+    configuration, a tier whose server this command starts with its package installed, or
+    an installed kvtiers tier."""
+    import importlib
+
+    if name in BUILTIN or name == "fs":
+        return
+    if name in _SERVED:
+        try:
+            importlib.import_module(_SERVED[name])
+        except ImportError as e:
+            raise ValueError(f"tier {name!r} needs {e.name or e}, not installed here: pip install "
+                             f"'kvtiers[{name}]'") from None
+        return
+    from ...registry import get_registry
+
+    known = {i.name for i in get_registry().tiers()}
+    if name not in known:
+        raise ValueError(f"tier {name!r} is not installed (installed: {', '.join(sorted(known))})")
+
+
 def tier_entry(name: str, workdir: str, stack: contextlib.ExitStack,
                extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``secondary_tiers`` entry of tier ``name``, starting the server it needs (stopped
@@ -115,11 +141,7 @@ def tier_entry(name: str, workdir: str, stack: contextlib.ExitStack,
         stack.callback(pool.stop)
         return {"type": "kvtiers_mooncake", "master_server_address": pool.address, "global_segment_size": 0,
                 **extra}
-    from ...registry import get_registry
-
-    known = {i.name for i in get_registry().tiers()}
-    if name not in known:
-        raise ValueError(f"tier {name!r} is not installed (installed: {', '.join(sorted(known))})")
+    check_tier(name)
     return {"type": f"kvtiers_{name}", **extra}
 
 
