@@ -11,8 +11,9 @@ cheaply (no full pass over the weights):
 - for each weight file (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf``): its name,
   its size, and :data:`SAMPLES` pages of 4 KiB read at fixed offsets spread over the file;
   for a safetensors file also its header (tensor names, dtypes, shapes, offsets) and the
-  first 4 KiB of every tensor, so checkpoints of one architecture whose weights differ
-  (a fine-tune, even of a few layers) differ: a few MB read per model, whatever its size.
+  first 256 bytes of every tensor (of at most 4096 per file, evenly spread), so checkpoints of
+  one architecture whose weights differ (a fine-tune, even of a few layers) differ: a few MB
+  read per model, whatever its size.
 
 A Hugging Face repository id is resolved through the local Hugging Face cache (vLLM has
 downloaded it there before any tier starts), when the cache holds exactly one snapshot of it.
@@ -36,6 +37,8 @@ __all__ = ["SAMPLES", "model_identity", "resolve_model_dir"]
 #: pages of 4 KiB read from each weight file, evenly spread from its first byte to its last
 SAMPLES = 16
 _PAGE = 4096
+_TENSOR_BYTES = 256  # read from the start of each tensor
+_TENSORS = 4096  # tensors sampled per file at most (evenly), for MoE checkpoints of 100k tensors
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _NOT_IDENTITY = ("_name_or_path", "_commit_hash", "transformers_version")
 
@@ -72,9 +75,10 @@ def _weight_digest(path: Path, h: hashlib._Hash) -> None:
                 h.update(hashlib.sha256(header).digest())
                 starts = sorted({int(t["data_offsets"][0]) for name, t in json.loads(header).items()
                                  if name != "__metadata__" and isinstance(t, dict) and "data_offsets" in t})
-                for start in starts:  # the first page of every tensor
+                step = max(1, len(starts) // _TENSORS)
+                for start in starts[::step]:  # the first bytes of every tensor (of at most _TENSORS per file)
                     f.seek(8 + n + start)
-                    h.update(f.read(_PAGE))
+                    h.update(f.read(_TENSOR_BYTES))
         last = max(size - _PAGE, 0)
         for i in range(SAMPLES):
             f.seek(last * i // max(SAMPLES - 1, 1))
