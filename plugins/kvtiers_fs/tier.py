@@ -91,7 +91,8 @@ class FsTier:
         max_bytes: bound on the namespace directory's chunk bytes, every instance's files
             together: the instance holding the cleaner's lease deletes the least recently used
             (by file mtime and its own use) and lists the directories that changed every
-            ``rescan_seconds``; the others only store and read.
+            ``rescan_seconds``; each of the others keeps what it stored that the cleaner has
+            not counted yet within a share of the bound (:mod:`kvtiers_fs.share`).
         n_read_threads / n_write_threads: sizes of the load and store pools.
         fsync: fsync each chunk file (and its directory) before publishing it.
         direct: O_DIRECT: ``None`` probes and falls back to buffered I/O, ``True`` requires
