@@ -6,6 +6,8 @@ Run in vLLM's environment (``make demo-vllm`` and the end-to-end tests use ``.ve
 
 ``JOB.json``: ``{"model": dir, "prompts": [[token ids], ...], "max_tokens": N,
 "kv_transfer_config": {...} or null, "max_model_len": N, "kvcache_gib": N, "runs": [...]}``.
+``"tensor_parallel_size": N`` runs N workers (on CPU give each its cores: ``"env":
+{"VLLM_CPU_OMP_THREADS_BIND": "0|1"}``; ``env`` is set before vLLM is imported).
 With no ``model``, the tiny model of ``kvtiers.commands.tinymodel`` is made (once) and used,
 with the options in ``"tiny_model"`` (e.g. ``{"layer_types": [...], "sliding_window": 256}``).
 ``runs`` (optional) lists rounds, each a list of prompt indices served in order, one request
@@ -140,6 +142,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     """Start the engine, serve the job's rounds, return what happened."""
     for k, v in ENGINE_ENV.items():
         os.environ.setdefault(k, v)
+    os.environ.update({str(k): str(v) for k, v in (job.get("env") or {}).items()})
     if job.get("kvcache_gib"):
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(job["kvcache_gib"])
     from vllm import LLM, SamplingParams
@@ -162,6 +165,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         enforce_eager=True,
         disable_log_stats=False,
         seed=0,
+        tensor_parallel_size=int(job.get("tensor_parallel_size", 1)),
         kv_transfer_config=job.get("kv_transfer_config"),
     )
     started = time.perf_counter() - t0

@@ -1,0 +1,59 @@
+"""kvtiers under a running vLLM on CPU with tensor parallelism: TP=2 into one offload region.
+
+Each of the two workers writes its slot of every row of vLLM's shared offload region (rank 0's
+slot, then rank 1's), so one chunk is one row holding both ranks' shards, and one file of the
+fs tier. Engine A (TP=2, one process with two workers, ``VLLM_CPU_OMP_THREADS_BIND="0|1"``)
+computes a 1024-token prefix (nothing cached: the run without offloading) and stores it;
+engine B (TP=2, a new process, cold host cache, the same root) takes it from the tier; the
+tokens are the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+from vllm_engines import describe, engine, metric, needs_vllm_cpu
+
+from kvtiers.commands.vllm_engine import offload_config, prompt_family
+
+pytestmark = [needs_vllm_cpu, pytest.mark.timeout(1800)]
+
+PREFIX = 1024
+CHUNKS = PREFIX // 128
+SHARD = 128 << 10  # one rank's slot: 128 tokens x 4 layers x K,V x 1 of the 2 KV heads x 64 x bf16
+FS = "1:kvtiers_fs"
+
+
+def tp_job(tiers: list[dict], runs: list[list[int]]) -> dict:
+    return {"model": None, "prompts": prompt_family(PREFIX, 1, seed=38), "max_tokens": 8, "runs": runs,
+            "kv_transfer_config": offload_config(tiers, 64 << 20), "tensor_parallel_size": 2,
+            "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    wd = tmp_path_factory.mktemp("vllm-tp")
+    tiers = [{"type": "kvtiers_fs", "root_dir": str(wd / "kv")}]
+    a = engine("tp2-A", tp_job(tiers, [[0], [0]]), wd)
+    files = sorted((wd / "kv").rglob("*.bin"))
+    shards = [(f.read_bytes()[:SHARD], f.read_bytes()[SHARD:2 * SHARD]) for f in files]
+    b = engine("tp2-B", tp_job(tiers, [[0]]), wd)
+    return {"a": a, "b": b, "files": files, "shards": shards}
+
+
+def test_tp2_prefix_from_the_host_region_and_from_the_tier_same_tokens(runs):
+    a, b = runs["a"], runs["b"]
+    computed, again = a["requests"]
+    (loaded,) = b["requests"]
+    assert computed["cached_tokens"] == 0, describe(a)
+    assert again["cached_tokens"] == PREFIX, describe(a)
+    assert loaded["cached_tokens"] == PREFIX, describe(b)
+    assert again["tokens"] == computed["tokens"] and loaded["tokens"] == computed["tokens"]
+
+
+def test_each_chunk_is_one_file_holding_both_ranks_shards(runs):
+    a, b, files = runs["a"], runs["b"], runs["files"]
+    assert len(files) == CHUNKS, describe(a)
+    assert metric(a, "vllm:kv_offload_tiering_write_bytes", tier=FS) == CHUNKS * 2 * SHARD, describe(a)
+    assert metric(b, "vllm:kv_offload_tiering_read_bytes", tier=FS) == CHUNKS * 2 * SHARD, describe(b)
+    for rank0, rank1 in runs["shards"]:
+        assert any(rank0) and any(rank1) and rank0 != rank1  # both ranks wrote their slot of the row
