@@ -45,6 +45,8 @@ import click
               help="With --engine vllm: prefix lengths in tokens, one table each.")
 @click.option("--tiers", "vllm_tiers", default="fs,p2p,obj", show_default=True, metavar="T,T,...",
               help="With --engine vllm: the tiers to take prefixes from (fs, p2p, obj).")
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(1),
+              help="With --engine vllm: tensor parallel size of every engine (one core per rank).")
 @click.option("--p2p-backend", type=click.Choice(["zmq", "nixl"]), default="zmq", show_default=True,
               help="With --scenario pd: the p2p data path (nixl: the prefill writes into decode's slots).")
 @click.option("--tier", "pd_tier", type=click.Choice(["p2p", "mooncake"]), default="p2p", show_default=True,
@@ -54,7 +56,7 @@ def demo(turns: int, conversations: int, directory: str | None, keep: bool, conf
          device: str | None, model: str, events_endpoint: str | None, events_replay: str | None,
          metrics_port: int | None, linger: float, as_json: bool, scenario: str = "chat",
          p2p_backend: str = "zmq", engine: str = "sim", lengths: str = "1024,4096,8192",
-         vllm_tiers: str = "fs,p2p,obj", pd_tier: str = "p2p") -> None:
+         vllm_tiers: str = "fs,p2p,obj", pd_tier: str = "p2p", tp: int = 1) -> None:
     """Serve simulated multi-turn conversations through the host arena and a persistent
     tier, verify every loaded byte, and print hits, bandwidth and prefill tokens saved.
 
@@ -71,7 +73,7 @@ def demo(turns: int, conversations: int, directory: str | None, keep: bool, conf
             raise click.BadParameter(f"{lengths!r} is not a comma-separated list of token counts",
                                      param_hint="--lengths") from None
         raise click.exceptions.Exit(vllm_command(lens, [t.strip() for t in vllm_tiers.split(",") if t.strip()],
-                                                 as_json, directory, model=model))
+                                                 as_json, directory, model=model, tp=tp))
     if engine == "transformers":  # a transformers model behind PrefixCache (docs/transformers.md)
         require("kvtiers demo --engine transformers", "torch", "transformers")
         from .transformers import transformers_command

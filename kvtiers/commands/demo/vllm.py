@@ -81,8 +81,10 @@ def _tier_servers(tiers: Sequence[str], workdir: str) -> Iterator[dict[str, dict
 
 
 def run_vllm_demo(lengths: Sequence[int] = (1024, 4096, 8192), tiers: Sequence[str] = TIERS, *,
-                  workdir: str | None = None, log=print, model_kind: str = "dense") -> dict[str, Any]:
-    """Run the engines and return the report (see :func:`render`); ``model_kind``: a key of :data:`MODELS`."""
+                  workdir: str | None = None, log=print, model_kind: str = "dense", tp: int = 1) -> dict[str, Any]:
+    """Run the engines and return the report (see :func:`render`); ``model_kind``: a key of :data:`MODELS`;
+    ``tp``: the tensor parallel size of every engine (each rank bound to its own core unless
+    ``VLLM_CPU_OMP_THREADS_BIND`` is set)."""
     from ..tinymodel import make_tiny_model
 
     options, _ = MODELS[model_kind]
@@ -98,6 +100,10 @@ def run_vllm_demo(lengths: Sequence[int] = (1024, 4096, 8192), tiers: Sequence[s
         prompts = warm + measured
         job = {"model": model, "prompts": prompts, "max_tokens": MAX_TOKENS, "kv_transfer_config": ktc,
                "max_model_len": longest, "runs": [list(range(len(prompts)))]}
+        if tp > 1:
+            job["tensor_parallel_size"] = tp
+            if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                job["env"] = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp))}
         log(f"  engine {name}: starting (one process, vllm-cpu)")
         res = spawn(job, wd, name)
         log(f"  engine {name}: started in {res['engine_start_s']:.0f} s, served {len(prompts)} prompts")
@@ -115,7 +121,7 @@ def run_vllm_demo(lengths: Sequence[int] = (1024, 4096, 8192), tiers: Sequence[s
         if own:
             shutil.rmtree(wd, ignore_errors=True)
     rep = report(lengths, ref, a, bs)
-    rep["model"] = model_kind
+    rep["model"], rep["tp"] = model_kind, tp
     return rep
 
 
@@ -161,7 +167,8 @@ def render(rep: dict[str, Any]) -> str:
     """The report as a table per prompt length."""
     kind = rep.get("model", "dense")
     lines = [f"kvtiers demo --engine vllm: vLLM ({rep['engine']}) on {MODELS[kind][1]}, greedy; "
-             f"prefill = vLLM's first scheduling to first token; chunk rows of {rep['row_bytes'] >> 10} KiB"]
+             f"prefill = vLLM's first scheduling to first token; chunk rows of {rep['row_bytes'] >> 10} KiB"
+             + (f" (TP={rep['tp']}: every rank's shard in one row)" if rep.get("tp", 1) > 1 else "")]
     if kind == "hybrid-swa":
         lines.append("  (two KV cache groups: a row is 128 tokens of one group; chunks = rows read from the tier, "
                      "the full group's for every 128 tokens, the window group's for its last 256 only)")
@@ -183,10 +190,10 @@ def render(rep: dict[str, Any]) -> str:
 
 
 def vllm_command(lengths: Sequence[int], tiers: Sequence[str], as_json: bool, directory: str | None = None,
-                 model: str = "dense") -> int:
+                 model: str = "dense", tp: int = 1) -> int:
     """``kvtiers demo --engine vllm``: run, print the table (or the report as JSON with ``as_json``).
 
-    ``model``: a key of :data:`MODELS` (``--model``). Returns 1 if some tier's tokens differ
+    ``model``: a key of :data:`MODELS` (``--model``); ``tp``: ``--tp``. Returns 1 if some tier's tokens differ
     from the recompute run's, 2 for a model this demo does not run, else 0.
     """
     import json
@@ -216,7 +223,7 @@ def vllm_command(lengths: Sequence[int], tiers: Sequence[str], as_json: bool, di
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    rep = run_vllm_demo(lengths, tiers, workdir=directory, log=log, model_kind=model)
+    rep = run_vllm_demo(lengths, tiers, workdir=directory, log=log, model_kind=model, tp=tp)
     print(json.dumps(rep) if as_json else render(rep))
     return 0 if rep["identical"] else 1
 
