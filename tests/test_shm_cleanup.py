@@ -25,7 +25,8 @@ from kvtiers.integrations.vllm.shm_region import sweep_stale_regions  # noqa: E4
 ENGINE = r'''
 import sys, time, uuid
 import torch
-from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
                                        OffloadingModelConfig, OffloadingParallelConfig)
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -51,8 +52,10 @@ else:  # the worker's side (kvtiers' CPU worker), then the scheduler's: what vLL
     worker = KvtiersOffloadingSpec(cfg).get_worker(caches)
     manager = KvtiersOffloadingSpec(cfg).get_manager()
     rows = manager.primary_tier.get_kv_memoryview().cast("B")
-    worker._flat[3 * 8192:3 * 8192 + 5] = b"hello"  # the worker's mapping and the scheduler's are one memory still
-    assert bytes(rows[3 * 8192:3 * 8192 + 5]) == b"hello"
+    kv[0][5] = 7
+    assert worker.submit_store(1, GPULoadStoreSpec([5, 6], [2], [0]), CPULoadStoreSpec([3]))
+    # the worker's mapping and the scheduler's are one memory still
+    assert bytes(rows[3 * 8192:3 * 8192 + PAGE]) == b"\x07" * PAGE
 print("ready", flush=True)
 if what == "exit":
     del rows
