@@ -98,3 +98,16 @@ def test_the_share_counts_what_the_cleaner_has_not_acknowledged(tmp_path):
     with open(os.path.join(nsdir, lease.PASSES), "r+b") as f:  # a torn or foreign record reads as none
         f.write(b"garbage")
     assert lease.read_passes(nsdir) is None
+
+
+def test_a_fifo_or_link_at_the_pass_record_never_blocks_the_cleaner(tmp_path):
+    path = tmp_path / lease.PASSES
+    os.mkfifo(path)  # anyone who can write the root
+    t0 = time.monotonic()
+    assert lease.write_passes(str(tmp_path), 1, 1) is False and lease.read_passes(str(tmp_path)) is None
+    os.unlink(path)
+    os.symlink("/dev/zero", path)
+    assert lease.write_passes(str(tmp_path), 1, 1) is False and lease.read_passes(str(tmp_path)) is None
+    assert time.monotonic() - t0 < 5
+    os.unlink(path)
+    assert lease.write_passes(str(tmp_path), 2, 1) and lease.read_passes(str(tmp_path)) == (2, 1)

@@ -88,19 +88,32 @@ def write_passes(nsdir: str, started: int, completed: int) -> bool:
     at the end of each pass). One 32-byte record with its own checksum, written in place
     and closed (so NFS clients see it at their next open). False if it cannot be written."""
     head = _RECORD.pack(_MAGIC, started, completed)
-    try:
-        fd = os.open(os.path.join(nsdir, PASSES), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    path = os.path.join(nsdir, PASSES)
+    try:  # (O_NONBLOCK: a FIFO put there fails at once instead of waiting for a reader)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as e:
-        log.warning("fs tier: cannot write the cleaner's pass record under %s: %s", nsdir, e)
+        _warn_once(path, e)
         return False
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
         os.pwrite(fd, head + xxhash.xxh3_64_digest(head), 0)
         return True
     except OSError as e:
-        log.warning("fs tier: cannot write the cleaner's pass record under %s: %s", nsdir, e)
+        _warn_once(path, e)
         return False
     finally:
         os.close(fd)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(path: str, e: OSError) -> None:
+    if path not in _warned:
+        _warned.add(path)
+        log.warning("fs tier: cannot write the cleaner's pass record %s: %s (the others keep to their share "
+                    "of the bound, evicting their own chunks)", path, e.strerror or e)
 
 
 def read_passes(nsdir: str) -> tuple[int, int] | None:

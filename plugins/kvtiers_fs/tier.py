@@ -369,7 +369,7 @@ class FsTier:
         """Record that pass ``begun`` has completed: its view counts every chunk published
         before it began and is within ``max_bytes``. A pass that left directories to list
         again, or could not evict down to the bound, completes nothing."""
-        if begun is None or self.walker.deferred or self.index.excess(self.max_bytes) > 0:
+        if begun is None or self.walker.deferred or self.index.used > self.max_bytes:
             return
         self._passes = (begun, begun)
         write_passes(self.nsdir, begun, begun)
