@@ -450,3 +450,26 @@ def test_the_cipher_releases_the_gil():
         sys.setswitchinterval(old)
         worker.join()
     assert counted > 0
+
+
+def test_older_cryptography_without_the_into_calls(tmp_path):
+    """cryptography before encrypt_into/decrypt_into (the extra allows >= 42): the same format
+    through encrypt/decrypt, readable both ways."""
+    from kvtiers.encryption import open_into, seal_into, sealed_bytes
+
+    kr = Keyring.from_spec({"key_file": _key(tmp_path)})
+    real = kr.cipher(kr.current)
+
+    class Old:  # only the calls cryptography 42 has
+        encrypt = real.encrypt
+        decrypt = real.decrypt
+
+    old = Keyring(kr.current, {kr.current: Old()}, kr.specs)
+    data = memoryview(bytearray(_pattern(1, 8192)))
+    a, b = memoryview(bytearray(sealed_bytes(8192))), memoryview(bytearray(sealed_bytes(8192)))
+    seal_into(old, b"\1" * 8, b"k", data, a)
+    seal_into(kr, b"\1" * 8, b"k", data, b)
+    for sealed, ring in ((a, kr), (b, old)):
+        out = memoryview(bytearray(8192))
+        assert open_into(ring, b"\1" * 8, b"k", sealed, out) == kr.current
+        assert bytes(out) == bytes(data)
