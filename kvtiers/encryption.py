@@ -1,8 +1,8 @@
 """Encryption at rest for any tier: the ``"encrypt"`` option, keys, and the sealing wrapper.
 
-Any tier's options accept ``"encrypt": {...}`` (docs/security.md). :func:`open_sealed`
-(called by :func:`kvtiers.registry.open_tier`, which takes the option out, so the tier never
-sees it) opens the tier on a *staging arena* of slots one page bigger than the caller's, and
+Any tier's options accept ``"encrypt": {...}`` (docs/security.md).
+:func:`kvtiers.registry.open_tier` takes the option out, so the tier never sees it, and with
+a :class:`Sealing` opens the tier on a *staging arena* of slots one page bigger than the caller's, and
 puts a :class:`SealedTier` in front of it. A store seals ``arena[slot]`` into a staging slot
 with AES-256-GCM and hands the staging slot to the tier; a load lets the tier fill a staging
 slot, then opens it into ``arena[slot]``. The tier stores and loads opaque slots, as always.
@@ -134,10 +134,7 @@ def _read_key_env(name: Any) -> bytes:
 
 def _from_provider(spec: Mapping[str, Any], providers: Mapping[str, Callable[[dict], bytes]] | None) -> bytes:
     name = spec["provider"]
-    if providers is None:
-        from .registry import get_registry
-
-        providers = get_registry().key_providers()
+    providers = providers or {}
     if not isinstance(name, str) or name not in providers:
         known = ", ".join(sorted(providers)) or "none registered"
         raise ConfigError(f"encrypt: unknown key provider {name!r} (registered: {known})")
@@ -656,29 +653,38 @@ def scaled_bound(options: Mapping[str, Any], slot_bytes: int) -> dict[str, Any]:
     return out
 
 
-def open_sealed(info: Any, options: Mapping[str, Any], ctx: TierContext, spec: Any, *,
-                registry: Any = None) -> Any:
-    """Open tier ``info`` (options checked, without ``encrypt``) behind a
-    :class:`SealedTier` for the ``"encrypt"`` object ``spec``; return its ``TierHandle``
-    (``handle.tier`` is the tier itself, ``handle.hooks`` the wrapper)."""
-    from .registry import TierHandle, construct_tier
+class Sealing:
+    """What :func:`kvtiers.registry.open_tier` needs to open a tier encrypted: the keys, the
+    tier's context on a staging arena (``ctx``), its options (``options``: ``max_bytes``
+    scaled), and :meth:`wrap` for the hooks around the opened tier. Built by :meth:`prepare`."""
 
-    where = f"tier {info.name!r}: "
-    try:
-        providers = registry.key_providers() if registry is not None else None
-        keyring = Keyring.from_spec(spec, providers=providers)
-        n = staging_slots(spec, ctx.arena)
-        threads = spec.get("threads", 4)
-        if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 64:
-            raise ConfigError(f"encrypt: 'threads' expects an int 1-64, got {threads!r}")
-    except ConfigError as e:
-        raise ConfigError(where + str(e)) from None
-    staging = Arena.allocate(n, sealed_bytes(ctx.arena.slot_bytes))
-    scaled = scaled_bound(options, ctx.arena.slot_bytes)
-    inner_ctx = TierContext(staging, ctx.namespace, removed=ctx.removed)
-    tier = construct_tier(info, scaled, inner_ctx)
-    inner = TierHandle(info, tier, inner_ctx, scaled)
-    wrapper = SealedTier(inner, ctx, keyring, threads=threads)
-    log.info("kvtiers: tier %s encrypted (key id %s, %d retired, %d staging slots of %d bytes)",
-             info.name, keyring.current, len(keyring.retired), n, staging.slot_bytes)
-    return TierHandle(info, tier, ctx, options, hooks=wrapper)
+    def __init__(self, keyring: Keyring, ctx: TierContext, options: dict[str, Any], outer: TierContext,
+                 threads: int) -> None:
+        self.keyring = keyring
+        self.ctx = ctx
+        self.options = options
+        self.outer = outer
+        self.threads = threads
+
+    @classmethod
+    def prepare(cls, tier_name: str, spec: Any, options: Mapping[str, Any], ctx: TierContext,
+                providers: Mapping[str, Callable[[dict], bytes]]) -> Sealing:
+        """Load the keys of the ``"encrypt"`` object ``spec`` and allocate the staging arena;
+        a one-line :class:`ConfigError` starting ``tier 'NAME': encrypt: ...``."""
+        try:
+            keyring = Keyring.from_spec(spec, providers=providers)
+            n = staging_slots(spec, ctx.arena)
+            threads = spec.get("threads", 4)
+            if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 64:
+                raise ConfigError(f"encrypt: 'threads' expects an int 1-64, got {threads!r}")
+        except ConfigError as e:
+            raise ConfigError(f"tier {tier_name!r}: {e}") from None
+        staging = Arena.allocate(n, sealed_bytes(ctx.arena.slot_bytes))
+        inner = TierContext(staging, ctx.namespace, removed=ctx.removed)
+        log.info("kvtiers: tier %s encrypted (key id %s, %d retired, %d staging slots of %d bytes)",
+                 tier_name, keyring.current, len(keyring.retired), n, staging.slot_bytes)
+        return cls(keyring, inner, scaled_bound(options, ctx.arena.slot_bytes), ctx, threads)
+
+    def wrap(self, inner: Any) -> SealedTier:
+        """The hooks around ``inner``, the ``TierHandle`` of the tier opened on :attr:`ctx`."""
+        return SealedTier(inner, self.outer, self.keyring, threads=self.threads)

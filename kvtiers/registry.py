@@ -304,10 +304,13 @@ def open_tier(
     else:
         info = (registry or get_registry()).tier_info(type_name)
     check_options(info.name, info.cls, options)
-    if encrypt is not None:
-        from .encryption import open_sealed
+    if encrypt is not None:  # the tier on a staging arena, sealing hooks in front (kvtiers.encryption)
+        from .encryption import Sealing
 
-        return open_sealed(info, options, ctx, encrypt, registry=registry)
+        sealing = Sealing.prepare(info.name, encrypt, options, ctx, (registry or get_registry()).key_providers())
+        tier = construct_tier(info, sealing.options, sealing.ctx)
+        inner = TierHandle(info, tier, sealing.ctx, sealing.options)
+        return TierHandle(info, tier, ctx, options, hooks=sealing.wrap(inner))
     return TierHandle(info, construct_tier(info, options, ctx), ctx, options)
 
 
