@@ -173,7 +173,8 @@ def run_bench_serve(configs: list[sr.Config], settings: sr.ServeSettings, prefix
         "concurrency": concurrency, "repeats": repeats,
         "settings": {"prefix_len": settings.prefix_len, "suffix_len": settings.suffix_len,
                      "output_len": settings.output_len, "requests_per_prefix": settings.per_prefix,
-                     "gpu_blocks": settings.gpu_blocks, "cpu_bytes": settings.cpu_bytes},
+                     "gpu_blocks": settings.gpu_blocks, "cpu_bytes": settings.cpu_bytes,
+                     "tier_cpu_bytes": settings.tier_cpu_bytes},
         "machine": {"cpus": os.cpu_count(), "load_at_start": list(os.getloadavg())}, "runs": []}
     try:
         with Progress(repeats * len(configs) * (1 + len(cells)), "bench serve", quiet=quiet) as bar:
@@ -208,7 +209,10 @@ def run_bench_serve(configs: list[sr.Config], settings: sr.ServeSettings, prefix
 @click.option("--gpu-blocks", default=96, show_default=True, type=click.IntRange(1),
               help="vLLM's device cache, in blocks (--num-gpu-blocks-override).")
 @click.option("--cpu-bytes", default=512 << 20, show_default=True, type=click.IntRange(1),
-              help="cpu_bytes_to_use: the host arena.")
+              help="cpu_bytes_to_use of the host-only configuration.")
+@click.option("--tier-cpu-bytes", default=64 << 20, show_default=True, type=click.IntRange(1),
+              help="cpu_bytes_to_use in front of a secondary tier (smaller than the working set, so the "
+                   "tier serves it).")
 @click.option("--model", default=None, help="Model directory (default: the tiny local Llama).")
 @click.option("--tier-config", "tier_config", multiple=True, metavar="NAME=JSON",
               help="Extra keys of a tier's secondary_tiers entry, e.g. fs='{\"verify\": true}'.")
@@ -220,8 +224,9 @@ def run_bench_serve(configs: list[sr.Config], settings: sr.ServeSettings, prefix
               help="Start nothing: print the table (and --plot) of a report saved with --json.")
 def serve(tiers: str, peer: bool, configs: str | None, prefixes: str, concurrency: str, repeats: int,
           prefix_len: int, suffix_len: int, output_len: int, requests_per_prefix: int, gpu_blocks: int,
-          cpu_bytes: int, model: str | None, tier_config: tuple[str, ...], serve_args: tuple[str, ...],
-          workdir: str | None, plot_file: str | None, as_json: bool, report_file: str | None) -> None:
+          cpu_bytes: int, tier_cpu_bytes: int, model: str | None, tier_config: tuple[str, ...],
+          serve_args: tuple[str, ...], workdir: str | None, plot_file: str | None, as_json: bool,
+          report_file: str | None) -> None:
     """Offloading on a real `vllm serve` under load, per configuration, with vLLM's own client."""
     from . import serve_report
 
@@ -262,6 +267,7 @@ def serve(tiers: str, peer: bool, configs: str | None, prefixes: str, concurrenc
         model = str(make_tiny_model())
     settings = sr.ServeSettings(model=model, prefix_len=prefix_len, suffix_len=suffix_len, output_len=output_len,
                                 per_prefix=requests_per_prefix, gpu_blocks=gpu_blocks, cpu_bytes=cpu_bytes,
+                                tier_cpu_bytes=tier_cpu_bytes,
                                 extra_serve_args=list(serve_args))
     rep = run_bench_serve(cfgs, settings, p_list, c_list, repeats, workdir=workdir, tier_extra=extra, quiet=as_json)
     if plot_file:

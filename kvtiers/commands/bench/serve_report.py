@@ -32,7 +32,8 @@ def render(rep: dict[str, Any]) -> str:
     lines = [f"kvtiers bench serve: {rep['engine']} ({rep['model']}), vLLM's `vllm bench serve` prefix_repetition: "
              f"{s['prefix_len']}-token prefixes, {s['suffix_len']}-token suffixes, {s['output_len']} output tokens, "
              f"{s['requests_per_prefix']} requests per prefix; device cache {s['gpu_blocks']} blocks, "
-             f"host arena {_mib(s['cpu_bytes'])} MiB; {rep['repeats']} interleaved repeat(s), medians",
+             f"host arena {_mib(s['cpu_bytes'])} MiB alone, {_mib(s.get('tier_cpu_bytes', s['cpu_bytes']))} MiB "
+             f"in front of a tier; {rep['repeats']} interleaved repeat(s), medians",
              f"fit = req/s over {ref} req/s at {fit.get('prefixes')} prefixes (the working set fits)"]
     for conc in rep["concurrency"]:
         rows = [r for r in rep["cells"] if r["concurrency"] == conc]

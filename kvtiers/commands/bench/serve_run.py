@@ -45,7 +45,8 @@ class ServeSettings:
     output_len: int = 16
     per_prefix: int = 8
     gpu_blocks: int = 96
-    cpu_bytes: int = 512 << 20
+    cpu_bytes: int = 512 << 20  # the host arena alone
+    tier_cpu_bytes: int = 64 << 20  # the arena in front of a secondary tier: smaller than the working set
     start_timeout: float = 600.0
     bench_timeout: float = 1800.0
     extra_serve_args: list[str] = field(default_factory=list)
@@ -176,8 +177,9 @@ def server_config(cfg: Config, settings: ServeSettings, workdir: str, stack: con
     """The ``--kv-transfer-config`` of ``cfg`` (None for no offloading), its tier servers started."""
     if not cfg.offloads:
         return None
-    tiers = [] if cfg.tier is None else [tier_entry(cfg.tier, workdir, stack, tier_extra.get(cfg.tier))]
-    return offload_config(tiers, settings.cpu_bytes)
+    if cfg.tier is None:
+        return offload_config([], settings.cpu_bytes)
+    return offload_config([tier_entry(cfg.tier, workdir, stack, tier_extra.get(cfg.tier))], settings.tier_cpu_bytes)
 
 
 def bench_cell(base_url: str, settings: ServeSettings, prefixes: int, concurrency: int, seed: int,
