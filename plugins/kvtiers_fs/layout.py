@@ -416,3 +416,19 @@ def ensure_namespace(root_dir: str, namespace, *, read_only: bool = False) -> st
         raw = read_regular(cfg)
     namespace.check_document(raw, where=cfg)
     return nsdir
+
+
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISLNK, "a symbolic link"),
+)
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular file is (``st_mode``), for the warnings and refusals
+    that name a hostile file under the root."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")

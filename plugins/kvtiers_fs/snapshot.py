@@ -122,16 +122,15 @@ def load(nsdir: str, file_bytes: int, ns: bytes) -> tuple[KeyTable, np.ndarray, 
 def _read(p: str, file_bytes: int, ns: bytes) -> tuple[np.ndarray, int, float] | None:
     """The bytes of the snapshot at ``p`` (checksum checked), its slots and write time; None
     if it is another namespace's or chunk size's; ``ValueError`` if it is not one to read."""
-    from .tier import _kind  # (what a chunk path's refusal says too; tier imports this module)
 
     mode = os.lstat(p).st_mode
     if not _stat.S_ISREG(mode):  # refused before any open: a FIFO would block, a device never end
-        raise ValueError(f"not a regular file ({_kind(mode)})")
+        raise ValueError(f"not a regular file ({layout.file_kind(mode)})")
     fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY)
     try:
         st = os.fstat(fd)
         if not _stat.S_ISREG(st.st_mode):  # replaced since the lstat
-            raise ValueError(f"not a regular file ({_kind(st.st_mode)})")
+            raise ValueError(f"not a regular file ({layout.file_kind(st.st_mode)})")
         head = os.pread(fd, _HEAD.size, 0)
         if len(head) != _HEAD.size:
             raise ValueError(f"{st.st_size} bytes: shorter than a header, torn")

@@ -69,20 +69,6 @@ class Refused(Exception):
     """Something at a chunk's path that is not a regular file: never read, never deleted."""
 
 
-_KINDS = (
-    (_stat.S_ISFIFO, "a FIFO"),
-    (_stat.S_ISDIR, "a directory"),
-    (_stat.S_ISCHR, "a character device"),
-    (_stat.S_ISBLK, "a block device"),
-    (_stat.S_ISSOCK, "a socket"),
-    (_stat.S_ISLNK, "a symbolic link"),
-)
-
-
-def _kind(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
-
-
 class FsTier:
     """Chunks as files under ``root_dir/<namespace digest>/``.
 
@@ -729,7 +715,7 @@ class FsTier:
             try:
                 st = os.fstat(fd)
                 if not _stat.S_ISREG(st.st_mode):
-                    raise Refused(_kind(st.st_mode))
+                    raise Refused(layout.file_kind(st.st_mode))
                 if st.st_size != self.file_bytes:
                     self._check_other(fd, st.st_size, key, scratch)
                 self._read(fd, key, self.arena[slot], scratch)
@@ -828,7 +814,7 @@ def _not_regular(path: str) -> str | None:
         mode = os.lstat(path).st_mode
     except OSError:
         return None
-    return None if _stat.S_ISREG(mode) else _kind(mode)
+    return None if _stat.S_ISREG(mode) else layout.file_kind(mode)
 
 
 def _mounted_read_only(path: str) -> bool:
