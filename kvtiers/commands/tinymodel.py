@@ -21,7 +21,14 @@ from pathlib import Path
 __all__ = ["ARCHITECTURES", "build_dir", "make_tiny_model"]
 
 #: the shapes this module makes: ``arch`` -> transformers' class name
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen3_next": "Qwen3NextForCausalLM"}
+#: what a ``qwen3_next`` model is besides the common shape: a hybrid of gated delta net (linear
+#: attention, an SSM-like state per sequence) and full attention layers, alternating, with a
+#: small mixture of experts; larger random weights than the default, so greedy output varies
+_QWEN3_NEXT = dict(linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_value_head_dim=64, num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=128, shared_expert_intermediate_size=128, initializer_range=0.1)
 _DONE = ".kvtiers-tinymodel"  # written last: a directory without it is incomplete
 
 
@@ -53,6 +60,9 @@ def make_tiny_model(
     ``seed``; the tokenizer has ``vocab_size`` tokens. With ``out_dir`` None the model goes to
     ``build_dir()/models/tiny-<arch>-<digest of the arguments>``.
 
+    ``arch="qwen3_next"`` makes an SSM hybrid: gated delta net layers (even) and full attention
+    layers (odd), a small mixture of experts; ``num_layers`` must be even.
+
     ``layer_types`` (one per layer, ``"full_attention"`` or ``"sliding_attention"``) with
     ``sliding_window`` (tokens) makes a hybrid: its sliding layers attend to the last
     ``sliding_window`` tokens only (vLLM honours them: one KV cache group per kind).
@@ -66,6 +76,8 @@ def make_tiny_model(
             f"make_tiny_model: hidden_size {hidden_size}, num_heads {num_heads} and num_kv_heads "
             f"{num_kv_heads} must divide evenly"
         )
+    if arch == "qwen3_next" and (num_layers % 2 or layer_types is not None):
+        raise ValueError("make_tiny_model: qwen3_next alternates its layers itself: an even num_layers, no layer_types")
     params = dict(arch=arch, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                   num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, vocab_size=vocab_size,
                   max_position_embeddings=max_position_embeddings, dtype=dtype, seed=seed, version=1)
@@ -138,8 +150,12 @@ def _save_model(path: Path, p: dict, vocab: int) -> None:
     import transformers
 
     config_cls = getattr(transformers, ARCHITECTURES[p["arch"]].replace("ForCausalLM", "Config"))
+    extra: dict = {}
+    if p["arch"] == "qwen3_next":
+        extra = dict(_QWEN3_NEXT, head_dim=p["hidden_size"] // p["num_heads"],
+                     layer_types=["linear_attention", "full_attention"] * (p["num_layers"] // 2))
     config = config_cls(
-        vocab_size=vocab, hidden_size=p["hidden_size"], intermediate_size=p["intermediate_size"],
+        **extra, vocab_size=vocab, hidden_size=p["hidden_size"], intermediate_size=p["intermediate_size"],
         num_hidden_layers=p["num_layers"], num_attention_heads=p["num_heads"],
         num_key_value_heads=p["num_kv_heads"], max_position_embeddings=p["max_position_embeddings"],
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
