@@ -233,7 +233,8 @@ class RetryingMemoryTier(kvtiers.memory.MemoryTier):
 
 
 def test_a_tier_answering_retry_makes_vllm_retry_then_promote() -> None:
-    tier = {"type": "kvtiers", "module_path": MODULE, "tier": f"{__name__}:RetryingMemoryTier"}
+    tier = {"type": "kvtiers", "module_path": MODULE, "tier": f"{__name__}:RetryingMemoryTier",
+            "retry_wait_ms": 0}  # RETRY passed as is (test_lookup_wait.py: asked again within the step)
     e = Engine(tier, chunks=4)
     try:
         chunks = chunks_for(6, seed=5)

@@ -12,6 +12,10 @@ the worker is vLLM's own. On vLLM's CPU platform, where vLLM refuses to offload,
 :class:`~.cpu_worker.KvtiersCPUWorker`: the same rows of the same region, filled and read by
 kvtiers' DMA engine. See docs/vllm.md.
 
+A promotion from a secondary tier is finished within the scheduler step that finds it
+(within ``kvtiers_promotion_wait_ms`` of scheduler time per step, see :mod:`.promotion_wait`),
+so a request whose prefix comes from a tier is not deferred a whole engine step.
+
 On every platform it also sees that vLLM's offload region in ``/dev/shm`` outlives no engine
 (see :mod:`.shm_region`): it removes regions no live process holds when it starts, and unlinks
 its own once the scheduler and the workers have mapped it.
@@ -29,6 +33,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from .cpu_worker import KvtiersCPUWorker
 from .metrics import host_series_definitions, host_stats
+from .promotion_wait import install as install_promotion_wait
 from .shm_region import sweep_stale_regions, unlink_when_mapped, watch_region
 
 log = logging.getLogger("kvtiers.integrations.vllm")
@@ -75,6 +80,7 @@ class KvtiersOffloadingSpec(TieringOffloadingSpec):
                 log.warning("kvtiers: sweeping stale offload regions failed: %s", e)
             manager = super().get_manager()
             _add_host_stats(manager)
+            self.promotion_wait = install_promotion_wait(manager, self.extra_config)
             region = getattr(self, "_scheduler_mmap", None)
             if region is not None:
                 try:

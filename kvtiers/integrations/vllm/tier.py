@@ -9,7 +9,8 @@ arena (row ``c`` is slot ``c``, zero-copy) and maps one call to one call:
 vLLM                        kvtiers
 ==========================  ============================================================
 ``lookup(key, ctx)``        ``lookup([key])``: HIT, MISS, RETRY as they are (vLLM turns a
-                            HIT into its own HIT_PENDING while it promotes)
+                            HIT into its own HIT_PENDING while it promotes); a RETRY is
+                            asked again for at most ``retry_wait_ms`` per step
 ``submit_store(job)``       ``submit_store(Job(job_id, keys, chunk_ids))``
 ``submit_load(job)``        ``submit_load(Job(job_id, keys, chunk_ids))``
 ``get_finished_jobs()``     ``get_finished_jobs()``; a load with some failed keys reports
@@ -24,6 +25,13 @@ vLLM                        kvtiers
 
 A key whose load failed answers MISS until it is stored again, so a tier that keeps
 answering HIT for a chunk it cannot read does not make vLLM promote it forever.
+
+A RETRY defers the request a whole engine step (vLLM asks again only in its next schedule),
+while a tier resolves most of them in well under a millisecond (the fs tier's ``stat`` probe
+of a key it does not know, which is every key of a new prompt). So the adapter asks a key
+that answered RETRY again, every 0.2 ms, until it resolves or ``retry_wait_ms`` of this
+step's scheduler time is spent (default :data:`DEFAULT_RETRY_WAIT_MS`; 0: pass RETRY as is).
+The tier's own lookup stays non-blocking (rule 1); only this adapter waits.
 """
 
 from __future__ import annotations
@@ -63,6 +71,9 @@ log = logging.getLogger("kvtiers.integrations.vllm")
 
 _ANSWER = {Lookup.HIT: LookupResult.HIT, Lookup.MISS: LookupResult.MISS, Lookup.RETRY: LookupResult.RETRY}
 _DRAIN_WARN_S = 10.0
+#: scheduler milliseconds per step the adapter spends asking RETRY keys again, by default
+DEFAULT_RETRY_WAIT_MS = 5.0
+_RETRY_POLL_S = 0.0002
 #: vLLM medium of a kvtiers tier, for vLLM's load filters and cache-hit sources; others are STORAGE
 MEDIUM = {"memory": Medium.CPU, "p2p": Medium.CPU}
 
@@ -100,7 +111,8 @@ class KvtiersTier(SecondaryTierManager):
     ``{"type": "kvtiers", "tier": "<name or pkg.module:Class>", ...}``; add
     ``"module_path": "kvtiers.integrations.vllm"`` where kvtiers' vLLM plugin is not loaded.
     Options of the adapter itself: ``tier``, ``namespace`` (extra namespace fields),
-    ``enable_kv_events`` and ``locality`` (as vLLM's fs tier). Every other key is an option
+    ``enable_kv_events`` and ``locality`` (as vLLM's fs tier), ``retry_wait_ms`` (see the
+    module). Every other key is an option
     of the kvtiers tier, checked against its signature before it opens.
     """
 
@@ -119,6 +131,7 @@ class KvtiersTier(SecondaryTierManager):
         namespace: dict | None = None,
         enable_kv_events: bool = False,
         locality: str | None = None,
+        retry_wait_ms: float = DEFAULT_RETRY_WAIT_MS,
         **options: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -127,6 +140,11 @@ class KvtiersTier(SecondaryTierManager):
             self.medium = MEDIUM[name]
             self.cache_hit_source = {Medium.CPU: CacheHitSource.HOST, Medium.STORAGE: CacheHitSource.DISK}[self.medium]
         self.locality = Locality(locality) if locality is not None else None
+        if isinstance(retry_wait_ms, bool) or not isinstance(retry_wait_ms, int | float) or retry_wait_ms < 0:
+            raise ConfigError(f"secondary tier {tier_type!r}: 'retry_wait_ms' must be a number >= 0, "
+                              f"got {retry_wait_ms!r}")
+        self.retry_wait_s = retry_wait_ms / 1000.0
+        self._retry_spent_s = 0.0  # this step's
         if namespace is not None and not isinstance(namespace, dict):
             raise ConfigError(f"secondary tier {tier_type!r}: 'namespace' must be an object of extra fields")
         self.arena, self._flat = primary_arena(primary_kv_view)
@@ -196,8 +214,31 @@ class KvtiersTier(SecondaryTierManager):
             log.warning("kvtiers tier %r: lookup raised %s: %s", self.kvtiers_name, type(e).__name__, e)
             return LookupResult.MISS
         finally:
-            self._series.lookup_took(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            self._series.lookup_took(t1 - t0)
+        if answer is Lookup.RETRY and self._retry_spent_s < self.retry_wait_s:
+            answer = self._settle(k, t1)
         return _ANSWER[answer]
+
+    def _settle(self, k: bytes, t0: float) -> Lookup:
+        """Ask ``k`` again until it is not RETRY or this step's ``retry_wait_ms`` is spent."""
+        deadline = t0 + self.retry_wait_s - self._retry_spent_s
+        answer = Lookup.RETRY
+        try:
+            while answer is Lookup.RETRY and time.perf_counter() < deadline:
+                time.sleep(_RETRY_POLL_S)
+                (answer,) = self.handle.lookup([k])
+        except Exception as e:
+            log.warning("kvtiers tier %r: lookup raised %s: %s", self.kvtiers_name, type(e).__name__, e)
+            answer = Lookup.MISS
+        finally:
+            self._retry_spent_s += time.perf_counter() - t0
+        return answer
+
+    def on_schedule_end(self, context: Any) -> None:
+        """vLLM's end of a scheduler step: the next step has a new ``retry_wait_ms``."""
+        self._retry_spent_s = 0.0
+        super().on_schedule_end(context)
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         try:

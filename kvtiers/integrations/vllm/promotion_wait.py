@@ -1,0 +1,126 @@
+"""Promotions finished in the scheduler step that finds them (``kvtiers_promotion_wait_ms``).
+
+vLLM's tiering manager answers a chunk found in a secondary tier with ``HIT_PENDING``: it
+reserves a primary row, submits the load at the end of the step (``on_schedule_end``) and
+polls it at the next step's first lookup. vLLM's scheduler defers a request with any
+``HIT_PENDING`` chunk, so every request whose prefix comes from a tier waits one whole engine
+step (a forward pass of everything running: 0.1-1 s on a busy CPU server) for a load that
+takes a few milliseconds. That wait is vLLM's ``lookup_async_delay``.
+
+:func:`install` wraps the manager's ``lookup``: when a lookup has just started a promotion
+for a request, it also starts the promotions of the request's following chunks (the keys
+vLLM's scheduler recorded for the request, in order, up to the first one that is not a hit),
+submits them at once as the step's promotions, and waits for them, at most the step's budget
+in all; the lookup then answers ``HIT`` and the request is scheduled in this step. A load not
+done within the budget, or a failed key, is what vLLM would have seen anyway (``HIT_PENDING``,
+then the next step's poll; a failed key is a ``MISS``). The budget (milliseconds of
+scheduler time per step, default :data:`DEFAULT_WAIT_MS`) is ``kvtiers_promotion_wait_ms`` in
+``kv_connector_extra_config``; 0 turns the wait off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
+
+log = logging.getLogger("kvtiers.integrations.vllm")
+
+#: scheduler milliseconds per step spent waiting for promotions, by default
+DEFAULT_WAIT_MS = 20.0
+_POLL_S = 0.0002
+
+
+class PromotionWait:
+    """The wrapper of one tiering manager's ``lookup`` and ``on_schedule_end`` (see the module)."""
+
+    def __init__(self, manager: Any, budget_ms: float) -> None:
+        if budget_ms < 0:
+            raise ValueError(f"kvtiers_promotion_wait_ms must be >= 0, got {budget_ms}")
+        self.manager = manager
+        self.budget_s = budget_ms / 1000.0
+        self.spent_s = 0.0  # this step's
+        self.waits = 0  # waits started
+        self.done_in_step = 0  # waits whose promotions all finished within the budget
+        self._lookup = manager.lookup
+        self._on_schedule_end = manager.on_schedule_end
+        manager.lookup = self.lookup
+        manager.on_schedule_end = self.on_schedule_end
+
+    def on_schedule_end(self, context: Any) -> None:
+        """vLLM's end of step; a new step has a new budget."""
+        self.spent_s = 0.0
+        self._on_schedule_end(context)
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext, **kw: Any) -> LookupResult:
+        """vLLM's lookup; a promotion it starts is finished before it answers, within the budget."""
+        res = self._lookup(key, req_context, **kw)
+        if res is not LookupResult.HIT_PENDING or kw or self.spent_s >= self.budget_s:
+            return res  # (kw: a peer's lookup through serve_external_requests, left as vLLM does it)
+        if not self._queued(req_context.req_id):
+            return res  # pending for another reason: a store in flight, another request's promotion
+        t0 = time.perf_counter()
+        try:
+            self._queue_following(key, req_context)
+            if self._wait(req_context.req_id, t0 + self.budget_s - self.spent_s):
+                self.done_in_step += 1
+        except Exception as e:  # never worse than vLLM's own path
+            log.warning("kvtiers: waiting for a promotion failed (%s: %s); vLLM polls it next step",
+                        type(e).__name__, e)
+            return res
+        finally:
+            self.waits += 1
+            self.spent_s += time.perf_counter() - t0
+        return self._lookup(key, req_context)
+
+    def _queued(self, req_id: str) -> bool:
+        pending = getattr(self.manager, "_pending_load_submissions", None) or {}
+        return any(req_id in by_req for by_req in pending.values())
+
+    def _queue_following(self, key: OffloadKey, req_context: ReqContext) -> None:
+        """Look up the request's chunks after ``key`` (their promotions queue up) to the first
+        that is neither a hit nor a pending hit: the scheduler asks them next anyway."""
+        positions = getattr(req_context, "_offload_key_positions", None)
+        if not positions or key not in positions:
+            return
+        keys = list(positions)
+        last = positions[key]
+        for k in keys[keys.index(key) + 1:]:
+            pos = positions[k]
+            if pos <= last:  # the next KV group's keys start over
+                return
+            last = pos
+            if self._lookup(k, req_context) not in (LookupResult.HIT, LookupResult.HIT_PENDING):
+                return
+
+    def _wait(self, req_id: str, deadline: float) -> bool:
+        """Submit the step's queued promotions now; poll until this request's are done or the
+        deadline passes. True if they are done."""
+        m = self.manager
+        m._flush_pending_promotions()
+        mine = [j for j, meta in m._jobs.items()
+                if meta.transfer_job.is_promotion and meta.transfer_job.req_context.req_id == req_id]
+        while True:
+            m._process_finished_jobs()
+            if not any(j in m._jobs for j in mine):
+                return True
+            if time.perf_counter() >= deadline:
+                return False
+            time.sleep(_POLL_S)
+
+
+def install(manager: Any, extra_config: dict[str, Any]) -> PromotionWait | None:
+    """Wrap ``manager`` (vLLM's tiering manager) unless it has no secondary tier or the budget is 0."""
+    budget = extra_config.get("kvtiers_promotion_wait_ms", DEFAULT_WAIT_MS)
+    if isinstance(budget, bool) or not isinstance(budget, int | float):
+        raise ValueError(f"kvtiers_promotion_wait_ms must be a number of milliseconds, got {budget!r}")
+    if not budget or not getattr(manager, "secondary_tiers", None):
+        return None
+    if not all(hasattr(manager, a) for a in ("_pending_load_submissions", "_flush_pending_promotions", "_jobs",
+                                              "_process_finished_jobs")):
+        log.info("kvtiers: this vLLM's tiering manager has no promotion queue kvtiers knows; "
+                 "kvtiers_promotion_wait_ms is ignored")
+        return None
+    return PromotionWait(manager, float(budget))
