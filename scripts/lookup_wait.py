@@ -157,16 +157,31 @@ def main(argv: list[str] | None = None) -> int:
                     help="the adapter's retry_wait_ms option (default: the adapter's default)")
     ap.add_argument("--promotion-wait-ms", type=float, default=None,
                     help="kvtiers_promotion_wait_ms (default: the spec's default; 0: vLLM's own behaviour)")
+    ap.add_argument("--compare", action="store_true",
+                    help="run vLLM's own behaviour (both waits 0) and then this configuration; print the ratios")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    if a.compare:
+        off = run(a.prefixes, a.per_prefix, a.chunks, a.concurrency, a.rows, step_ms=a.step_ms,
+                  tier_options={"retry_wait_ms": 0}, extra={"kvtiers_promotion_wait_ms": 0})
+        print("waits off: " + _line(off))
     opts = {} if a.retry_wait_ms is None else {"retry_wait_ms": a.retry_wait_ms}
     res = run(a.prefixes, a.per_prefix, a.chunks, a.concurrency, a.rows, step_ms=a.step_ms, tier_options=opts,
               extra={} if a.promotion_wait_ms is None else {"kvtiers_promotion_wait_ms": a.promotion_wait_ms})
     if a.json:
-        print(json.dumps(res))
-    else:
-        print(", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))
+        print(json.dumps(res if not a.compare else {"off": off, "on": res}))
+        return 0
+    print(("waits on:  " if a.compare else "") + _line(res))
+    if a.compare:
+        print(f"lookup_async_delay {off['delay_s']:.3f} s -> {res['delay_s']:.3f} s "
+              f"({off['delay_s'] / max(res['delay_s'], 1e-9):.1f}x); deferred steps {off['deferrals']} -> "
+              f"{res['deferrals']} ({off['deferrals'] / max(res['deferrals'], 1):.1f}x); wall "
+              f"{off['wall_s']:.2f} s -> {res['wall_s']:.2f} s")
     return 0
+
+
+def _line(res: dict) -> str:
+    return ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items())
 
 
 if __name__ == "__main__":
