@@ -227,7 +227,11 @@ class KvtiersTier(SecondaryTierManager):
         try:
             while answer is Lookup.RETRY and time.perf_counter() < deadline:
                 time.sleep(_RETRY_POLL_S)
-                (answer,) = self.handle.lookup([k])
+                t1 = time.perf_counter()
+                try:
+                    (answer,) = self.handle.lookup([k])
+                finally:  # each of the tier's lookups is one in kvtiers_tier_lookup_duration_seconds
+                    self._series.lookup_took(time.perf_counter() - t1)
         except Exception as e:
             log.warning("kvtiers tier %r: lookup raised %s: %s", self.kvtiers_name, type(e).__name__, e)
             answer = Lookup.MISS
