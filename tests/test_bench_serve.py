@@ -169,3 +169,22 @@ def test_smoke_real_server(tmp_path) -> None:
     assert all(r["failed"] == 0 and r["completed"] == 4 and r["req_s"] > 0 for r in rep["cells"])
     assert rep["identity"]["identical"]
     assert not [x for run in rep["runs"] for x in run["shm_left"]]
+
+
+def test_a_server_that_died_is_named_with_its_engine_error(tmp_path) -> None:
+    from kvtiers.commands.bench.serve_run import engine_error
+
+    log = tmp_path / "server.log"
+    log.write_text("(EngineCore pid=1) INFO started\n"
+                   "(EngineCore pid=1) ERROR [core.py:1512] EngineCore encountered a fatal error.\n"
+                   "(EngineCore pid=1) ERROR [core.py:1512] Traceback (most recent call last):\n"
+                   "(EngineCore pid=1) ERROR [core.py:1512] AssertionError: Chunk b'x' not found in cache\n"
+                   "(APIServer pid=2) ERROR vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered\n")
+    assert engine_error(str(log)) == "AssertionError: Chunk b'x' not found in cache"
+    assert engine_error(str(tmp_path / "absent.log")) is None
+    rep = _report()
+    rep["runs"][1]["error"] = "vllm serve (host, repeat 0) died: AssertionError: Chunk b'x' not found in cache"
+    rep["runs"][1]["greedy"] = None  # no greedy answers from a dead server: left out of the identity check
+    bs._identity(rep)
+    assert rep["identity"]["identical"]
+    assert "FAILED: vllm serve (host, repeat 0) died: AssertionError" in serve_report.render(rep)

@@ -56,35 +56,44 @@ def _one_server(cfg: sr.Config, repeat: int, settings: sr.ServeSettings, cells: 
     os.makedirs(wd, exist_ok=True)
     run: dict[str, Any] = {"config": cfg.name, "repeat": repeat, "cells": []}
     shm_before = sr.shm_regions()
+    log = os.path.join(wd, "server.log")
     with contextlib.ExitStack() as stack:
         ktc = sr.server_config(cfg, settings, wd, stack, tier_extra)
         run["kv_transfer_config"] = ktc
-        srv = sr.VllmServer(settings, ktc, os.path.join(wd, "server.log"))
+        srv = sr.VllmServer(settings, ktc, log)
         t0 = time.monotonic()
         srv.start(timeout=settings.start_timeout)
         stack.callback(srv.stop)
         sr.warm_up(srv.base_url, settings.model)
         run["start_s"] = time.monotonic() - t0
         bar.advance(note=f"{cfg.name} r{repeat}: server up in {run['start_s']:.0f} s")
-        for i, (prefixes, conc) in enumerate(cells):
-            seed = 1000 + i  # the same prompts in every configuration and repeat
-            before = sm.scrape(srv.base_url)
-            load0 = sr.load_now()
-            res = sr.bench_cell(srv.base_url, settings, prefixes, conc, seed,
-                                os.path.join(wd, f"bench-p{prefixes}-c{conc}.json"), os.path.join(wd, "bench.log"))
-            time.sleep(1.0)  # the last step's stats reach the API server
-            d = sm.delta(before, sm.scrape(srv.base_url))
-            cell = {"prefixes": prefixes, "concurrency": conc, "seed": seed,
-                    "bench": {k: res.get(k) for k in BENCH_FIELDS},
-                    "metrics": sm.summarize(d),
-                    "metrics_delta": {k: v for k, v in d.items() if "kv_offload" in k or "kvtiers" in k
-                                      or "prompt_tokens" in k or "prefix_cache" in k},
-                    "load": [load0, sr.load_now()]}
-            run["cells"].append(cell)
-            bar.advance(note=f"{cfg.name} r{repeat} {prefixes} prefixes C={conc}: "
-                             f"{res.get('request_throughput', 0):.2f} req/s")
-        run["greedy"] = sr.greedy_outputs(srv.base_url, settings.model, sr.greedy_prompts(settings),
-                                          settings.output_len)
+        try:
+            for i, (prefixes, conc) in enumerate(cells):
+                seed = 1000 + i  # the same prompts in every configuration and repeat
+                before = sm.scrape(srv.base_url)
+                load0 = sr.load_now()
+                res = sr.bench_cell(srv.base_url, settings, prefixes, conc, seed,
+                                    os.path.join(wd, f"bench-p{prefixes}-c{conc}.json"),
+                                    os.path.join(wd, "bench.log"))
+                time.sleep(1.0)  # the last step's stats reach the API server
+                cell = {"prefixes": prefixes, "concurrency": conc, "seed": seed,
+                        "bench": {k: res.get(k) for k in BENCH_FIELDS}, "load": [load0, sr.load_now()]}
+                run["cells"].append(cell)
+                d = sm.delta(before, sm.scrape(srv.base_url))
+                cell["metrics"] = sm.summarize(d)
+                cell["metrics_delta"] = {k: v for k, v in d.items() if "kv_offload" in k or "kvtiers" in k
+                                         or "prompt_tokens" in k or "prefix_cache" in k}
+                bar.advance(note=f"{cfg.name} r{repeat} {prefixes} prefixes C={conc}: "
+                                 f"{res.get('request_throughput', 0):.2f} req/s")
+            run["greedy"] = sr.greedy_outputs(srv.base_url, settings.model, sr.greedy_prompts(settings),
+                                              settings.output_len)
+        except OSError as e:  # the server stopped answering: say why, and go on with the next one
+            if srv.alive() and not sr.engine_error(log):
+                raise
+            run["error"] = f"vllm serve ({cfg.name}, repeat {repeat}) died: {sr.engine_error(log) or e} (log {log})"
+            for c in run["cells"]:
+                c.setdefault("metrics", sm.summarize({}))
+            bar.note(run["error"])
     left = sr.wait_gone(sr.shm_regions() - shm_before)
     run["shm_left"] = sorted(left)
     for p in left:  # reported, then removed unless some process still holds it
@@ -139,7 +148,7 @@ def _mean_dicts(ds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _identity(report: dict[str, Any]) -> None:
-    runs = report["runs"]
+    runs = [r for r in report["runs"] if r.get("greedy") is not None]
     ref = runs[0]["greedy"] if runs else None
     differ = sorted({f"{r['config']} r{r['repeat']}" for r in runs if r["greedy"] != ref})
     report["identity"] = {"reference": f"{runs[0]['config']} r0" if runs else None, "prompts": len(ref or []),
@@ -274,5 +283,5 @@ def serve(tiers: str, peer: bool, configs: str | None, prefixes: str, concurrenc
         serve_report.plot(rep, plot_file)
     click.echo(json.dumps(rep) if as_json else serve_report.render(rep))
     failed = sum(r["failed"] for r in rep["cells"])
-    if failed or not rep["identity"]["identical"]:
+    if failed or not rep["identity"]["identical"] or any(r.get("error") for r in rep["runs"]):
         sys.exit(1)

@@ -64,6 +64,9 @@ def render(rep: dict[str, Any]) -> str:
                      f"reference {ident['reference']})")
     else:
         lines.append(f"greedy tokens: DIFFER from {ident['reference']} in {', '.join(ident['differ'])}")
+    for run in rep["runs"]:
+        if run.get("error"):
+            lines.append(f"FAILED: {run['error']}")
     m = rep["machine"]
     lines.append(f"machine: {m['cpus']} CPUs, load average {m['load_at_start'][0]:.1f} at start, "
                  f"{m.get('load_at_end', [0.0])[0]:.1f} at end")

@@ -14,6 +14,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ from ...launcher import ChildProcess, LaunchError, free_port, http_answers
 from ..vllm_engine import ENGINE_ENV, offload_config, prompt_family
 
 __all__ = ["BUILTIN", "Config", "ServeSettings", "VllmServer", "bench_cell", "configs_for", "greedy_outputs",
-           "check_tier", "shm_regions", "tier_entry"]
+           "check_tier", "engine_error", "shm_regions", "tier_entry"]
 
 #: configurations that are not "host arena + one kvtiers tier"
 BUILTIN = ("none", "host", "vllm-fs")
@@ -236,6 +237,22 @@ def greedy_outputs(base_url: str, model: str, prompts: list[list[int]], max_toke
 def warm_up(base_url: str, model: str) -> None:
     """One short request: the server's first request pays one-time costs, outside any cell."""
     greedy_outputs(base_url, model, [prompt_family(200, 1, 8, seed=99)[0]], max_tokens=4)
+
+
+def engine_error(log: str) -> str | None:
+    """The first exception vLLM's engine logged as fatal (``...Error: message``), if any."""
+    try:
+        text = Path(log).read_text(errors="replace")
+    except OSError:
+        return None
+    fatal = text.find("EngineCore encountered a fatal error")
+    if fatal < 0:
+        return None
+    for line in text[fatal:].splitlines():
+        m = re.search(r"\b(\w+(Error|Exception)): (.*)", line)
+        if m:
+            return f"{m.group(1)}: {m.group(3)}"[:300]
+    return "EngineCore encountered a fatal error"
 
 
 def load_now() -> float:
