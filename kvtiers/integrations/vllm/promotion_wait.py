@@ -13,7 +13,14 @@ vLLM's scheduler recorded for the request, in order, up to the first one that is
 submits them at once as the step's promotions, and waits for them, at most the step's budget
 in all; the lookup then answers ``HIT`` and the request is scheduled in this step. A load not
 done within the budget, or a failed key, is what vLLM would have seen anyway (``HIT_PENDING``,
-then the next step's poll; a failed key is a ``MISS``). The budget (milliseconds of
+then the next step's poll; a failed key is a ``MISS``).
+
+vLLM's scheduler pins a request's HIT chunks (``prepare_load``) only after its scan, and a
+promotion's row may be taken by evicting an unpinned chunk, even one this scan already
+answered HIT. vLLM never loads such a scan, because a promotion always defers it. So here a
+request is waited for at most once per step (a later promotion of it in the step is deferred,
+as in vLLM), and after the wait every chunk the scan answered before must still be in the
+primary tier; if a promotion evicted one, the answer stays ``HIT_PENDING`` (deferred). The budget (milliseconds of
 scheduler time per step, default :data:`DEFAULT_WAIT_MS`) is ``kvtiers_promotion_wait_ms`` in
 ``kv_connector_extra_config``; 0 turns the wait off.
 """
@@ -43,6 +50,8 @@ class PromotionWait:
         self.budget_s = budget_ms / 1000.0
         self.spent_s = 0.0  # this step's
         self.waits = 0  # waits started
+        self._asked: dict[str, list[OffloadKey]] = {}  # this step: req_id -> keys looked up, in order
+        self._waited: set[str] = set()  # this step: requests waited for
         self.done_in_step = 0  # waits whose promotions all finished within the budget
         self._lookup = manager.lookup
         self._on_schedule_end = manager.on_schedule_end
@@ -52,28 +61,42 @@ class PromotionWait:
     def on_schedule_end(self, context: Any) -> None:
         """vLLM's end of step; a new step has a new budget."""
         self.spent_s = 0.0
+        self._asked.clear()
+        self._waited.clear()
         self._on_schedule_end(context)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext, **kw: Any) -> LookupResult:
         """vLLM's lookup; a promotion it starts is finished before it answers, within the budget."""
-        res = self._lookup(key, req_context, **kw)
-        if res is not LookupResult.HIT_PENDING or kw or self.spent_s >= self.budget_s:
-            return res  # (kw: a peer's lookup through serve_external_requests, left as vLLM does it)
-        if not self._queued(req_context.req_id):
+        if kw:  # a peer's lookup through serve_external_requests: as vLLM does it
+            return self._lookup(key, req_context, **kw)
+        req_id = req_context.req_id
+        asked = self._asked.setdefault(req_id, [])
+        res = self._lookup(key, req_context)
+        if res is not LookupResult.HIT_PENDING or self.spent_s >= self.budget_s or req_id in self._waited:
+            asked.append(key)
+            return res
+        if not self._queued(req_id):
+            asked.append(key)
             return res  # pending for another reason: a store in flight, another request's promotion
+        self._waited.add(req_id)
         t0 = time.perf_counter()
         try:
             self._queue_following(key, req_context)
-            if self._wait(req_context.req_id, t0 + self.budget_s - self.spent_s):
+            if self._wait(req_id, t0 + self.budget_s - self.spent_s):
                 self.done_in_step += 1
+            res = self._lookup(key, req_context)
+            primary = self.manager.primary_tier
+            if res is LookupResult.HIT and any(primary.lookup(k, req_context) is not LookupResult.HIT for k in asked):
+                res = LookupResult.HIT_PENDING  # a promotion evicted a chunk this scan answered HIT: defer
         except Exception as e:  # never worse than vLLM's own path
             log.warning("kvtiers: waiting for a promotion failed (%s: %s); vLLM polls it next step",
                         type(e).__name__, e)
-            return res
+            res = LookupResult.HIT_PENDING
         finally:
             self.waits += 1
             self.spent_s += time.perf_counter() - t0
-        return self._lookup(key, req_context)
+        asked.append(key)
+        return res
 
     def _queued(self, req_id: str) -> bool:
         pending = getattr(self.manager, "_pending_load_submissions", None) or {}
