@@ -140,6 +140,9 @@ def run(prefixes: int = 24, per_prefix: int = 8, chunks: int = 16, concurrency: 
                 time.sleep(step_ms / 1000)
         finally:
             view = None
+            wait = getattr(m.lookup, "__self__", None)  # kvtiers' promotion wait, where it is on
+            if wait is not None and hasattr(wait, "deferred"):
+                out["promotion_wait_deferred"] = dict(wait.deferred)
             m.shutdown()
         out["wall_s"] = time.monotonic() - t0
     return out

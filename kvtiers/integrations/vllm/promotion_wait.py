@@ -53,6 +53,11 @@ class PromotionWait:
         self._asked: dict[str, list[OffloadKey]] = {}  # this step: req_id -> keys looked up, in order
         self._waited: set[str] = set()  # this step: requests waited for
         self.done_in_step = 0  # waits whose promotions all finished within the budget
+        #: HIT_PENDING answers left as they are, by why: "budget" (this step's spent), "again" (the
+        #: request was waited for this step), "other" (not this request's promotion: a store in
+        #: flight, another request's), "evicted" (a promotion evicted a chunk the scan answered HIT),
+        #: "late" (the loads outlasted the budget)
+        self.deferred = {"budget": 0, "again": 0, "other": 0, "evicted": 0, "late": 0}
         self._lookup = manager.lookup
         self._on_schedule_end = manager.on_schedule_end
         manager.lookup = self.lookup
@@ -72,12 +77,20 @@ class PromotionWait:
         req_id = req_context.req_id
         asked = self._asked.setdefault(req_id, [])
         res = self._lookup(key, req_context)
-        if res is not LookupResult.HIT_PENDING or self.spent_s >= self.budget_s or req_id in self._waited:
+        why = None
+        if res is not LookupResult.HIT_PENDING:
+            pass
+        elif req_id in self._waited:
+            why = "again"
+        elif self.spent_s >= self.budget_s:
+            why = "budget"
+        elif not self._queued(req_id):
+            why = "other"  # pending for another reason: a store in flight, another request's promotion
+        if res is not LookupResult.HIT_PENDING or why is not None:
+            if why is not None:
+                self.deferred[why] += 1
             asked.append(key)
             return res
-        if not self._queued(req_id):
-            asked.append(key)
-            return res  # pending for another reason: a store in flight, another request's promotion
         self._waited.add(req_id)
         t0 = time.perf_counter()
         try:
@@ -88,6 +101,9 @@ class PromotionWait:
             primary = self.manager.primary_tier
             if res is LookupResult.HIT and any(primary.lookup(k, req_context) is not LookupResult.HIT for k in asked):
                 res = LookupResult.HIT_PENDING  # a promotion evicted a chunk this scan answered HIT: defer
+                self.deferred["evicted"] += 1
+            elif res is LookupResult.HIT_PENDING:
+                self.deferred["late"] += 1
         except Exception as e:  # never worse than vLLM's own path
             log.warning("kvtiers: waiting for a promotion failed (%s: %s); vLLM polls it next step",
                         type(e).__name__, e)
