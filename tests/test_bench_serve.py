@@ -188,3 +188,25 @@ def test_a_server_that_died_is_named_with_its_engine_error(tmp_path) -> None:
     bs._identity(rep)
     assert rep["identity"]["identical"]
     assert "FAILED: vllm serve (host, repeat 0) died: AssertionError" in serve_report.render(rep)
+
+
+def test_shm_regions_are_only_the_servers_own(tmp_path) -> None:
+    import uuid
+
+    from kvtiers.commands.bench.serve_run import shm_regions
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    mine, other = uuid.uuid4(), uuid.uuid4()
+    paths = [f"/dev/shm/vllm_offload_{mine}.mmap", f"/dev/shm/vllm_offload_{other}.mmap"]
+    log = tmp_path / "server.log"
+    log.write_text(f"(EngineCore pid=1) INFO [factory.py:62] Creating v1 connector with name: OffloadingConnector "
+                   f"and engine_id: {mine}\n")
+    try:
+        for p in paths:
+            open(p, "wb").close()
+        assert shm_regions(str(log)) == {paths[0]}  # another server's region (a parallel test's) is not ours
+    finally:
+        for p in paths:
+            os.unlink(p)
+    assert shm_regions(str(log)) == set()

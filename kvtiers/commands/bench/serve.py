@@ -55,7 +55,6 @@ def _one_server(cfg: sr.Config, repeat: int, settings: sr.ServeSettings, cells: 
     wd = os.path.join(workdir, f"{cfg.name}-r{repeat}")
     os.makedirs(wd, exist_ok=True)
     run: dict[str, Any] = {"config": cfg.name, "repeat": repeat, "cells": []}
-    shm_before = sr.shm_regions()
     log = os.path.join(wd, "server.log")
     with contextlib.ExitStack() as stack:
         ktc = sr.server_config(cfg, settings, wd, stack, tier_extra)
@@ -94,9 +93,9 @@ def _one_server(cfg: sr.Config, repeat: int, settings: sr.ServeSettings, cells: 
             for c in run["cells"]:
                 c.setdefault("metrics", sm.summarize({}))
             bar.note(run["error"])
-    left = sr.wait_gone(sr.shm_regions() - shm_before)
+    left = sr.wait_gone(sr.shm_regions(log))
     run["shm_left"] = sorted(left)
-    for p in left:  # reported, then removed unless some process still holds it
+    for p in left:  # this server's: reported, then removed unless some process still holds it
         sweep_stale_regions(pattern=p)
     return run
 

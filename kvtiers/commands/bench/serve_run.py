@@ -147,9 +147,15 @@ def tier_entry(name: str, workdir: str, stack: contextlib.ExitStack,
     return {"type": f"kvtiers_{name}", **extra}
 
 
-def shm_regions() -> set[str]:
-    """vLLM's offload regions now in /dev/shm."""
-    return set(glob.glob(SHM_GLOB))
+def shm_regions(log: str) -> set[str]:
+    """The offload regions in /dev/shm of the server whose log is ``log`` (found by the
+    engine id its connector logs), that are there now; other servers' regions are never named."""
+    try:
+        text = Path(log).read_text(errors="replace")
+    except OSError:
+        return set()
+    ids = set(re.findall(r"engine_id: ([0-9A-Za-z_.-]+)", text))
+    return {p for i in ids for p in glob.glob(SHM_GLOB.replace("*", glob.escape(i) + ".mmap*"))}
 
 
 class VllmServer(ChildProcess):
