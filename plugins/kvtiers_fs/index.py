@@ -181,14 +181,22 @@ class Index:
         """Remember ``key`` as a MISS for ``negative_ttl`` (lock held). At most
         :data:`ABSENT_KEYS` entries: past that, the expired and then the oldest half go (a
         forgotten one is probed again), so a drop costs O(1) amortised whatever the churn."""
-        absent = self.absent
-        absent[key] = time.monotonic() + self.negative_ttl
-        if len(absent) > ABSENT_KEYS:
-            now = time.monotonic()
-            keep = {k: t for k, t in absent.items() if t > now or k in self.unread}
-            if len(keep) > ABSENT_KEYS // 2:
-                keep = dict(list(keep.items())[-(ABSENT_KEYS // 2):])
-            self.absent = keep
+        self.absent[key] = time.monotonic() + self.negative_ttl
+        if len(self.absent) > ABSENT_KEYS:
+            self._prune_absent()
+
+    def _prune_absent(self) -> None:
+        """(lock held) The expired MISSes go (unless still unread), then all but the newest
+        half; ``unread`` keeps only keys still remembered, so both stay bounded whatever the
+        churn and however many probed keys are never asked again (a forgotten one is probed
+        again: RETRY, then its answer)."""
+        now = time.monotonic()
+        keep = {k: t for k, t in self.absent.items() if t > now or k in self.unread}
+        if len(keep) > ABSENT_KEYS // 2:
+            keep = dict(list(keep.items())[-(ABSENT_KEYS // 2):])
+        self.absent = keep
+        if len(self.unread) > len(keep):
+            self.unread.intersection_update(keep)
 
     def stamp(self) -> float:
         """The index clock now (strictly increasing: never earlier than any stamp or use it
@@ -205,9 +213,8 @@ class Index:
                 if not known:
                     self.absent[k] = until
                     self.unread.add(k)
-            if len(self.absent) > 65536:
-                now = time.monotonic()
-                self.absent = {k: t for k, t in self.absent.items() if t > now or k in self.unread}
+            if len(self.absent) > ABSENT_KEYS:
+                self._prune_absent()
 
     # -- listings --------------------------------------------------------------------
     def merge_listing(self, dirs: Iterable[int], fps: np.ndarray, mtimes: np.ndarray, started: float) -> int:
