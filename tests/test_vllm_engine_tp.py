@@ -5,7 +5,9 @@ slot, then rank 1's), so one chunk is one row holding both ranks' shards, and on
 fs tier. Engine A (TP=2, one process with two workers, ``VLLM_CPU_OMP_THREADS_BIND="0|1"``)
 computes a 1024-token prefix (nothing cached: the run without offloading) and stores it;
 engine B (TP=2, a new process, cold host cache, the same root) takes it from the tier; the
-tokens are the same.
+tokens are the same. Engine C (TP=1, the same root) finds nothing of theirs: a TP=2 row is not
+a TP=1 row, so the namespaces differ and C computes the prefix itself (before the fix, vLLM's
+"parallelism-agnostic" plain layout let C load A's chunks and answer other tokens).
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ SHARD = 128 << 10  # one rank's slot: 128 tokens x 4 layers x K,V x 1 of the 2 K
 FS = "1:kvtiers_fs"
 
 
-def tp_job(tiers: list[dict], runs: list[list[int]]) -> dict:
+def tp_job(tiers: list[dict], runs: list[list[int]], tp: int = 2) -> dict:
     return {"model": None, "prompts": prompt_family(PREFIX, 1, seed=38), "max_tokens": 8, "runs": runs,
-            "kv_transfer_config": offload_config(tiers, 64 << 20), "tensor_parallel_size": 2,
-            "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+            "kv_transfer_config": offload_config(tiers, 64 << 20), "tensor_parallel_size": tp,
+            "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {}}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,8 @@ def runs(tmp_path_factory):
     files = sorted((wd / "kv").rglob("*.bin"))
     shards = [(f.read_bytes()[:SHARD], f.read_bytes()[SHARD:2 * SHARD]) for f in files]
     b = engine("tp2-B", tp_job(tiers, [[0]]), wd)
-    return {"a": a, "b": b, "files": files, "shards": shards}
+    c = engine("tp1-C", tp_job(tiers, [[0]], tp=1), wd)
+    return {"a": a, "b": b, "c": c, "files": files, "shards": shards, "root": wd / "kv"}
 
 
 def test_tp2_prefix_from_the_host_region_and_from_the_tier_same_tokens(runs):
@@ -57,3 +60,12 @@ def test_each_chunk_is_one_file_holding_both_ranks_shards(runs):
     assert metric(b, "vllm:kv_offload_tiering_read_bytes", tier=FS) == CHUNKS * 2 * SHARD, describe(b)
     for rank0, rank1 in runs["shards"]:
         assert any(rank0) and any(rank1) and rank0 != rank1  # both ranks wrote their slot of the row
+
+
+def test_a_tp1_engine_on_the_same_root_never_loads_tp2_chunks(runs):
+    a, c = runs["a"], runs["c"]
+    (own,) = c["requests"]
+    assert own["cached_tokens"] == 0, describe(c)  # nothing from the tier: another namespace
+    assert metric(c, "vllm:kv_offload_tiering_read_bytes", tier=FS) == 0, describe(c)
+    assert len(list(runs["root"].rglob("*.bin"))) > CHUNKS  # C stored its own chunks beside A's
+    assert own["tokens"] == a["requests"][0]["tokens"]  # computed by TP=1: the same greedy answer
