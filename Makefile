@@ -29,7 +29,7 @@ IBVERBS = @if ! PATH="$$PATH:/sbin:/usr/sbin" ldconfig -p 2>/dev/null | grep -q 
 	{ apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null; }; \
 	else echo "note: the mooncake tier needs libibverbs.so.1: apt-get install --no-install-recommends libibverbs1"; fi; fi
 
-.PHONY: venv demo demo-vllm test lint wheels clean
+.PHONY: venv demo demo-vllm test lint wheels clean soak
 
 # what the demo needs: the core, the fs tier and torch (CPU build)
 $(BASE): pyproject.toml Makefile
@@ -72,6 +72,12 @@ demo: $(BASE)
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# a soak of the fs tier at a bound (docs/bench.md#soak): rates, RSS, fds and bytes over time,
+# e.g. make soak SOAK=1h; make test runs a short one (tests/test_soak.py)
+SOAK ?= 10m
+soak: $(STAMP)
+	nice -n 10 $(BIN)/kvtiers bench tier fs --soak $(SOAK) --chunk-bytes 4K --max-bytes 2M --plot soak-fs.png
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
