@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import time
 import uuid
 from pathlib import Path
 
@@ -69,11 +70,15 @@ class Engine:
         self.tier = self.m.secondary_tiers[0] if self.m.secondary_tiers else None
 
     def settle(self) -> None:
-        for _ in range(10000):
+        """Step until no job is in flight: bounded by time (a loaded machine's fs writes take
+        longer than any fixed number of steps), not by a count of steps."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
             self.m.on_schedule_end(STEP)
             if not self.m.has_pending_work():
                 return
-        raise AssertionError("jobs still in flight")
+            time.sleep(0.001)
+        raise AssertionError("jobs still in flight after 60 s")
 
     def store(self, chunks: dict[bytes, bytes]) -> None:
         ctx = ReqContext(req_id="store")
