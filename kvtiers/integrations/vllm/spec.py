@@ -80,7 +80,11 @@ class KvtiersOffloadingSpec(TieringOffloadingSpec):
                 log.warning("kvtiers: sweeping stale offload regions failed: %s", e)
             manager = super().get_manager()
             _add_host_stats(manager)
-            self.promotion_wait = install_promotion_wait(manager, self.extra_config)
+            try:
+                self.promotion_wait = install_promotion_wait(manager, self.extra_config)
+            except BaseException:  # a bad kvtiers_promotion_wait_ms: leave no tier open behind the error
+                manager.shutdown()
+                raise
             region = getattr(self, "_scheduler_mmap", None)
             if region is not None:
                 try:
