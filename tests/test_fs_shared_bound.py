@@ -14,7 +14,7 @@ import pytest
 from kvtiers_fs import layout, lease
 from kvtiers_fs.share import Share, budget_for
 from test_fs_helpers import chunk_files
-from test_fs_shared_root import HELPERS, SHARED_WRITER, _read_log, _total
+from test_fs_shared_root import HELPERS, SHARED_WRITER, _read_log, _stop_writers, _total
 
 
 def _run_writers(tmp_path, n_writers: int, rescan: float) -> tuple[int, int, int, list[int]]:
@@ -43,13 +43,7 @@ def _run_writers(tmp_path, n_writers: int, rescan: float) -> tuple[int, int, int
             time.sleep(0.05)
         final = _total(root)
     finally:
-        open(stop, "w").close()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _stop_writers(stop, procs)
     assert [p.returncode for p in procs] == [0] * n_writers, [p.stderr.read().decode() for p in procs]
     stores = [_read_log(p)[1] for p in logs]
     assert all(len(st) == 10 * n_files and all(ok for _, _, ok in st) for st in stores)  # stores keep succeeding

@@ -74,6 +74,17 @@ def _total(root: str) -> int:
     return n
 
 
+def _stop_writers(stop: str, procs: list[subprocess.Popen]) -> None:
+    """Tell the writer processes to stop (the ``stop`` file), wait for each, kill one that hangs."""
+    open(stop, "w").close()
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def _read_log(path: str):
     scans, stores, done = [], [], False
     try:
@@ -122,13 +133,7 @@ def test_three_processes_storing_ten_times_the_bound_stay_within_the_slack(tmp_p
         assert final <= bound, f"{final} bytes in the namespace {rescan + 5:.1f} s after the last store; bound {bound}"
         assert final >= bound // 2, f"only {final} of {bound} bytes left: chunks were deleted in bursts"
     finally:
-        open(stop, "w").close()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _stop_writers(stop, procs)
     assert [p.returncode for p in procs] == [0, 0, 0], [p.stderr.read().decode() for p in procs]
     logs_read = [_read_log(p) for p in logs]
     assert all(len(st) == 10 * n_files and all(ok for _, _, ok in st) for _, st, _ in logs_read)
