@@ -84,6 +84,36 @@ def test_fs_alias_is_the_same_harness(tmp_path):
         assert row["baseline_parallel"] == 2  # the tier's thread counts
 
 
+def test_variants_are_measured_in_the_same_rounds_against_one_baseline(tmp_path):
+    key = tmp_path / "key"
+    key.write_bytes(bytes(range(32)))
+    key.chmod(0o600)
+    root = tmp_path / "kv"
+    cfg = json.dumps({"root_dir": str(root), "n_read_threads": 2, "n_write_threads": 2})
+    enc = json.dumps({"encrypt": {"key_file": str(key)}})
+    r = kvtiers("bench", "tier", "fs", "--config", cfg, *TINY, "--no-concurrency", "--variant", "plain=",
+                "--variant", f"encrypted={enc}", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    by = {(row["op"], row["variant"]): row for row in doc["results"]}
+    assert set(by) == {(op, v) for op in ("store", "load") for v in ("plain", "encrypted")}
+    for op in ("store", "load"):  # one baseline, the same for both variants
+        assert by[(op, "plain")]["baseline_round_gbps"] == by[(op, "encrypted")]["baseline_round_gbps"]
+        assert by[(op, "encrypted")]["gbps"] > 0
+    # a variant's options reach the tier: a key file of the wrong size is refused, naming it
+    short = tmp_path / "short"
+    short.write_bytes(b"12345")
+    short.chmod(0o600)
+    r = kvtiers("bench", "tier", "fs", "--config", cfg, *TINY, "--no-concurrency", "--variant", "plain={}",
+                "--variant", "bad=" + json.dumps({"encrypt": {"key_file": str(short)}}))
+    assert r.returncode != 0 and str(short) in r.stderr and "Traceback" not in r.stderr, r.stderr
+    for bad, why in ((["--variant", "x"], "NAME=JSON"), (["--variant", "x=[1]"], "object of tier options"),
+                     (["--variant", "x={", "--variant", "y={}"], "not JSON"),
+                     (["--variant", "x={}", "--variant", "x={}"], "given twice")):
+        r = kvtiers("bench", "tier", "fs", "--config", cfg, *TINY, *bad)
+        assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_sqlite_example_without_config_uses_a_scratch_instance():
     r = kvtiers("bench", "tier", "sqlite", *TINY, "--no-concurrency", "--json")
     assert r.returncode == 0, r.stderr

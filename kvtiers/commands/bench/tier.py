@@ -263,9 +263,40 @@ def bench_command(name: str, tier_type: str | None, help_text: str, *,
     return click.command(name, help=help_text)(cmd)
 
 
+def _variants_from(kw: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """``--variant NAME=JSON`` (repeated) -> name -> option overrides over ``--config``."""
+    from ...errors import ConfigError
+
+    given = kw.pop("variant", ())
+    if not given:
+        return None
+    out: dict[str, dict[str, Any]] = {}
+    for text in given:
+        name, sep, body = text.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ConfigError(f"--variant {text!r}: give NAME=JSON, e.g. --variant 'encrypted={{\"encrypt\": ...}}'")
+        if name in out:
+            raise ConfigError(f"--variant {name!r} is given twice")
+        try:
+            over = json.loads(body) if body.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--variant {name!r}: not JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(over, dict):
+            raise ConfigError(f"--variant {name!r}: the JSON must be an object of tier options")
+        out[name] = over
+    return out
+
+
 tier = bench_command(
     "tier", None,
     "Store and load GB/s of tier TYPE by chunk size and by concurrency, lookup rate and submit "
     "latency, against the tier's raw baseline on the same medium (where it offers one), in one run. "
-    "Without --config, a tier with a conformance_config gets a scratch instance.",
+    "Without --config, a tier with a conformance_config gets a scratch instance. --variant "
+    "NAME=JSON (repeatable) measures several option sets of the tier in the same rounds, e.g. "
+    "--variant plain={} --variant 'encrypted={\"encrypt\": {\"key_file\": \"/etc/kvtiers/key\"}}'.",
+    extra=[click.option("--variant", multiple=True, metavar="NAME=JSON",
+                        help="A named set of option overrides over --config, measured in the same rounds "
+                             "as the others against one baseline (repeatable).")],
+    variants_from=_variants_from,
 )
