@@ -10,6 +10,8 @@ Loopback has all of 127.0.0.0/8: an attacker connects from 127.0.0.2 and up (ZMQ
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -47,6 +49,37 @@ def hello(s, *, ns: str = GOOD_NS.digest, chunk: int = 64 * KiB, max_bytes: int 
     return P.unpack(s.recv(), reply=True)
 
 
+def hellos(ctx, port: int, src: str, n: int, *, curve: tuple | None = None,
+           keep_refused: bool = True) -> tuple[list[list], list]:
+    """``n`` attacker connections from ``src``, each saying HELLO: the answers, and the sockets
+    kept open (those refused are closed at once unless ``keep_refused``)."""
+    answers, held = [], []
+    for _ in range(n):
+        s = dealer(ctx, port, src, curve=curve)
+        answers.append(hello(s))
+        if answers[-1][0] == P.OK or keep_refused:
+            held.append(s)
+        else:  # refused: its connection would be pending (see the test of silent connections)
+            s.close(0)
+    return answers, held
+
+
+@contextmanager
+def served(extra: list[str] | None = None, log=None) -> Iterator[tuple]:
+    """A ``kvtiers p2p serve`` process (16 MiB), a ZMQ context and a list for the good clients:
+    all closed and stopped at the end."""
+    srv = start_server(capacity=16 * MiB, extra=extra, stderr=log)
+    ctx = zmq.Context()
+    good: list[Good] = []
+    try:
+        yield srv, ctx, good
+    finally:
+        for g in good:
+            g.close()
+        ctx.destroy(0)
+        srv.stop()
+
+
 def fds(pid: int) -> int:
     return psutil.Process(pid).num_fds()
 
@@ -62,30 +95,16 @@ def settle_fds(pid: int, most: int, timeout: float = 10.0) -> int:
 
 
 def test_idle_sessions_of_one_address_do_not_lock_out_another():
-    srv = start_server(capacity=16 * MiB)  # the defaults: 64 clients, 32 sessions per peer
-    ctx = zmq.Context()
-    held, good = [], None
-    try:
-        answers = []
-        for _ in range(64):  # 64 idle sessions from one address: no more than its share get in
-            s = dealer(ctx, srv.port, "127.0.0.2")
-            answers.append(hello(s))
-            if answers[-1][0] == P.OK:
-                held.append(s)
-            else:  # refused: its connection would be pending (see the test of silent connections)
-                s.close(0)
+    with served() as (srv, ctx, good):  # the defaults: 64 clients, 32 sessions per peer
+        # 64 idle sessions from one address: no more than its share get in
+        answers, _held = hellos(ctx, srv.port, "127.0.0.2", 64, keep_refused=False)
         ok = [a for a in answers if a[0] == P.OK]
         refused = [a for a in answers if a[0] == P.ERR]
         assert len(ok) == 32, len(ok)
         assert all(a[2] == P.E_FULL and "32 sessions from 127.0.0.2" in a[3] for a in refused), refused[:1]
-        good = Good(srv.port)  # another address joins and is served
+        good.append(Good(srv.port))  # another address joins and is served
         for _ in range(2):
-            assert good.round() < BOUND_S
-    finally:
-        if good is not None:
-            good.close()
-        ctx.destroy(0)
-        srv.stop()
+            assert good[0].round() < BOUND_S
 
 
 def _curve_keys(tmp_path) -> tuple[dict, dict]:
@@ -118,36 +137,23 @@ def test_a_full_server_makes_room_for_a_peer_below_its_share(tmp_path, curve):
         setup, opts = _curve_keys(tmp_path)
         extra, src, key = extra + setup["extra"], "127.0.0.1", setup["bad"]
     log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
-    srv = start_server(capacity=16 * MiB, extra=extra, stderr=log)
-    ctx = zmq.Context()
-    held, good = [], None
-    try:
-        for i in range(10):
-            s = dealer(ctx, srv.port, src, curve=key)
-            a = hello(s)
+    with served(extra, log) as (srv, ctx, good):
+        answers, _held = hellos(ctx, srv.port, src, 10, curve=key)
+        for i, a in enumerate(answers):
             assert (a[0] == P.OK) if i < 8 else (a[0] == P.ERR and a[2] == P.E_FULL), (i, a)
-            held.append(s)
-        good = Good(srv.port, **opts)
+        good.append(Good(srv.port, **opts))
         for _ in range(2):
-            assert good.round() < BOUND_S
-    finally:
-        if good is not None:
-            good.close()
-        ctx.destroy(0)
-        srv.stop()
+            assert good[0].round() < BOUND_S
     assert server_stats(log)["reaped"] >= 1
 
 
 def test_silent_connections_are_capped_per_address_and_keep_nobody_out():
-    srv = start_server(capacity=16 * MiB, extra=["--max-connections", "40", "--max-pending-per-peer", "12"])
-    ctx = zmq.Context()
-    silent, good = [], []
-    try:
+    with served(["--max-connections", "40", "--max-pending-per-peer", "12"]) as (srv, ctx, good):
         good.append(Good(srv.port))
         good[0].round()
         base = fds(srv.pid)
-        for _ in range(100):  # connections that never say HELLO, reconnecting when closed
-            silent.append(dealer(ctx, srv.port, "127.0.0.2", reconnect_s=0.2))
+        # connections that never say HELLO, reconnecting when closed
+        silent = [dealer(ctx, srv.port, "127.0.0.2", reconnect_s=0.2) for _ in range(100)]
         time.sleep(1.5)
         assert fds(srv.pid) <= base + 12 + 4, "one address's connections without HELLO are not capped"
         assert good[0].round() < BOUND_S
@@ -158,42 +164,24 @@ def test_silent_connections_are_capped_per_address_and_keep_nobody_out():
         good.append(Good(srv.port))  # a new connection from another address still gets in
         for g in good:
             assert g.round() < BOUND_S
-    finally:
-        for g in good:
-            g.close()
-        ctx.destroy(0)
-        srv.stop()
 
 
 def test_idle_sessions_are_reaped_with_their_connections(tmp_path):
     log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
-    srv = start_server(capacity=16 * MiB, extra=["--idle-timeout", "1"], stderr=log)
-    ctx = zmq.Context()
-    held, good = [], None
-    try:
-        good = Good(srv.port)
-        good.round()
+    with served(["--idle-timeout", "1"], log) as (srv, ctx, good):
+        good.append(Good(srv.port))
+        good[0].round()
         base = fds(srv.pid)
-        for _ in range(12):  # sessions that then say nothing (and do not reconnect)
-            s = dealer(ctx, srv.port, "127.0.0.2")
-            assert hello(s)[0] == P.OK
-            held.append(s)
+        answers, _held = hellos(ctx, srv.port, "127.0.0.2", 12)  # sessions that then say nothing (no reconnect)
+        assert all(a[0] == P.OK for a in answers), answers
         assert fds(srv.pid) >= base + 12
         assert settle_fds(srv.pid, base + 1) <= base + 1, "idle sessions keep their connections"
-        assert good.round() < BOUND_S  # an idle good client is reaped too, reconnects and is served
-    finally:
-        if good is not None:
-            good.close()
-        ctx.destroy(0)
-        srv.stop()
+        assert good[0].round() < BOUND_S  # an idle good client is reaped too, reconnects and is served
     assert server_stats(log)["reaped"] >= 12
 
 
 def test_one_clients_max_bytes_cannot_fail_or_flush_anothers_stores():
-    srv = start_server(capacity=16 * MiB)
-    ctx = zmq.Context()
-    other = None
-    try:
+    with served() as (srv, ctx, _good):
         tiny = dealer(ctx, srv.port, "127.0.0.1")  # a client of the namespace whose cap is below a chunk
         assert hello(tiny, max_bytes=4 * KiB)[0] == P.OK
         one = dealer(ctx, srv.port, "127.0.0.1")  # and one whose cap holds one chunk
@@ -201,19 +189,17 @@ def test_one_clients_max_bytes_cannot_fail_or_flush_anothers_stores():
         arena = Arena.allocate(8, 64 * KiB)
         fill(arena, 5)
         other = tier(srv.port, arena, GOOD_NS)  # no cap of its own
-        keys = tuple(b"mine-%d" % i for i in range(8))
-        other.submit_store(Job(1, keys, tuple(range(8))))
-        r = wait(other, 1)
-        assert r.ok, r.error  # was: "a chunk of 65536 bytes never fits the capacity"
-        assert resolve(other, list(keys)) == [Lookup.HIT] * 8  # and none of them was evicted for the caps
-        want = [bytes(arena[i]) for i in range(8)]
-        for i in range(8):
-            arena[i][:] = bytes(64 * KiB)
-        other.submit_load(Job(2, keys, tuple(range(8))))
-        assert wait(other, 2).ok
-        assert [bytes(arena[i]) for i in range(8)] == want
-    finally:
-        if other is not None:
+        try:
+            keys = tuple(b"mine-%d" % i for i in range(8))
+            other.submit_store(Job(1, keys, tuple(range(8))))
+            r = wait(other, 1)
+            assert r.ok, r.error  # was: "a chunk of 65536 bytes never fits the capacity"
+            assert resolve(other, list(keys)) == [Lookup.HIT] * 8  # and none of them was evicted for the caps
+            want = [bytes(arena[i]) for i in range(8)]
+            for i in range(8):
+                arena[i][:] = bytes(64 * KiB)
+            other.submit_load(Job(2, keys, tuple(range(8))))
+            assert wait(other, 2).ok
+            assert [bytes(arena[i]) for i in range(8)] == want
+        finally:
             other.close()
-        ctx.destroy(0)
-        srv.stop()
