@@ -2,8 +2,9 @@
 
 An :class:`Index` is a compact set of the chunk keys on disk (:class:`~kvtiers_fs.keytable.
 KeyTable`: a 64-bit fingerprint and an LRU clock per key, 21-32 bytes each, numpy arrays),
-plus small dictionaries for what is in motion: the negative cache of probed misses, the pins
-of keys being read, the keys being stored. Only regular files of the instance's chunk size
+a fixed-size table of remembered MISSes (:class:`kvtiers.misscache.MissTable`: probed
+misses and dropped keys, by the same fingerprint), and small dictionaries for what is in
+motion: the pins of keys being read, the keys being stored. Only regular files of the instance's chunk size
 are chunks, so a key's size is the tier's file size and ``used`` is a count times that.
 
 It is filled by listings of the namespace's directories (:meth:`Index.merge_listing`, at
@@ -32,6 +33,8 @@ from itertools import compress
 
 import numpy as np
 
+from kvtiers.misscache import MissTable
+
 from . import layout
 from .drops import DropRing
 from .keytable import KeyTable, dir_of, fingerprint, fingerprints
@@ -40,7 +43,7 @@ log = logging.getLogger("kvtiers.fs")
 
 HOT_KEYS = 16384  # at most this many keys in Index.hot (about 2 MiB)
 HOT_BATCH = 256  # keys found by lookups of at most this many keys join Index.hot
-ABSENT_KEYS = 65536  # at most this many remembered MISSes of dropped keys (see Index._absent)
+ABSENT_KEYS = 65536  # at most this many remembered MISSes (Index.absent, a MissTable of 1.1 MiB)
 
 
 class Index:
@@ -54,8 +57,9 @@ class Index:
         self.file_bytes = file_bytes
         self.placed = 0  # keys with a place in the LRU order (counted against max_bytes)
         self.reserved = 0
-        self.absent: dict[bytes, float] = {}  # key -> monotonic time the MISS expires
-        self.unread: set[bytes] = set()  # probed absent, not yet answered (so MISS comes even with ttl 0)
+        # remembered MISSes (dropped, or probed absent: those answered once even with ttl 0),
+        # by fingerprint, in fixed memory: O(1) per drop, nothing kept per key as an object
+        self.absent = MissTable(ABSENT_KEYS)
         self.negative_ttl = negative_ttl
         self.reading: dict[int, int] = {}  # fingerprint -> loads of this instance reading it
         self.writing: dict[bytes, int] = {}  # keys this instance is storing: counted in `reserved`
@@ -84,14 +88,15 @@ class Index:
         """Whether each key is in the index (no lock, no I/O)."""
         return self.table.contains(fingerprints(keys)).tolist()
 
-    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+    def lookup(self, keys: Sequence[bytes], fps: np.ndarray | None = None) -> list[bool]:
         """:meth:`known` for keys the caller did not find in :attr:`hot`; the found ones join
         it (no lock, no I/O): those of a batch of at most ``HOT_BATCH`` keys always (the set
         is emptied when full), those of a bigger batch only while they fit, so that a working
         set bigger than the set does not refill it on every call (the table answers a big
-        batch of such keys faster than a dict that mostly misses)."""
+        batch of such keys faster than a dict that mostly misses). ``fps``: the keys'
+        fingerprints, where the caller has them."""
         before = self.removals
-        found = self.known(keys)
+        found = self.table.contains(fingerprints(keys) if fps is None else fps).tolist()
         hot = self.hot
         if len(hot) + found.count(True) > HOT_KEYS:
             if len(keys) > HOT_BATCH:
@@ -137,10 +142,10 @@ class Index:
     # -- updates (any thread) --------------------------------------------------------
     def add(self, key: bytes, nbytes: int | None = None) -> None:
         """``key`` is on disk, stored (or refreshed) by this instance: most recently used."""
+        fp = fingerprint(key)
         with self.lock:
-            self._set(fingerprint(key), self._now())
-            self.absent.pop(key, None)
-            self.unread.discard(key)
+            self._set(fp, self._now())
+            self.absent.pop_fp(fp)
 
     def add_found(self, key: bytes, nbytes: int | None = None) -> None:
         """``key`` is on disk, found by a probe or a load: a known key is marked used, an
@@ -150,8 +155,7 @@ class Index:
             old = self.table.get(fp)
             now = self._now()
             self._set(fp, now if old is not None and old > 0 else -now)
-            self.absent.pop(key, None)
-            self.unread.discard(key)
+            self.absent.pop_fp(fp)
 
     def touch(self, key: bytes) -> bool:
         """Mark ``key`` most recently used; False if unknown."""
@@ -171,32 +175,11 @@ class Index:
             old = self._remove(fp, key)
             self._dropped(fp)
             if absent:
-                self._absent(key)
+                self.absent.add_fp(fp, time.monotonic() + self.negative_ttl)
             return old is not None
 
     def _dropped(self, fp: int) -> None:
         self.dropped.add(fp, self._now())  # O(1), fixed memory; stamped by the monotonic index clock
-
-    def _absent(self, key: bytes) -> None:
-        """Remember ``key`` as a MISS for ``negative_ttl`` (lock held). At most
-        :data:`ABSENT_KEYS` entries: past that, the expired and then the oldest half go (a
-        forgotten one is probed again), so a drop costs O(1) amortised whatever the churn."""
-        self.absent[key] = time.monotonic() + self.negative_ttl
-        if len(self.absent) > ABSENT_KEYS:
-            self._prune_absent()
-
-    def _prune_absent(self) -> None:
-        """(lock held) The expired MISSes go (unless still unread), then all but the newest
-        half; ``unread`` keeps only keys still remembered, so both stay bounded whatever the
-        churn and however many probed keys are never asked again (a forgotten one is probed
-        again: RETRY, then its answer)."""
-        now = time.monotonic()
-        keep = {k: t for k, t in self.absent.items() if t > now or k in self.unread}
-        if len(keep) > ABSENT_KEYS // 2:
-            keep = dict(list(keep.items())[-(ABSENT_KEYS // 2):])
-        self.absent = keep
-        if len(self.unread) > len(keep):
-            self.unread.intersection_update(keep)
 
     def stamp(self) -> float:
         """The index clock now (strictly increasing: never earlier than any stamp or use it
@@ -206,15 +189,14 @@ class Index:
             return self._now()
 
     def mark_absent(self, keys: Iterable[bytes]) -> None:
+        """A probe found ``keys`` absent: each one the index does not know meanwhile is a
+        MISS for ``negative_ttl``, answered to the next lookup even after that."""
         until = time.monotonic() + self.negative_ttl
-        keys = list(keys)
+        fps = fingerprints(list(keys))
         with self.lock:
-            for k, known in zip(keys, self.known(keys), strict=True):
-                if not known:
-                    self.absent[k] = until
-                    self.unread.add(k)
-            if len(self.absent) > ABSENT_KEYS:
-                self._prune_absent()
+            add = self.absent.add_fp
+            for fp in fps[~self.table.contains(fps)].tolist():
+                add(fp, until, True)
 
     # -- listings --------------------------------------------------------------------
     def merge_listing(self, dirs: Iterable[int], fps: np.ndarray, mtimes: np.ndarray, started: float) -> int:
@@ -262,9 +244,7 @@ class Index:
             t.remove_slots(gone)
             self.placed = t.placed_count()
             self._cand = []
-            for k in [k for k in self.absent if k in self]:
-                del self.absent[k]
-                self.unread.discard(k)
+            self.absent.forget_where(t.contains)  # listed keys are no MISSes
             return len(gone)
 
     def load_table(self, table: KeyTable) -> None:
@@ -319,9 +299,9 @@ class Index:
         release the reservation in one step (no window in which it counts twice)."""
         with self.lock:
             self._unreserve(self.file_bytes if nbytes is None else nbytes, key)
-            self._set(fingerprint(key), self._now())
-            self.absent.pop(key, None)
-            self.unread.discard(key)
+            fp = fingerprint(key)
+            self._set(fp, self._now())
+            self.absent.pop_fp(fp)
 
     def _unreserve(self, nbytes: int, key: bytes | None) -> None:
         self.reserved -= nbytes
@@ -364,7 +344,7 @@ class Index:
                 return False
             self._remove(fp, key)
             self._dropped(fp)
-            self._absent(key)
+            self.absent.add_fp(fp, time.monotonic() + self.negative_ttl)
             return True
 
     def refresh(self, fp: int, clock: float, mtime: float) -> None:

@@ -35,7 +35,7 @@ from . import direct as _direct
 from . import layout
 from . import snapshot as _snapshot
 from .index import HOT_BATCH, HOT_KEYS, Index, Prober
-from .keytable import dir_of, fingerprint
+from .keytable import dir_of, fingerprint, fingerprints
 from .lease import Lease, read_passes, write_passes
 from .pool import Pool
 from .share import Share, budget_for
@@ -463,27 +463,34 @@ class FsTier:
         if plain:
             keys = check_keys(keys)  # the same objects in the same order, or an error
         if out is None or out.count(None) == len(keys):  # one vectorised pass over them all
-            out = [_HIT if known else None for known in index.lookup(keys)]
+            rest = None
+            asked = keys
         else:
             rest = [i for i, a in enumerate(out) if a is None]
-            for i, known in zip(rest, index.lookup([keys[i] for i in rest]), strict=True):
+            asked = [keys[i] for i in rest]
+        fps = fingerprints(asked)
+        found = index.lookup(asked, fps)
+        if rest is None:
+            out = [_HIT if known else None for known in found]
+        else:
+            for i, known in zip(rest, found, strict=True):
                 if known:
                     out[i] = _HIT
-        if None in out:
-            absent, unread = self.index.absent, self.index.unread
-            now = time.monotonic()
+        if not all(found):
+            # the others: a remembered MISS (one vectorised pass of the fixed-size table), a
+            # probe or store that landed meanwhile, else RETRY and a probe
+            unknown = [j for j, known in enumerate(found) if not known]
+            miss = index.absent.answer_fps(fps[unknown], time.monotonic()).tolist()
             probe = []
-            for i, k in enumerate(keys):
-                if out[i] is None:
-                    exp = absent.get(k)
-                    if exp is not None and (exp > now or k in unread):
-                        unread.discard(k)
-                        out[i] = _MISS
-                    elif k in index:  # a probe or store landed meanwhile
-                        out[i] = _HIT
-                    else:
-                        out[i] = _RETRY
-                        probe.append(k)
+            for j, m in zip(unknown, miss, strict=True):
+                i = j if rest is None else rest[j]
+                if m:
+                    out[i] = _MISS
+                elif keys[i] in index:
+                    out[i] = _HIT
+                else:
+                    out[i] = _RETRY
+                    probe.append(keys[i])
             if probe and not self._closed:
                 self._prober.request(probe)
         return out
