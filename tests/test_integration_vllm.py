@@ -16,7 +16,6 @@ import json
 import os
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -25,16 +24,10 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is installed by `make test`")
 
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
-from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager  # noqa: E402
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+from vllm_engines import offloading_config as shared_config  # noqa: E402
 
 import kvtiers  # noqa: E402
 import kvtiers.memory  # noqa: E402
@@ -47,20 +40,10 @@ MODULE = "kvtiers.integrations.vllm"
 STEP = ScheduleEndContext((), ())
 
 
-def offloading_config(extra: dict, *, chunks: int = 16, agnostic: bool = True, events: bool = True) -> OffloadingConfig:
-    par = OffloadingParallelConfig(rank=0, world_size=1, tp_size=1 if agnostic else 2, pp_size=1, pcp_size=1,
-                                   dcp_size=1, data_parallel_index=0, data_parallel_size=1,
-                                   data_parallel_rank_local=None, is_parallelism_agnostic=agnostic)
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0.attn",), group_id=0),),
-        worker_kv_bytes_per_block=ROW,
-        enable_kv_cache_events=events,
-        extra_config={"cpu_bytes_to_use": chunks * ROW, **extra},
-        engine_id=f"kvtiers-test-{uuid.uuid4().hex[:12]}",
-        model=OffloadingModelConfig(name="org/tiny-model", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=par,
-    )
+def offloading_config(extra: dict, *, chunks: int = 16, agnostic: bool = True, events: bool = True):
+    """One worker's config; not parallelism-agnostic means TP=2 (a worker's share of each row)."""
+    return shared_config(extra, row=ROW, chunks=chunks, tp=1 if agnostic else 2, world_size=1, agnostic=agnostic,
+                         events=events, dtype="float16")
 
 
 class Engine:

@@ -14,7 +14,6 @@ import json
 import shutil
 import struct
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -23,14 +22,8 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is installed by `make test`")
 
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
-from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+from vllm_engines import offloading_config  # noqa: E402
 
 from kvtiers.errors import ConfigError  # noqa: E402
 from kvtiers.integrations.vllm.model_identity import model_identity  # noqa: E402
@@ -40,25 +33,11 @@ MODULE = "kvtiers.integrations.vllm"
 STEP = ScheduleEndContext((), ())
 
 
-def config(tier: dict | None, *, tp: int = 1, canonical: bool = False, model: str = "org/tiny-model",
-           **extra) -> OffloadingConfig:
+def config(tier: dict | None, *, tp: int = 1, canonical: bool = False, model: str = "org/tiny-model", **extra):
     """What vLLM builds for a one-group full-attention model at TP=``tp`` (one node): each worker
     holds ROW/tp bytes of a block, and vLLM calls the layout parallelism-agnostic."""
-    par = OffloadingParallelConfig(rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=1,
-                                   data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-                                   is_parallelism_agnostic=True)
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0.attn",), group_id=0),),
-        worker_kv_bytes_per_block=ROW // tp,
-        enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": 16 * ROW, "secondary_tiers": [tier] if tier else [], **extra},
-        engine_id=f"kvtiers-ns-{uuid.uuid4().hex[:12]}",
-        model=OffloadingModelConfig(name=model, dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=par,
-        canonical_layout=canonical,
-        kv_cache_layout="NHD" if canonical else None,
-    )
+    return offloading_config({"secondary_tiers": [tier] if tier else [], **extra}, row=ROW, tp=tp,
+                             canonical=canonical, model=model)
 
 
 class Engine:

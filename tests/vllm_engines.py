@@ -4,7 +4,11 @@
 process of that environment's python (``kvtiers.commands.vllm_engine``), one engine per
 process, greedy, on the shared tiny Llama model (made locally, loaded by vLLM's own loader).
 The prompts and the reference run with no offloading are shared by the test modules, so the
-session starts that engine once.
+session starts that engine once, beside the first module's own engine (:func:`start_reference`).
+
+Engine starts dominate ``make test``'s time (each imports vLLM in three processes), so engines
+that do not depend on each other run at the same time (:func:`engines`); an engine's tokens
+do not depend on what else runs (greedy, one OpenMP thread each, see ``ENGINE_ENV``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ import functools
 import json
 import os
 import tempfile
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +54,63 @@ def engine(name: str, spec: dict[str, Any], workdir: str | os.PathLike) -> dict[
     return spawn(spec, workdir, name, python=str(VLLM_PY), env={**os.environ, "KVTIERS_BUILD_DIR": str(ROOT / "build")})
 
 
+def engines(specs: dict[str, tuple[str, dict[str, Any]]], workdir: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """Run engine jobs ``{key: (name, job)}`` at the same time (each in its own process); their
+    results by key. The first failure is raised once all have ended."""
+    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+        futures = {k: pool.submit(engine, name, spec, workdir) for k, (name, spec) in specs.items()}
+    return {k: f.result() for k, f in futures.items()}
+
+
 @functools.cache
+def _reference_run() -> Future:
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-reference")
+    fut = pool.submit(engine, "reference", job(None), tempfile.mkdtemp(prefix="kvtiers-vllm-ref-"))
+    pool.shutdown(wait=False)
+    return fut
+
+
+def start_reference() -> None:
+    """Start the reference engine in the background (once a session), so that it runs beside
+    the caller's own engines; :func:`reference` waits for it."""
+    _reference_run()
+
+
 def reference() -> dict[str, Any]:
     """The engine with no offloading, serving every prompt once: the tokens others must match."""
-    wd = tempfile.mkdtemp(prefix="kvtiers-vllm-ref-")
-    return engine("reference", job(None), wd)
+    return _reference_run().result()
+
+
+def fs_pair(name: str, job_for: Callable[[list[dict[str, Any]], list[list[int]]], dict[str, Any]],
+            workdir: Path, beside_b: dict[str, Callable[[list[dict[str, Any]]], dict[str, Any]]] | None = None,
+            ) -> dict[str, Any]:
+    """The engine pair of the model-kind tests (hybrid, SSM, TP): engine A computes prompt 0
+    (nothing cached: the run without offloading), stores it through an fs tier at
+    ``workdir/kv`` and serves it again from its host region (rounds ``[[0], [0]]``); then
+    engine B, a new process with a cold host cache over the same root, serves it once
+    (``[[0]]``), taking the prefix from the tier. ``job_for(tiers, runs)`` makes each job.
+    ``beside_b`` (``{key: job_for(tiers)}``) are engines run at the same time as B, on the same
+    root. Returns ``a``, ``b``, ``files`` (A's chunk files, listed before B starts), ``root``
+    and each ``beside_b`` key's result."""
+    root = workdir / "kv"
+    tiers = [{"type": "kvtiers_fs", "root_dir": str(root)}]
+    a = engine(f"{name}-A", job_for(tiers, [[0], [0]]), workdir)
+    files = sorted(root.rglob("*.bin"))
+    specs = {"b": (f"{name}-B", job_for(tiers, [[0]]))}
+    specs.update({k: (f"{name}-{k}", make(tiers)) for k, make in (beside_b or {}).items()})
+    return {"a": a, "files": files, "root": root, **engines(specs, workdir)}
+
+
+def assert_reloads(runs: dict[str, Any], prefix: int) -> None:
+    """What every :func:`fs_pair` shows: A's second request takes the whole prefix from its host
+    region, B's from the tier, and all three answer the same greedy tokens."""
+    a, b = runs["a"], runs["b"]
+    computed, again = a["requests"]
+    (loaded,) = b["requests"]
+    assert computed["cached_tokens"] == 0, describe(a)  # A computed everything: the run without offloading
+    assert again["cached_tokens"] == prefix, describe(a)  # from A's host region (its device cache was reset)
+    assert loaded["cached_tokens"] == prefix, describe(b)  # from the tier: B's host region started empty
+    assert again["tokens"] == computed["tokens"] and loaded["tokens"] == computed["tokens"]
 
 
 def tokens(result: dict[str, Any]) -> dict[int, list[int]]:
@@ -85,3 +144,38 @@ def describe(result: dict[str, Any]) -> str:
     reqs = [{k: r[k] for k in ("round", "prompt", "cached_tokens", "prefill_s")} for r in result["requests"]]
     mets = {k: v for k, v in result["metrics"].items() if ("offload" in k or "prefix" in k) and v}
     return json.dumps({"requests": reqs, "metrics": mets}, indent=1)
+
+
+def offloading_config(extra: dict[str, Any], *, row: int = 8192, chunks: int = 16, tp: int = 1,
+                      world_size: int | None = None, agnostic: bool = True, events: bool = False,
+                      dtype: str = "bfloat16", model: str = "org/tiny-model", canonical: bool = False) -> Any:
+    """The ``OffloadingConfig`` vLLM 0.33 builds for a one-group, one-layer full-attention model
+    (16-token blocks, one block per chunk) on one node, for the in-process tests of vLLM's own
+    tiering classes: ``row`` bytes per chunk row, all workers together, so each of the
+    ``world_size`` (default ``tp``) workers holds ``row // world_size``; a host region of
+    ``chunks`` rows; ``extra`` goes into ``extra_config`` (``secondary_tiers``, options);
+    ``canonical`` gives the canonical (NHD) layout. vLLM 0.33 must be importable."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    world = tp if world_size is None else world_size
+    par = OffloadingParallelConfig(rank=0, world_size=world, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=1,
+                                   data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                                   is_parallelism_agnostic=agnostic)
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0.attn",), group_id=0),),
+        worker_kv_bytes_per_block=row // world,
+        enable_kv_cache_events=events,
+        extra_config={"cpu_bytes_to_use": chunks * row, **extra},
+        engine_id=f"kvtiers-test-{uuid.uuid4().hex[:12]}",
+        model=OffloadingModelConfig(name=model, dtype=dtype),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=par,
+        canonical_layout=canonical,
+        kv_cache_layout="NHD" if canonical else None,
+    )
