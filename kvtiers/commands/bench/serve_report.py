@@ -29,16 +29,33 @@ def render(rep: dict[str, Any]) -> str:
     s = rep["settings"]
     fit = rep.get("fit", {})
     ref = "no offloading's" if fit.get("reference") == "none" else "the same configuration's"
-    lines = [f"kvtiers bench serve: {rep['engine']} ({rep['model']}), vLLM's `vllm bench serve` prefix_repetition: "
-             f"{s['prefix_len']}-token prefixes, {s['suffix_len']}-token suffixes, {s['output_len']} output tokens, "
-             f"{s['requests_per_prefix']} requests per prefix; device cache {s['gpu_blocks']} blocks, "
+    workloads = rep.get("workloads", ["prefix"])
+    lines = [f"kvtiers bench serve: {rep['engine']} ({rep['model']}); device cache {s['gpu_blocks']} blocks, "
              f"host arena {_mib(s['cpu_bytes'])} MiB alone, {_mib(s.get('tier_cpu_bytes', s['cpu_bytes']))} MiB "
-             f"in front of a tier; {rep['repeats']} interleaved repeat(s), medians",
-             f"fit = req/s over {ref} req/s at {fit.get('prefixes')} prefixes (the working set fits)"]
-    for conc in rep["concurrency"]:
-        rows = [r for r in rep["cells"] if r["concurrency"] == conc]
-        lines += ["", f"concurrency {conc}",
-                  f"  {'config':<10}{'prefixes':>9}{'req/s':>8}{'range':>13}{'fit':>6}{'tok/s':>8}"
+             f"in front of a tier; {rep['repeats']} interleaved repeat(s), medians"]
+    if "prefix" in workloads:
+        lines.append(f"prefix: vLLM's `vllm bench serve` prefix_repetition: {s['prefix_len']}-token prefixes, "
+                     f"{s['suffix_len']}-token suffixes, {s['output_len']} output tokens, "
+                     f"{s['requests_per_prefix']} requests per prefix")
+    mt = s.get("multi_turn")
+    if "multi-turn" in workloads and mt:
+        lines.append(f"multi-turn: vLLM's multi-turn client (benchmark_serving_multi_turn.py): per conversation a "
+                     f"{mt['prefix_len']}-token context, {mt['turns']} user turns of {mt['turn_len']} tokens, "
+                     f"{mt['output_len']} output tokens each; all conversations active, cycled through by "
+                     f"`concurrency` clients")
+    for name, v in (rep.get("variants") or {}).items():
+        lines.append(f"variant {name}: {v['base']} with {v['kv_connector_extra_config'] or ''}"
+                     + (f" tier {v['tier']}" if v.get("tier") else ""))
+    by = fit.get("by_workload") or {"prefix": fit.get("prefixes")}
+    lines.append(f"fit = req/s over {ref} req/s at the smallest working set ("
+                 + ", ".join(f"{w}: {n}" for w, n in by.items()) + ")")
+    for w, conc in ((w, c) for w in workloads for c in rep["concurrency"]):
+        rows = [r for r in rep["cells"] if r["concurrency"] == conc and r.get("workload", "prefix") == w]
+        if not rows:
+            continue
+        size = "convs" if w == "multi-turn" else "prefixes"
+        lines += ["", f"{w}, concurrency {conc}" if len(workloads) > 1 or w != "prefix" else f"concurrency {conc}",
+                  f"  {'config':<10}{size:>9}{'req/s':>8}{'range':>13}{'fit':>6}{'tok/s':>8}"
                   f"{'TTFT mean':>10}{'median':>8}{'p99':>8}{'failed':>7}{'load':>6}"]
         for r in rows:
             lo, hi = r["req_s_range"]
@@ -78,13 +95,15 @@ def render(rep: dict[str, Any]) -> str:
 
 
 def plot(rep: dict[str, Any], path: str) -> None:
-    """req/s against working set (prefixes), one line per configuration (a panel per concurrency)."""
+    """req/s against working set (prefixes), one line per configuration (a panel per concurrency);
+    the prefix workload's cells."""
     plt = _pyplot()
     concs = rep["concurrency"]
     fig, axes = plt.subplots(1, len(concs), figsize=(5.5 * len(concs), 4), squeeze=False)
     for ax, conc in zip(axes[0], concs, strict=True):
         for name in rep["configs"]:
-            rows = sorted((r for r in rep["cells"] if r["config"] == name and r["concurrency"] == conc),
+            rows = sorted((r for r in rep["cells"] if r["config"] == name and r["concurrency"] == conc
+                           and r.get("workload", "prefix") == "prefix"),
                           key=lambda r: r["prefixes"])
             xs = [r["prefixes"] for r in rows]
             ax.plot(xs, [r["req_s"] for r in rows], marker="o", label=name)

@@ -51,11 +51,13 @@ class ServeSettings:
     start_timeout: float = 600.0
     bench_timeout: float = 1800.0
     extra_serve_args: list[str] = field(default_factory=list)
+    #: the longest multi-turn conversation (prompt and answer), where that workload runs
+    multi_turn_len: int = 0
 
     @property
     def max_model_len(self) -> int:
-        """Prompt plus output, and a block to spare."""
-        return self.prefix_len + self.suffix_len + self.output_len + 128
+        """Prompt plus output, and a block to spare (or the longest conversation, if longer)."""
+        return max(self.prefix_len + self.suffix_len + self.output_len + 128, self.multi_turn_len)
 
 
 @dataclass
@@ -64,6 +66,10 @@ class Config:
 
     name: str
     tier: str | None = None  # a kvtiers tier's name, "vllm-fs", or None (none / host)
+    #: a variant's keys merged into kv_connector_extra_config, and into its secondary tier entry
+    spec_extra: dict[str, Any] = field(default_factory=dict)
+    tier_keys: dict[str, Any] = field(default_factory=dict)
+    base: str | None = None  # the configuration a variant copies
 
     @property
     def offloads(self) -> bool:
@@ -185,8 +191,9 @@ def server_config(cfg: Config, settings: ServeSettings, workdir: str, stack: con
     if not cfg.offloads:
         return None
     if cfg.tier is None:
-        return offload_config([], settings.cpu_bytes)
-    return offload_config([tier_entry(cfg.tier, workdir, stack, tier_extra.get(cfg.tier))], settings.tier_cpu_bytes)
+        return offload_config([], settings.cpu_bytes, **cfg.spec_extra)
+    entry = tier_entry(cfg.tier, workdir, stack, {**tier_extra.get(cfg.tier, {}), **cfg.tier_keys})
+    return offload_config([entry], settings.tier_cpu_bytes, **cfg.spec_extra)
 
 
 def bench_cell(base_url: str, settings: ServeSettings, prefixes: int, concurrency: int, seed: int,
