@@ -14,7 +14,9 @@ A sealed slot (``slot_bytes + 4096`` bytes)::
       chunk key (64, zero-padded) | namespace digest (8)
     ciphertext (payload length) | GCM tag (16) | zeros to the end of the slot
 
-The whole header is the associated data, and a load checks that its chunk key and
+The whole header is the associated data (followed by the chunk's tenant, if it has one:
+:mod:`kvtiers.encryption_tenants` picks a key per tenant and binds the tenant in, never
+storing it), and a load checks that its chunk key and
 namespace digest are those asked for: a chunk copied to another key, namespace or key id
 fails. The nonce is 12 fresh random bytes per store. Sealing and opening run on the
 wrapper's own threads (``cryptography`` releases the GIL for the cipher), except for jobs of
@@ -41,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from .encryption_tenants import CONFLICT, MIN_BOOK_KEYS, TenantBook, TenantKeys, tenant_aad, tenant_label
 from .errors import ConfigError
 from .hookspecs import hookimpl
 from .types import PAGE, Arena, Job, JobResult, Lookup, TierContext, accept_job, drain
@@ -66,7 +69,8 @@ STAGING_BYTES = 256 << 20
 MIN_STAGING_SLOTS = 8
 _ZEROS = bytes(OVERHEAD)
 _KEY_ID = re.compile(r"^[A-Za-z0-9._:-]{1,32}$")
-_SPEC_FIELDS = ("key_file", "key_env", "provider", "key_id", "retired", "staging_bytes", "threads")
+_SPEC_FIELDS = ("key_file", "key_env", "provider", "key_id", "retired", "staging_bytes", "threads", "tenants",
+                "unknown_tenant")
 _KEY_FIELDS = ("key_file", "key_env", "provider")
 EXTRA_HINT = "pip install 'kvtiers[encrypt]'"
 
@@ -261,9 +265,11 @@ def _ns_bytes(digest: str) -> bytes:
     return bytes.fromhex(digest)[:8]
 
 
-def seal_into(keyring: Keyring, digest8: bytes, key: bytes, data: memoryview, out: memoryview) -> None:
+def seal_into(keyring: Keyring, digest8: bytes, key: bytes, data: memoryview, out: memoryview,
+              tenant: str | None = None) -> None:
     """Seal ``data`` (the chunk of ``key``) into ``out`` (``sealed_bytes(len(data))`` long)
-    under the current key, with a fresh nonce."""
+    under the current key, with a fresh nonce; ``tenant`` (if any) is bound into the
+    associated data (:func:`~kvtiers.encryption_tenants.tenant_aad`), never stored."""
     n = len(data)
     nonce = os.urandom(NONCE_BYTES)
     kid = keyring.current_kid
@@ -272,10 +278,11 @@ def seal_into(keyring: Keyring, digest8: bytes, key: bytes, data: memoryview, ou
     out[:h] = header
     end = h + n + TAG_BYTES
     cipher = keyring.cipher(keyring.current)
+    aad = header + tenant_aad(tenant)
     if hasattr(cipher, "encrypt_into"):
-        cipher.encrypt_into(nonce, data, header, out[h:end])
+        cipher.encrypt_into(nonce, data, aad, out[h:end])
     else:  # cryptography < 44: one more copy
-        out[h:end] = cipher.encrypt(nonce, data.tobytes(), header)
+        out[h:end] = cipher.encrypt(nonce, data.tobytes(), aad)
     out[end:] = _ZEROS[:len(out) - end]
 
 
@@ -293,9 +300,11 @@ def read_header(buf: memoryview | bytes) -> tuple[str, bytes, int, str] | None:
         return None
 
 
-def open_into(keyring: Keyring, digest8: bytes, key: bytes, sealed: memoryview, out: memoryview) -> str:
-    """Check and decrypt the sealed copy of ``key`` into ``out``; return the key id it was
-    sealed under. Raises :class:`OpenFailed` (``out`` may then hold anything)."""
+def open_into(keyring: Keyring, digest8: bytes, key: bytes, sealed: memoryview, out: memoryview,
+              tenant: str | None = None) -> str:
+    """Check and decrypt the sealed copy of ``key`` (sealed for ``tenant``) into ``out``;
+    return the key id it was sealed under. Raises :class:`OpenFailed` (``out`` may then hold
+    anything): a chunk sealed for another tenant, or for none, fails authentication."""
     n = len(out)
     h = HEADER.size
     head = bytes(sealed[:h])
@@ -318,14 +327,15 @@ def open_into(keyring: Keyring, digest8: bytes, key: bytes, sealed: memoryview, 
     end = h + n + TAG_BYTES
     if sealed[end:].tobytes() != _ZEROS[:len(sealed) - end]:  # zeros after the tag: no byte unchecked
         raise OpenFailed("auth", "sealed chunk failed authentication (bytes after the tag)")
+    aad = head + tenant_aad(tenant)
     try:
         if hasattr(cipher, "decrypt_into"):
-            cipher.decrypt_into(nonce, sealed[h:end], head, out)
+            cipher.decrypt_into(nonce, sealed[h:end], aad, out)
         else:
-            out[:] = cipher.decrypt(nonce, sealed[h:end].tobytes(), head)
+            out[:] = cipher.decrypt(nonce, sealed[h:end].tobytes(), aad)
     except Exception as e:  # cryptography's InvalidTag
         raise OpenFailed("auth", f"sealed chunk failed authentication under key id {kid!r} "
-                                 f"(tampered, or another key under that id)") from e
+                                 f"(tampered, another key under that id, or sealed for another tenant)") from e
     return kid
 
 
@@ -334,7 +344,7 @@ def open_into(keyring: Keyring, digest8: bytes, key: bytes, sealed: memoryview, 
 class _Outer:
     """One job of the caller: its progress over staged pieces."""
 
-    __slots__ = ("job_id", "kind", "remaining", "failed", "errors", "nbytes", "t0", "todo")
+    __slots__ = ("job_id", "kind", "remaining", "failed", "errors", "nbytes", "t0", "todo", "sel")
 
     def __init__(self, job: Job, kind: str) -> None:
         self.job_id = job.job_id
@@ -346,6 +356,8 @@ class _Outer:
         self.t0 = time.perf_counter()
         #: (key, caller slot) not yet given a staging slot
         self.todo = collections.deque(zip(job.keys, job.slots, strict=True))
+        #: key -> (keys, tenant) where tenants are in play; empty: the default keys, no tenant
+        self.sel: dict[bytes, tuple[Keyring, str | None]] = {}
 
 
 #: one piece of a job: (outer job, [(key, caller slot, staging slot)])
@@ -355,12 +367,21 @@ _Piece = tuple[_Outer, list[tuple[bytes, int, int]]]
 class SealedTier:
     """The hooks of an encrypted tier: seals stores and opens loads around the tier's
     handle ``inner`` (opened on the staging arena ``inner.ctx.arena``). See the module
-    docstring; ``stats`` counts chunks sealed and opened and failures by reason."""
+    docstring; ``stats`` counts chunks sealed and opened, failures by reason, and keys not
+    offloaded for their tenant (``tenant_skipped_store`` / ``_load``, ``tenant_conflict_*``);
+    ``tenant_stats`` counts chunks sealed and opened by ``(tenant label, op)``.
 
-    def __init__(self, inner: Any, ctx: TierContext, keyring: Keyring, *, threads: int = 4) -> None:
+    ``keys``: a :class:`Keyring` (one key for every chunk) or a
+    :class:`~kvtiers.encryption_tenants.TenantKeys`. The engine tells it whose keys are whose
+    with :meth:`note_tenant` (docs/security.md#tenants); a key never noted has no tenant."""
+
+    def __init__(self, inner: Any, ctx: TierContext, keys: Keyring | TenantKeys, *, threads: int = 4) -> None:
         self.inner = inner
         self.ctx = ctx
-        self.keyring = keyring
+        self.keys = keys if isinstance(keys, TenantKeys) else TenantKeys(keys)
+        #: the default keys (None: tenants only)
+        self.keyring = self.keys.default
+        self.book = TenantBook(max(MIN_BOOK_KEYS, 8 * len(ctx.arena)))
         self.staging: Arena = inner.ctx.arena
         self.slot_bytes = ctx.arena.slot_bytes
         self.digest8 = _ns_bytes(ctx.namespace.digest)
@@ -377,17 +398,57 @@ class SealedTier:
         self._pending = 0
         self._closed = False
         self.stats: collections.Counter[str] = collections.Counter()
+        self.tenant_stats: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._labels: dict[str, str] = {}
         from .metrics import tier_metrics
 
         m = tier_metrics(ctx)
         self._m_chunks = m.counter("kvtiers_encrypt_chunks", "Chunks sealed (store) and opened (load)", ["op"])
         self._m_failed = m.counter("kvtiers_encrypt_open_failures",
                                    "Loaded chunks that failed to open, by reason", ["reason"])
+        self._m_skipped = m.counter("kvtiers_encrypt_tenant_skipped",
+                                    "Chunks not stored or loaded for want of their tenant's key, or because "
+                                    "two tenants noted one key", ["op", "reason"])
+
+    # -- tenants ----------------------------------------------------------------------------
+    def note_tenant(self, keys: Sequence[bytes], tenant: str) -> None:
+        """``keys`` are ``tenant``'s: they are sealed and opened with its keys and bound to it
+        (called by the engine before it stores or loads them; a no-op for None)."""
+        if tenant is not None:
+            self.book.note(keys, tenant)
+
+    def _select(self, key: bytes) -> tuple[Keyring, str | None] | str:
+        """The keys and tenant of ``key``, or why it is not offloaded (``"skipped"``: its
+        tenant has no key; ``"conflict"``: noted for two tenants)."""
+        tenant = self.book.get(key)
+        if tenant is CONFLICT:
+            return "conflict"
+        kr = self.keys.keyring_for(tenant)
+        return "skipped" if kr is None else (kr, tenant)
+
+    def _plain(self) -> bool:
+        """Every key goes under the default keys with no tenant: none was ever noted."""
+        return not self.book and self.keyring is not None
+
+    def _label(self, tenant: str | None) -> str:
+        if tenant is None:
+            return "-"
+        label = self._labels.get(tenant)
+        if label is None:
+            if len(self._labels) > 4096:
+                self._labels.clear()
+            label = self._labels[tenant] = tenant_label(tenant)
+        return label
 
     # -- hooks ------------------------------------------------------------------------------
     @hookimpl
     def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
-        return self.inner.lookup(keys)
+        if self._plain():
+            return self.inner.lookup(keys)
+        sel = [self._select(k) for k in keys]
+        ask = [k for k, s in zip(keys, sel, strict=True) if not isinstance(s, str)]
+        answers = iter(self.inner.lookup(ask) if ask else ())
+        return [Lookup.MISS if isinstance(s, str) else next(answers) for s in sel]
 
     @hookimpl
     def submit_store(self, job: Job) -> None:
@@ -448,8 +509,33 @@ class SealedTier:
         if not job.keys:
             self._finish(outer)
             return
+        if not self._plain():
+            self._select_keys(outer)
+            if not outer.todo:  # every key skipped: finished already
+                return
         self._waiting.append(outer)
         self._drive()
+
+    def _select_keys(self, outer: _Outer) -> None:
+        """Pick each key's keys and tenant; fail the keys that are not offloaded, saying why."""
+        keep: collections.deque[tuple[bytes, int]] = collections.deque()
+        out: dict[str, list[bytes]] = {}
+        for k, s in outer.todo:
+            r = self._select(k)
+            if isinstance(r, str):
+                out.setdefault(r, []).append(k)
+            else:
+                outer.sel[k] = r
+                keep.append((k, s))
+        outer.todo = keep
+        for reason, ks in out.items():
+            self.stats[f"tenant_{reason}_{outer.kind}"] += len(ks)
+            self._m_skipped.labels(op=outer.kind, reason=reason).inc(len(ks))
+            outer.failed.extend(ks)
+            why = ("their tenant has no key (unknown_tenant 'skip')" if reason == "skipped"
+                   else "each was noted for two tenants")
+            outer.errors.append(f"{len(ks)} key(s) not offloaded: {why}")
+            self._account(outer, len(ks))
 
     def _stage(self) -> None:
         """Give waiting jobs staging slots, in order, and start their pieces."""
@@ -465,7 +551,7 @@ class SealedTier:
                 for piece in self._split(outer, items):
                     self._to_inner("load", piece)
             elif len(items) * self.slot_bytes <= INLINE_BYTES:
-                self._done.append(("sealed", (outer, items), self._seal(items)))
+                self._done.append(("sealed", (outer, items), self._seal((outer, items))))
             else:
                 for piece in self._split(outer, items):
                     self._spawn("sealed", piece, self._seal)
@@ -476,13 +562,13 @@ class SealedTier:
         n = max(1, PIECE_BYTES // self.slot_bytes)
         return [(outer, items[i:i + n]) for i in range(0, len(items), n)]
 
-    def _spawn(self, what: str, piece: _Piece, fn: Callable[[list], list]) -> None:
+    def _spawn(self, what: str, piece: _Piece, fn: Callable[[_Piece], list]) -> None:
         with self._pool_lock:
             self._in_pool += 1
 
         def run() -> None:
             try:
-                errs = fn(piece[1])
+                errs = fn(piece)
             except BaseException as e:  # never lose a piece: every key fails with the reason
                 errs = [(k, "error", f"{type(e).__name__}: {e}") for k, _s, _t in piece[1]]
             with self._pool_lock:
@@ -491,22 +577,28 @@ class SealedTier:
 
         self._pool.submit(run)
 
-    def _seal(self, items: list[tuple[bytes, int, int]]) -> list[tuple[bytes, str, str]]:
-        arena, staging, kr, d8 = self.ctx.arena, self.staging, self.keyring, self.digest8
+    def _seal(self, piece: _Piece) -> list[tuple[bytes, str, str]]:
+        outer, items = piece
+        arena, staging, d8, sel = self.ctx.arena, self.staging, self.digest8, outer.sel
+        default = (self.keyring, None)
         errs = []
         for k, s, t in items:
+            kr, tenant = sel.get(k, default) if sel else default
             try:
-                seal_into(kr, d8, k, arena[s], staging[t])
+                seal_into(kr, d8, k, arena[s], staging[t], tenant)
             except Exception as e:
                 errs.append((k, "error", f"{type(e).__name__}: {e}"))
         return errs
 
-    def _open(self, items: list[tuple[bytes, int, int]]) -> list[tuple[bytes, str, str]]:
-        arena, staging, kr, d8 = self.ctx.arena, self.staging, self.keyring, self.digest8
+    def _open(self, piece: _Piece) -> list[tuple[bytes, str, str]]:
+        outer, items = piece
+        arena, staging, d8, sel = self.ctx.arena, self.staging, self.digest8, outer.sel
+        default = (self.keyring, None)
         errs = []
         for k, s, t in items:
+            kr, tenant = sel.get(k, default) if sel else default
             try:
-                open_into(kr, d8, k, staging[t], arena[s])
+                open_into(kr, d8, k, staging[t], arena[s], tenant)
             except OpenFailed as e:
                 errs.append((k, e.reason, str(e)))
             except Exception as e:
@@ -591,6 +683,8 @@ class SealedTier:
             self.stats[f"open_failed_{reason}"] += 1
             self._m_failed.labels(reason=reason).inc()
         ok = len(items) - len(bad)
+        if outer.sel:
+            self._count_tenants(outer, [it[0] for it in items if it[0] not in bad], "opened")
         self.stats["opened"] += ok
         self._m_chunks.labels(op="open").inc(ok)
         outer.nbytes += ok * self.slot_bytes
@@ -605,6 +699,8 @@ class SealedTier:
             outer.errors.append(r.error or f"{len(failed)} key(s) failed in the tier")
         good = [it for it in items if it[0] not in failed]
         if kind == "store":
+            if outer.sel:
+                self._count_tenants(outer, [it[0] for it in good], "sealed")
             self.stats["sealed"] += len(good)
             self._m_chunks.labels(op="seal").inc(len(good))
             outer.nbytes += len(good) * self.slot_bytes
@@ -616,9 +712,15 @@ class SealedTier:
         if not good:
             return
         if final or len(good) * self.slot_bytes <= INLINE_BYTES:
-            self._done.append(("opened", (outer, good), self._open(good)))
+            self._done.append(("opened", (outer, good), self._open((outer, good))))
         else:
             self._spawn("opened", (outer, good), self._open)
+
+    def _count_tenants(self, outer: _Outer, keys: list[bytes], op: str) -> None:
+        for k in keys:
+            entry = outer.sel.get(k)
+            if entry is not None:
+                self.tenant_stats[self._label(entry[1]), op] += 1
 
 
 def _summary(what: str, errs: list[tuple[bytes, str, str]]) -> str:
@@ -658,8 +760,8 @@ class Sealing:
     tier's context on a staging arena (``ctx``), its options (``options``: ``max_bytes``
     scaled), and :meth:`wrap` for the hooks around the opened tier. Built by :meth:`prepare`."""
 
-    def __init__(self, keyring: Keyring, ctx: TierContext, options: dict[str, Any], outer: TierContext,
-                 threads: int) -> None:
+    def __init__(self, keyring: Keyring | TenantKeys, ctx: TierContext, options: dict[str, Any],
+                 outer: TierContext, threads: int) -> None:
         self.keyring = keyring
         self.ctx = ctx
         self.options = options
@@ -672,7 +774,7 @@ class Sealing:
         """Load the keys of the ``"encrypt"`` object ``spec`` and allocate the staging arena;
         a one-line :class:`ConfigError` starting ``tier 'NAME': encrypt: ...``."""
         try:
-            keyring = Keyring.from_spec(spec, providers=providers)
+            keyring = TenantKeys.from_spec(spec, providers=providers)
             n = staging_slots(spec, ctx.arena)
             threads = spec.get("threads", 4)
             if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 64:
@@ -681,8 +783,11 @@ class Sealing:
             raise ConfigError(f"tier {tier_name!r}: {e}") from None
         staging = Arena.allocate(n, sealed_bytes(ctx.arena.slot_bytes))
         inner = TierContext(staging, ctx.namespace, removed=ctx.removed)
-        log.info("kvtiers: tier %s encrypted (key id %s, %d retired, %d staging slots of %d bytes)",
-                 tier_name, keyring.current, len(keyring.retired), n, staging.slot_bytes)
+        default = keyring.default
+        log.info("kvtiers: tier %s encrypted (key id %s, %d retired; %d tenant key(s), unknown tenants: %s; "
+                 "%d staging slots of %d bytes)", tier_name, default.current if default else "-",
+                 len(default.retired) if default else 0, len(keyring.tenants), keyring.unknown, n,
+                 staging.slot_bytes)
         return cls(keyring, inner, scaled_bound(options, ctx.arena.slot_bytes), ctx, threads)
 
     def wrap(self, inner: Any) -> SealedTier:

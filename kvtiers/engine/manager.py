@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..encryption_tenants import check_tenant, note_tenant
 from ..registry import TierHandle, open_tier
 from ..types import Arena, Namespace, TierContext, check_keys
 from .build import build_from_config
@@ -207,11 +208,18 @@ class TieringManager:
         self._events.remove_listener(fn)
 
     # -- engine API --------------------------------------------------------------------
-    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+    def lookup(self, keys: Sequence[bytes], *, tenant: str | None = None) -> LookupResult:
         """How many leading chunks of ``keys`` can be loaded, and from where. Never
         blocks; ``retry`` is set while the next chunk is being promoted or stored, or a
-        tier answered RETRY for it."""
+        tier answered RETRY for it.
+
+        ``tenant`` (here, in :meth:`store` and in :meth:`load`; optional): whose chunks
+        ``keys`` are. An encrypted tier with tenant keys seals and opens them with that
+        tenant's key, bound to the tenant, or does not offload them for a tenant without one
+        (docs/security.md#tenants). Give each tenant's chunks keys of their own (a salt in
+        the chunk keys, like vLLM's ``cache_salt``): the host arena is shared."""
         keys = check_keys(keys)
+        self._note_tenant(keys, tenant)
         self._progress()
         result = self._loads.lookup(keys)
         self._events.flush()
@@ -225,7 +233,8 @@ class TieringManager:
         self._tiers.touch(keys)
 
     def store(self, keys: Sequence[bytes], device_blocks: Sequence[Any], request: Request | None = None,
-              *, first_chunk: int = 0, state_slots: Sequence[int] | None = None) -> int | None:
+              *, first_chunk: int = 0, state_slots: Sequence[int] | None = None,
+              tenant: str | None = None) -> int | None:
         """Copy the chunks ``keys`` from ``device_blocks`` into the arena, then to every
         secondary tier. Returns the transfer id (reported by :meth:`get_finished` once
         the device blocks may be reused), or ``None`` for a cancelled request.
@@ -239,9 +248,11 @@ class TieringManager:
 
         Hybrid models (see :mod:`kvtiers.engine.hybrid`): ``device_blocks`` may map each
         attention group's name to its blocks; ``state_slots``: one engine state slot per chunk,
-        holding the SSM state after that chunk's last token (needed when the layout has SSM groups)."""
+        holding the SSM state after that chunk's last token (needed when the layout has SSM groups).
+        ``tenant``: see :meth:`lookup`."""
         keys = check_keys(keys)
         blocks = self._chunk_specs(keys, device_blocks, load=False, state_slots=state_slots)
+        self._note_tenant(keys, tenant)
         if request is not None and request.cancelled:
             return None
         self._progress()
@@ -253,17 +264,18 @@ class TieringManager:
         return tid
 
     def load(self, keys: Sequence[bytes], device_blocks: Sequence[Any], request: Request | None = None,
-             *, state_slot: int | None = None) -> int | None:
+             *, state_slot: int | None = None, tenant: str | None = None) -> int | None:
         """Copy the chunks ``keys`` into ``device_blocks``: from the arena, after promoting
         each chunk the arena lacks from the first tier that has it. Returns the transfer id,
         or ``None`` for a cancelled request. Chunks no tier has, or whose promotion
         fails, are reported as failed keys (recompute them). A load longer than the arena
         has free slots for runs in waves: each wave promotes what fits, copies it to the
-        device and unpins it before the next."""
+        device and unpins it before the next. ``tenant``: see :meth:`lookup`."""
         keys = check_keys(keys)
         if len(set(keys)) != len(keys):
             raise ValueError("load: duplicate keys")
         blocks = self._chunk_specs(keys, device_blocks, load=True, state_slot=state_slot)
+        self._note_tenant(keys, tenant)
         if request is not None and request.cancelled:
             return None
         self._progress()
@@ -272,6 +284,13 @@ class TieringManager:
         self._loads.start_wave(tr, list(keys))
         self._events.flush()
         return tr.tid
+
+    def _note_tenant(self, keys: tuple[bytes, ...], tenant: str | None) -> None:
+        """Tell every encrypted tier that ``keys`` are ``tenant``'s (kvtiers.encryption_tenants)."""
+        if check_tenant(tenant) is None:
+            return
+        for tier in self._tiers.tiers:
+            note_tenant(tier.handle, keys, tenant)
 
     def _chunk_specs(self, keys: tuple[bytes, ...], device_blocks: Any, *, load: bool,
                      state_slots: Sequence[int] | None = None, state_slot: int | None = None) -> list[Any]:

@@ -1,0 +1,276 @@
+"""Tenant keys (kvtiers.encryption_tenants, docs/security.md#tenants), through the tiering
+manager on real fs tiers: each tenant's chunks sealed under its own key and bound to it; a
+tenant without a key not offloaded (counted); a chunk moved between tenants' files on disk
+fails authentication; tenant names and keys stay out of logs and errors."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import pathlib
+import shutil
+import time
+
+import pytest
+from test_encryption import _key
+from test_manager import blocks_of, chunk_blocks, kv_caches, make_manager, poison, settle
+
+from kvtiers import ConfigError
+from kvtiers.encryption import HEADER, Keyring, read_header
+from kvtiers.encryption_tenants import TenantBook, TenantKeys, tenant_label
+
+pytest.importorskip("cryptography")
+
+
+@pytest.fixture
+def keys(tmp_path) -> dict[str, str]:
+    return {n: _key(tmp_path, n) for n in ("alice", "bob", "default")}
+
+
+def _tenants(keys: dict[str, str], **extra) -> dict:
+    """alice and bob each with a key of their own; other tenants: not offloaded."""
+    return {"tenants": {"alice": {"key_file": keys["alice"], "key_id": "alice-1"},
+                        "bob": {"key_file": keys["bob"], "key_id": "bob-1"}}, **extra}
+
+
+def _tkey(i: int, tenant: str) -> bytes:
+    """Chunk keys salted per tenant, as vLLM's cache_salt makes them."""
+    return f"chunk-{i}-{tenant}".encode()
+
+
+def _manager(root: pathlib.Path, enc: dict, seed: int = 0):
+    return make_manager(8, tiers=[("fs", {"root_dir": str(root), "encrypt": enc})], kv=kv_caches(seed))
+
+
+def _store(mgr, keys: list[bytes], first: int, tenant: str | None) -> None:
+    tid = mgr.store(keys, [chunk_blocks(first + i) for i in range(len(keys))], tenant=tenant)
+    (res,) = mgr.wait([tid], timeout=10)
+    assert not res.failed_keys
+    settle(mgr)
+
+
+def _reload(mgr, kv, keys: list[bytes], first: int, tenant: str | None):
+    """Lookup (promoting from the tier) until settled, then load into poisoned blocks."""
+    blocks = [chunk_blocks(first + i) for i in range(len(keys))]
+    poison(kv, [b for bl in blocks for b in bl])
+    deadline = time.monotonic() + 10
+    while True:
+        look = mgr.lookup(keys, tenant=tenant)
+        if not look.retry or time.monotonic() > deadline:
+            break
+        time.sleep(0.002)
+    tid = mgr.load(keys, blocks, tenant=tenant)
+    (res,) = mgr.wait([tid], timeout=10)
+    return look, res
+
+
+def _kids(root: pathlib.Path) -> collections.Counter[str]:
+    """Chunk files on the medium by the key id in their sealed header."""
+    return collections.Counter(read_header(p.read_bytes()[:HEADER.size])[0] for p in root.rglob("*.bin"))
+
+
+def _file(root: pathlib.Path, key: bytes) -> pathlib.Path:
+    (p,) = root.rglob(key.hex() + ".bin")
+    return p
+
+
+# -- two tenants, one without a key -----------------------------------------------------------
+
+def test_two_tenants_share_nothing_and_a_tenant_without_a_key_is_not_offloaded(tmp_path, keys, caplog):
+    caplog.set_level(logging.DEBUG)
+    root = tmp_path / "kv"
+    enc = _tenants(keys)
+    a_keys = [_tkey(i, "alice") for i in range(4)]
+    b_keys = [_tkey(i, "bob") for i in range(4)]
+    c_keys = [_tkey(i, "carol") for i in range(2)]
+    mgr, kv, _ = _manager(root, enc)
+    try:
+        _store(mgr, a_keys, 0, "alice")
+        _store(mgr, b_keys, 4, "bob")
+        _store(mgr, c_keys, 8, "carol")  # no key for carol: kept in the arena, never on the medium
+        sealed = mgr.tiers[0].handle.hooks
+        assert sealed.stats["tenant_skipped_store"] == 2
+        assert sealed.tenant_stats[tenant_label("alice"), "sealed"] == 4
+        assert sealed.tenant_stats[tenant_label("bob"), "sealed"] == 4
+        assert mgr.stats.events["stored", "fs"] == 8
+        want = blocks_of(kv, range(16))  # the blocks of alice's and bob's chunks
+    finally:
+        mgr.close(timeout=5)
+    assert _kids(root) == {"alice-1": 4, "bob-1": 4}  # each tenant's chunks under its own key
+    assert not any(list(root.rglob(k.hex() + ".bin")) for k in c_keys)
+
+    # a new manager (nothing in its arena): each tenant reloads its own chunks, byte for byte
+    mgr, kv2, _ = _manager(root, enc, seed=1)
+    try:
+        look, res = _reload(mgr, kv2, a_keys, 0, "alice")
+        assert look.num_chunks == 4 and set(look.sources) == {"fs"} and not res.failed_keys
+        look, res = _reload(mgr, kv2, b_keys, 4, "bob")
+        assert look.num_chunks == 4 and not res.failed_keys
+        assert all(t.equal(w) for t, w in zip(blocks_of(kv2, range(16)), want, strict=True))
+        sealed = mgr.tiers[0].handle.hooks
+        assert sealed.tenant_stats[tenant_label("alice"), "opened"] == 4
+        assert sealed.tenant_stats[tenant_label("bob"), "opened"] == 4
+    finally:
+        mgr.close(timeout=5)
+
+    # another tenant asking for alice's keys gets nothing: bob finds her files but can not open
+    # them; carol (no key) and a request with no tenant (no default key) do not even ask the medium
+    for tenant in ("bob", "carol", None):
+        mgr, kv3, _ = _manager(root, enc, seed=2)
+        try:
+            look, res = _reload(mgr, kv3, a_keys, 0, tenant)
+            assert set(res.failed_keys) == set(a_keys)
+            sealed = mgr.tiers[0].handle.hooks
+            assert sealed.stats["opened"] == 0
+            if tenant == "bob":
+                assert sealed.stats["open_failed_unknown_key"] == 4
+            else:
+                assert look.num_chunks == 0  # MISS: the medium was not asked
+        finally:
+            mgr.close(timeout=5)
+    text = caplog.text + repr(sealed.keys)
+    for secret in ("alice", "bob", "carol", *(pathlib.Path(k).read_bytes().hex() for k in keys.values())):
+        assert secret not in text.replace("alice-1", "").replace("bob-1", "")
+
+
+def test_a_key_noted_for_two_tenants_is_offloaded_for_neither(tmp_path, keys):
+    root = tmp_path / "kv"
+    mgr, _kv, _ = _manager(root, _tenants(keys))
+    try:
+        k = [b"unsalted-chunk"]
+        mgr.lookup(k, tenant="alice")
+        mgr.lookup(k, tenant="bob")
+        tid = mgr.store(k, [chunk_blocks(0)], tenant="alice")
+        mgr.wait([tid], timeout=10)
+        settle(mgr)
+        sealed = mgr.tiers[0].handle.hooks
+        assert sealed.stats["tenant_conflict_store"] == 1 and sealed.stats["sealed"] == 0
+        assert sealed.book.conflicts == 1
+    finally:
+        mgr.close(timeout=5)
+    assert not list(root.rglob("*.bin"))
+
+
+def test_the_manager_checks_the_tenant_argument(tmp_path, keys):
+    mgr, _kv, _ = _manager(tmp_path / "kv", _tenants(keys))
+    try:
+        with pytest.raises(TypeError, match="tenant must be a str"):
+            mgr.lookup([b"k"], tenant=7)
+        with pytest.raises(ValueError, match="non-empty"):
+            mgr.store([b"k"], [chunk_blocks(0)], tenant="")
+    finally:
+        mgr.close(timeout=5)
+
+
+# -- a chunk moved between tenants' files -------------------------------------------------------
+
+def _store_in(root: pathlib.Path, enc: dict, key: bytes, tenant: str | None) -> None:
+    mgr, _kv, _ = _manager(root, enc)
+    try:
+        _store(mgr, [key], 0, tenant)
+    finally:
+        mgr.close(timeout=5)
+
+
+def _load_in(root: pathlib.Path, enc: dict, key: bytes, tenant: str | None):
+    mgr, kv, _ = _manager(root, enc, seed=3)
+    try:
+        look, res = _reload(mgr, kv, [key], 0, tenant)
+        return look, res, dict(mgr.tiers[0].handle.hooks.stats)
+    finally:
+        mgr.close(timeout=5)
+
+
+def test_a_chunk_moved_to_another_tenants_file_fails(tmp_path, keys):
+    """One chunk key (an engine that does not salt keys) stored for alice and for bob on two
+    roots; alice's file copied over bob's: bob's load fails, never alice's bytes."""
+    enc = _tenants(keys)
+    k = b"same-chunk-key"
+    ra, rb = tmp_path / "a", tmp_path / "b"
+    _store_in(ra, enc, k, "alice")
+    _store_in(rb, enc, k, "bob")
+    assert _load_in(rb, enc, k, "bob")[1].failed_keys == ()  # bob's own copy opens
+    shutil.copyfile(_file(ra, k), _file(rb, k))
+    _look, res, stats = _load_in(rb, enc, k, "bob")
+    assert res.failed_keys == (k,)
+    assert stats["open_failed_unknown_key"] >= 1  # sealed under alice's key id, which bob has not
+    assert _load_in(rb, enc, k, "alice")[1].failed_keys == ()  # the bytes are intact: alice's
+
+
+def test_the_tenant_is_bound_even_under_one_shared_key(tmp_path, keys):
+    """``unknown_tenant: default`` (and a plain single-key option with tenants noted): every
+    tenant under the default key, each chunk bound to its tenant by the associated data."""
+    for enc in ({"key_file": keys["default"]},
+                {"key_file": keys["default"], "unknown_tenant": "default", **_tenants(keys)}):
+        k = b"same-chunk-key"
+        rx, ry = tmp_path / "x", tmp_path / "y"
+        shutil.rmtree(rx, ignore_errors=True)
+        shutil.rmtree(ry, ignore_errors=True)
+        _store_in(rx, enc, k, "xavier")
+        _store_in(ry, enc, k, "yolanda")
+        shutil.copyfile(_file(rx, k), _file(ry, k))
+        for tenant in ("yolanda", None):
+            _look, res, stats = _load_in(ry, enc, k, tenant)
+            assert res.failed_keys == (k,), enc
+            assert stats["open_failed_auth"] >= 1  # same key id, same chunk key: only the tenant differs
+        assert _load_in(ry, enc, k, "xavier")[1].failed_keys == ()
+
+
+def test_single_key_config_without_tenants_is_unchanged(tmp_path, keys):
+    """No tenant noted: the same sealed format as before tenants (loads as such)."""
+    from kvtiers import Arena, Namespace, TierContext, open_tier
+    from kvtiers.encryption import open_into, sealed_bytes
+
+    root = tmp_path / "kv"
+    mgr, _kv, _ = _manager(root, {"key_file": keys["default"]})
+    try:
+        _store(mgr, [b"plain-chunk"], 0, None)
+        slot = mgr.arena.slot_bytes
+    finally:
+        mgr.close(timeout=5)
+    data = _file(root, b"plain-chunk").read_bytes()[:sealed_bytes(slot)]  # the fs tier's own trailer after it
+    kr = Keyring.from_spec({"key_file": keys["default"]})
+    out = memoryview(bytearray(slot))
+    ctx = TierContext(Arena.allocate(1, slot), Namespace({}))
+    h = open_tier("fs", {"root_dir": str(tmp_path / "unused"), "encrypt": {"key_file": keys["default"]}}, ctx)
+    try:
+        assert open_into(kr, h.hooks.digest8, b"plain-chunk", memoryview(data), out) == kr.current
+        assert len(TenantBook()) == 0 and h.hooks.keys.unknown == "default"
+    finally:
+        h.close()
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+def test_tenant_configuration(keys):
+    tk = TenantKeys.from_spec(_tenants(keys))
+    assert tk.default is None and tk.unknown == "skip"
+    assert tk.keyring_for("alice").current == "alice-1" and tk.keyring_for("carol") is None
+    assert tk.keyring_for(None) is None
+    assert "'alice'" not in repr(tk) and f"'{tenant_label('alice')}': 'alice-1'" in repr(tk)
+    tk = TenantKeys.from_spec({"key_file": keys["default"], "key_id": "d-1", "unknown_tenant": "default",
+                               **_tenants(keys)})
+    assert tk.keyring_for("carol").current == "d-1" and tk.keyring_for(None).current == "d-1"
+    single = TenantKeys.from_spec({"key_file": keys["default"]})
+    assert single.unknown == "default" and single.keyring_for("anyone") is single.default
+
+    bad = [
+        ({**_tenants(keys), "unknown_tenant": "default"}, "needs a default key"),
+        ({**_tenants(keys), "unknown_tenant": "share"}, "'unknown_tenant' expects one of 'skip', 'default'"),
+        ({"tenants": {"alice": {"key_file": keys["alice"]}, "bob": {"key_file": keys["alice"]}}},
+         "is configured for tenant 'alice' and for tenant 'bob'"),
+        ({"key_file": keys["alice"], "tenants": {"alice": {"key_file": keys["alice"]}}},
+         "configured for the default key and for tenant 'alice'"),
+        ({"tenants": {"alice": {"key_file": keys["alice"], "threads": 2}}}, "'threads' is set for the whole"),
+        ({"tenants": {"alice": {"key_env": "KVTIERS_NO_SUCH_VAR"}}}, r"tenants\['alice'\]: environment variable"),
+        ({"tenants": {"alice": "k"}}, "expects a key object"),
+        ({"tenants": {}}, "non-empty object"),
+        ({"tenants": {"": {"key_file": keys["alice"]}}}, "non-empty string"),
+        ({"key_id": "d", **_tenants(keys)}, "'key_id' belongs to a default key"),
+    ]
+    for spec, msg in bad:
+        with pytest.raises(ConfigError, match=msg) as e:
+            TenantKeys.from_spec(spec)
+        assert "\n" not in str(e.value)
+        for path in keys.values():
+            assert pathlib.Path(path).read_bytes().hex() not in str(e.value)
