@@ -132,12 +132,6 @@ class MissTable:
             self.unread[i] = unread
         self.until[i] = until
 
-    def add_many(self, keys: Sequence[bytes], until: float, unread: bool = False) -> None:
-        """:meth:`add` of each key."""
-        add = self.add
-        for k in keys:
-            add(k, until, unread)
-
     def pop(self, key: bytes, default: float | None = None) -> float | None:
         """Forget ``key``'s MISS (it is there, or unknown again); return its expiry, else ``default``."""
         return self.pop_fp(miss_fingerprint(key), default)
@@ -152,28 +146,6 @@ class MissTable:
         self.unread[i] = False
         self.count -= 1
         return until
-
-    def discard(self, key: bytes) -> None:
-        """Forget ``key``'s MISS, if any."""
-        self.pop(key)
-
-    def forget_where(self, known: Callable[[np.ndarray], np.ndarray]) -> int:
-        """Forget every entry whose fingerprint ``known(fps)`` (a bool array) marks; returns
-        how many (a vectorised pass over the entries in use)."""
-        used = np.flatnonzero(self.fp != _EMPTY)
-        if not len(used):
-            return 0
-        gone = used[known(self.fp[used])]
-        self.fp[gone] = _EMPTY
-        self.unread[gone] = False
-        self.count -= len(gone)
-        return len(gone)
-
-    def clear(self) -> None:
-        """Forget everything."""
-        self.fp[:] = _EMPTY
-        self.unread[:] = False
-        self.count = 0
 
     # -- the lookup ----------------------------------------------------------------------
     def answer(self, keys: Sequence[bytes], now: float) -> np.ndarray:

@@ -244,7 +244,9 @@ class Index:
             t.remove_slots(gone)
             self.placed = t.placed_count()
             self._cand = []
-            self.absent.forget_where(t.contains)  # listed keys are no MISSes
+            # (a remembered MISS of a key listed now is left alone: a key in the table answers
+            # HIT before the MISSes are asked, and a pass over 65,536 of them here would cost
+            # MiBs of temporaries on the scanner's thread every rescan)
             return len(gone)
 
     def load_table(self, table: KeyTable) -> None:
