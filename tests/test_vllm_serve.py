@@ -5,7 +5,8 @@ Server A (fs tier) answers a completion over HTTP; its /metrics has kvtiers' ser
 region in /dev/shm has no name while it runs (so nothing can be left behind), and it is
 stopped by a plain SIGTERM to its PID. Server B, a new process on the same fs root with a
 cold host arena, takes the prompt's prefix from the tier and answers the same tokens; it is
-killed with SIGKILL, and leaves nothing either.
+killed with SIGKILL, and leaves nothing either. B starts at the same time as A (a server
+starts in a minute here), and is asked nothing until A has stored the prefix and stopped.
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ class Server(ChildProcess):
         env = {**os.environ, **ENGINE_ENV, "KVTIERS_BUILD_DIR": str(ROOT / "build")}
         super().__init__(argv, name="kvtiers vllm serve", ready=http_answers(self.url + "/health"), env=env,
                          log=str(log), new_session=True, die_with_parent=True, stop_timeout=60)
+
+    def launch(self) -> None:
+        """Spawn the server without waiting for it to be ready (then :meth:`wait_ready`)."""
+        ready, self.ready = self.ready, None
+        try:
+            self.start()
+        finally:
+            self.ready = ready
 
     def complete(self, prompt: list[int], max_tokens: int = 8) -> list[int] | str:
         body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
@@ -121,9 +130,11 @@ def test_kvtiers_vllm_serve_fs_tier_metrics_and_no_shm_left(tmp_path) -> None:
     fs = {"type": "kvtiers_fs", "root_dir": str(tmp_path / "kv")}
     ktc = offload_config([fs], 64 << 20)
 
-    a = Server(model, ktc, tmp_path / "a.log")
+    a, b = Server(model, ktc, tmp_path / "a.log"), Server(model, ktc, tmp_path / "b.log")
     try:
-        a.start(timeout=900)
+        a.launch()
+        b.launch()  # its fs tier finds A's chunks by probing the root when asked for them
+        a.wait_ready(timeout=900)
         regions = offload_regions(a.group())
         assert regions and all(r.endswith(" (deleted)") for r in regions), regions  # in use, and nameless
         tokens_a = a.complete(PROMPT)
@@ -135,13 +146,10 @@ def test_kvtiers_vllm_serve_fs_tier_metrics_and_no_shm_left(tmp_path) -> None:
         os.kill(a.pid, signal.SIGTERM)  # a plain SIGTERM to the server's PID, as an operator sends
         a.proc.wait(timeout=120)
         a.wait_group_gone()
-    finally:
         a.kill()
-    assert not [r for r in regions if os.path.exists(r.removesuffix(" (deleted)"))]
+        assert not [r for r in regions if os.path.exists(r.removesuffix(" (deleted)"))]
 
-    b = Server(model, ktc, tmp_path / "b.log")
-    try:
-        b.start(timeout=900)
+        b.wait_ready(timeout=900)
         regions = offload_regions(b.group())
         tokens_b = b.complete(PROMPT)
         m = b.settled("kvtiers_tier_read_bytes_total")
@@ -151,5 +159,6 @@ def test_kvtiers_vllm_serve_fs_tier_metrics_and_no_shm_left(tmp_path) -> None:
         os.killpg(b.pid, signal.SIGKILL)  # no clean-up at all
         b.wait_group_gone()
     finally:
+        a.kill()
         b.kill()
     assert regions and not [r for r in regions if os.path.exists(r.removesuffix(" (deleted)"))]
