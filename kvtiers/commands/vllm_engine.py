@@ -12,7 +12,8 @@ With no ``model``, the tiny model of ``kvtiers.commands.tinymodel`` is made (onc
 with the options in ``"tiny_model"`` (e.g. ``{"layer_types": [...], "sliding_window": 256}``).
 ``runs`` (optional) lists rounds, each a list of prompt indices served in order, one request
 at a time (default: every prompt once); ``"reset"`` between rounds drops vLLM's device prefix
-cache, so the next round's prefixes must come from the offload tiers. One engine per process:
+cache, so the next round's prefixes must come from the offload tiers. ``cache_salts`` (optional):
+``{"prompt index": salt}``, each such prompt's requests sent with that ``cache_salt``. One engine per process:
 vLLM's CPU platform binds OpenMP threads at start-up, and a second engine in one process
 does not get its own.
 
@@ -178,7 +179,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             llm.reset_prefix_cache()
         for i in indices:
             w0 = time.perf_counter()
-            (out,) = llm.generate([{"prompt_token_ids": prompts[i]}], params, use_tqdm=False)
+            salt = (job.get("cache_salts") or {}).get(str(i))  # {"prompt index": salt}: vLLM's per-request cache_salt
+            (out,) = llm.generate([{"prompt_token_ids": prompts[i], **({"cache_salt": salt} if salt else {})}], params,
+                                  use_tqdm=False)
             wall = time.perf_counter() - w0
             after = _offload_counters(llm)
             offload = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}

@@ -32,6 +32,11 @@ of a key it does not know, which is every key of a new prompt). So the adapter a
 that answered RETRY again, every 0.2 ms, until it resolves or ``retry_wait_ms`` of this
 step's scheduler time is spent (default :data:`DEFAULT_RETRY_WAIT_MS`; 0: pass RETRY as is).
 The tier's own lookup stays non-blocking (rule 1); only this adapter waits.
+
+Tenants: a request's ``cache_salt`` is its tenant (:mod:`.tenant` carries it in the
+``ReqContext``). Before each lookup, store and promotion the adapter tells an encrypted tier
+whose keys they are (:func:`kvtiers.encryption_tenants.note_tenant`), so it seals and opens
+them with that tenant's key (docs/security.md#tenants); other tiers ignore it.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ...encryption_tenants import note_tenant
 from ...errors import ConfigError
 from ...metrics import TierObserver
 from ...registry import TierHandle, open_tier
@@ -66,6 +72,8 @@ from ..keys import tier_key
 from .compat import HAS_CONFIG_INFO, ConfigInfoMapping
 from .metrics import TierSeries, TierStats, metric_definitions, tier_series_definitions
 from .namespace import namespace_fields
+from .tenant import install as install_tenants
+from .tenant import tenant_of
 
 log = logging.getLogger("kvtiers.integrations.vllm")
 
@@ -168,6 +176,7 @@ class KvtiersTier(SecondaryTierManager):
             self._flat.release()
             raise
         self.kvtiers_name = name
+        install_tenants()  # requests' cache_salt reaches lookup and jobs as their tenant
         # kvtiers' own counting around the tier's hooks, reported as kvtiers_tier_* through get_stats
         observer = TierObserver(tier_type, None)
         self.handle.add_wrapper(observer, name="kvtiers-metrics")
@@ -207,6 +216,7 @@ class KvtiersTier(SecondaryTierManager):
         k = self._key(key)
         if k in self._failed_loads:
             return LookupResult.MISS
+        note_tenant(self.handle, (k,), tenant_of(req_context))
         t0 = time.perf_counter()
         try:
             (answer,) = self.handle.lookup([k])
@@ -266,6 +276,7 @@ class KvtiersTier(SecondaryTierManager):
         try:
             if self._closed:
                 raise RuntimeError("tier is shut down")
+            note_tenant(self.handle, keys, tenant_of(tj.req_context))
             submit(Job(tj.job_id, keys, tuple(int(c) for c in tj.chunk_ids)))
         except Exception as e:  # the tier did not accept the job: report it failed, as vLLM expects a result
             log.warning("kvtiers tier %r: job %d not accepted: %s: %s", self.kvtiers_name, tj.job_id,
