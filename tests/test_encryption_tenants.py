@@ -17,7 +17,7 @@ from test_manager import blocks_of, chunk_blocks, kv_caches, make_manager, poiso
 
 from kvtiers import ConfigError
 from kvtiers.encryption import HEADER, Keyring, read_header
-from kvtiers.encryption_tenants import TenantBook, TenantKeys, tenant_label
+from kvtiers.encryption_tenants import CONFLICT, TenantBook, TenantKeys, tenant_label
 
 pytest.importorskip("cryptography")
 
@@ -274,3 +274,15 @@ def test_tenant_configuration(keys):
         assert "\n" not in str(e.value)
         for path in keys.values():
             assert pathlib.Path(path).read_bytes().hex() not in str(e.value)
+
+
+def test_the_tenant_book_is_bounded_and_marks_conflicts():
+    book = TenantBook(capacity=3)
+    book.note([b"a", b"b", b"c"], "t")
+    book.note([b"a"], "t")  # noted again: the most recent
+    book.note([b"d"], "t")
+    assert len(book) == 3 and book.get(b"b") is None and book.get(b"a") == "t"
+    book.note([b"a"], "u")
+    assert book.get(b"a") is CONFLICT and book.conflicts == 1
+    book.note([b"a"], "t")  # stays a conflict
+    assert book.get(b"a") is CONFLICT and book.conflicts == 1
