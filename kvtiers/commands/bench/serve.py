@@ -12,6 +12,11 @@ requests (from the client's ``--save-result`` JSON); prompt tokens by source, pe
 hits and bytes, promotion allocation failures and lookup waits (from the server's /metrics
 before and after); the machine's load. After its cells each server answers a few fixed greedy
 prompts: their tokens must be the same under every configuration.
+
+``--workloads prefix,multi-turn`` also drives each server with vLLM's own multi-turn client
+(:mod:`.serve_multiturn`, a cell per number of conversations and concurrency);
+``--variant NAME=CONFIG:JSON`` adds a copy of a configuration with other spec options
+(:mod:`.serve_variants`), measured in the same interleaved rounds.
 """
 
 from __future__ import annotations
