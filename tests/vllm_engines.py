@@ -106,7 +106,7 @@ class EngineRuns:
     """The engine runs of several test modules, started at once in the background: each
     module's ``run_engines(workdir)`` in a thread of its own (its engines wait for a place in
     :data:`AT_ONCE`), in a new directory from ``workdir_for(module name)``. :meth:`result`
-    waits for a module's run and returns (or raises) what it did."""
+    waits for a module's run and returns (or raises) what it did (a skip included)."""
 
     def __init__(self, modules: Sequence[ModuleType], workdir_for: Callable[[str], Path]) -> None:
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(modules)), thread_name_prefix="vllm-runs")
