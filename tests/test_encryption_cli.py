@@ -90,6 +90,66 @@ def test_scan_and_rewrite_retired_chunks(tmp_path, capsys):
     assert rc == 0 and "k-new" in out and "current" in out and "retired" not in out
 
 
+def _store_as(root, enc: dict, keys: list[bytes], tenant: str) -> None:
+    from kvtiers.encryption_tenants import note_tenant
+
+    ctx = TierContext(Arena.allocate(len(keys), SLOT), Namespace({"model": "a"}))
+    for i, k in enumerate(keys):
+        ctx.arena[i][:] = (k * (SLOT // len(k) + 1))[:SLOT]
+    h = open_tier("fs", {"root_dir": str(root), "encrypt": enc}, ctx)
+    note_tenant(h, keys, tenant)
+    assert _job(h, "store", Job(1, tuple(keys), tuple(range(len(keys))))).ok
+    h.close()
+
+
+def test_scan_and_rewrite_tenant_keys(tmp_path, capsys):
+    """A tenant's chunks under its retired key are sealed again under its current key, as its
+    own (they load for it, not for another tenant); the output names tenants by label only."""
+    from kvtiers.encryption_tenants import note_tenant, tenant_label
+
+    root = tmp_path / "kv"
+    a_old, a_new, b = _key(tmp_path, "a-old"), _key(tmp_path, "a-new"), _key(tmp_path, "b")
+    before = {"tenants": {"alice-secret": {"key_file": a_old, "key_id": "a-1"},
+                          "bob-secret": {"key_file": b, "key_id": "b-1"}}}
+    a_keys, b_keys = [b"alice-%d" % i for i in range(5)], [b"bob-%d" % i for i in range(3)]
+    _store_as(root, before, a_keys, "alice-secret")
+    _store_as(root, before, b_keys, "bob-secret")
+    after = {"tenants": {"alice-secret": {"key_file": a_new, "key_id": "a-2",
+                                          "retired": [{"key_file": a_old, "key_id": "a-1"}]},
+                         "bob-secret": {"key_file": b, "key_id": "b-1"}}}
+    config = json.dumps({"root_dir": str(root), "encrypt": after})
+    alice, bob = tenant_label("alice-secret"), tenant_label("bob-secret")
+
+    rc, out, _ = _cli(capsys, "encrypt", "scan", "fs", "--config", config, "--json")
+    assert rc == 0
+    got = {(r["key_id"], r["status"], r["owner"]): r["chunks"] for r in json.loads(out)["rows"]}
+    assert got == {("a-1", "retired", alice): 5, ("b-1", "current", bob): 3}
+
+    rc, out, err = _cli(capsys, "encrypt", "rewrite", "fs", "--config", config, "--json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert rep["rewritten"] == 5 and rep["current"] == 3 and rep.get("failed", 0) == 0
+    assert rep["current_key_ids"] == {alice: "a-2", bob: "b-1"} and rep["current_key_id"] is None
+    assert "secret" not in out + err  # tenant names (vLLM: cache_salt values) are not printed
+    kids = sorted(read_header(p.read_bytes()[:HEADER.size])[0] for p in root.rglob("*.bin"))
+    assert kids == ["a-2"] * 5 + ["b-1"] * 3
+
+    only_new = {"tenants": {"alice-secret": {"key_file": a_new, "key_id": "a-2"},
+                            "mallory": {"key_file": b, "key_id": "b-1"}}}
+    for tenant, ok in (("alice-secret", True), ("mallory", False)):
+        ctx = TierContext(Arena.allocate(5, SLOT), Namespace({"model": "a"}))
+        h = open_tier("fs", {"root_dir": str(root), "encrypt": only_new}, ctx)
+        note_tenant(h, a_keys, tenant)
+        r = _job(h, "load", Job(2, tuple(a_keys), tuple(range(5))))
+        h.close()
+        assert r.ok is ok, (tenant, r.error)
+        if ok:
+            assert all(bytes(ctx.arena[i]) == (k * (SLOT // len(k) + 1))[:SLOT] for i, k in enumerate(a_keys))
+
+    rc, out, _ = _cli(capsys, "encrypt", "scan", "fs", "--config", config)
+    assert rc == 0 and "retired" not in out and alice in out and "secret" not in out
+
+
 def test_rewrite_needs_keys_and_a_directory(tmp_path, capsys):
     rc, _, err = _cli(capsys, "encrypt", "rewrite", "fs", "--config", json.dumps({"root_dir": str(tmp_path)}))
     assert rc == 2 and "rewrite needs the tier's 'encrypt' option" in err

@@ -83,18 +83,20 @@ def namespaces(dirs: list[str]) -> dict[str, dict[str, Any]]:
 
 def _setup(tier_type: str, config_text: str | None, config_file: str | None,
            need_keys: bool) -> tuple[dict[str, Any], list[str], Any]:
+    """The tier's options, its directories and its keys (a :class:`TenantKeys`, or None
+    without ``encrypt``)."""
     from ..config import parse_json_option
-    from ..encryption import Keyring
+    from ..encryption_tenants import TenantKeys
     from ..registry import get_registry
 
     options = parse_json_option(config_text, config_file)
     options.pop("type", None)
     get_registry().tier_info(tier_type)
     spec = options.get("encrypt")
-    keyring = None
+    keys = None
     if spec is not None:
         try:
-            keyring = Keyring.from_spec(spec, providers=get_registry().key_providers())
+            keys = TenantKeys.from_spec(spec, providers=get_registry().key_providers())
         except ConfigError as e:
             raise ConfigError(f"tier {tier_type!r}: {e}") from None
     elif need_keys:
@@ -103,15 +105,42 @@ def _setup(tier_type: str, config_text: str | None, config_file: str | None,
     if not dirs:
         raise ConfigError(f"tier {tier_type!r}: its options name no existing directory: 'kvtiers encrypt' "
                           "reads tiers that keep a file per chunk under one (fs)")
-    return options, dirs, keyring
+    return options, dirs, keys
 
 
-def _status(kid: str, keyring: Any) -> str:
-    if keyring is None:
-        return "-"
-    if kid == keyring.current:
-        return "current"
-    return "retired" if kid in keyring.specs else "not configured"
+@dataclass(frozen=True)
+class Owner:
+    """Whose a key id is: the default key (``tenant`` None) or a tenant's, and its status."""
+
+    status: str  # "current", "retired", "not configured" or "-" (no keys given)
+    tenant: str | None = None
+
+    @property
+    def label(self) -> str:
+        """``default``, a tenant's label (``t-`` and 12 hex digits, never its name), or ``-``."""
+        from ..encryption_tenants import tenant_label
+
+        if self.status in ("-", "not configured"):
+            return "-"
+        return "default" if self.tenant is None else tenant_label(self.tenant)
+
+
+def _owner(kid: str, keys: Any) -> Owner:
+    if keys is None:
+        return Owner("-")
+    rings = ([(None, keys.default)] if keys.default is not None else []) + list(keys.tenants.items())
+    for tenant, kr in rings:
+        if kid in kr.specs:
+            return Owner("current" if kid == kr.current else "retired", tenant)
+    return Owner("not configured")
+
+
+def _current_ids(keys: Any) -> dict[str, str]:
+    """Owner label -> its current key id."""
+    out = {"default": keys.default.current} if keys.default is not None else {}
+    for tenant, kr in keys.tenants.items():
+        out[Owner("current", tenant).label] = kr.current
+    return out
 
 
 @click.group()
@@ -137,21 +166,26 @@ def _with_config(fn):
 @_with_config
 def scan(tier_type: str, config_text: str | None, config_file: str | None, as_json: bool) -> None:
     """Count the sealed chunks under TYPE's directories by namespace and key id, and say
-    which key ids are current, retired or not configured (with 'encrypt' in --config)."""
-    _options, dirs, keyring = _setup(tier_type, config_text, config_file, need_keys=False)
+    which key ids are current, retired or not configured, and whose (the default key, or a
+    tenant by its label), with 'encrypt' in --config."""
+    _options, dirs, keys = _setup(tier_type, config_text, config_file, need_keys=False)
     counts: Counter[tuple[str, str]] = Counter()
     sizes: Counter[tuple[str, str]] = Counter()
     for f in sealed_files(dirs):
         counts[f.digest, f.key_id] += 1
         sizes[f.digest, f.key_id] += f.payload
-    rows = [{"namespace": ns, "key_id": kid, "status": _status(kid, keyring), "chunks": n,
-             "bytes": sizes[ns, kid]} for (ns, kid), n in sorted(counts.items())]
+    rows = []
+    for (ns, kid), n in sorted(counts.items()):
+        who = _owner(kid, keys)
+        rows.append({"namespace": ns, "key_id": kid, "status": who.status, "owner": who.label, "chunks": n,
+                     "bytes": sizes[ns, kid]})
     if as_json:
         click.echo(json.dumps({"tier": tier_type, "dirs": dirs, "rows": rows}, indent=1))
         return
-    click.echo(f"{'namespace':<18} {'key id':<34} {'status':<15} {'chunks':>8} {'bytes':>14}")
+    click.echo(f"{'namespace':<18} {'key id':<34} {'status':<15} {'owner':<15} {'chunks':>8} {'bytes':>14}")
     for r in rows:
-        click.echo(f"{r['namespace']:<18} {r['key_id']:<34} {r['status']:<15} {r['chunks']:>8} {r['bytes']:>14}")
+        click.echo(f"{r['namespace']:<18} {r['key_id']:<34} {r['status']:<15} {r['owner']:<15} {r['chunks']:>8} "
+                   f"{r['bytes']:>14}")
     if not rows:
         click.echo(f"no sealed chunks under {', '.join(dirs)}")
 
@@ -159,33 +193,36 @@ def scan(tier_type: str, config_text: str | None, config_file: str | None, as_js
 @encrypt.command()
 @_with_config
 def rewrite(tier_type: str, config_text: str | None, config_file: str | None, as_json: bool) -> None:
-    """Seal every chunk under a retired key (in 'encrypt': 'retired') again under the current
-    key: load it through TYPE, remove its file, store it again. Chunks under key ids that are
-    not configured are counted, never touched."""
-    options, dirs, keyring = _setup(tier_type, config_text, config_file, need_keys=True)
+    """Seal every chunk under a retired key (in 'encrypt': 'retired', or a tenant's) again
+    under its owner's current key: load it through TYPE, remove its file, store it again (a
+    tenant's chunks as that tenant's). Chunks under key ids that are not configured are
+    counted, never touched."""
+    options, dirs, keys = _setup(tier_type, config_text, config_file, need_keys=True)
     ns_fields = namespaces(dirs)
-    todo: dict[tuple[str, int], list[SealedFile]] = defaultdict(list)
+    todo: dict[tuple[str, int, str | None], list[SealedFile]] = defaultdict(list)
     report: Counter[str] = Counter()
     for f in sealed_files(dirs):
-        st = _status(f.key_id, keyring)
-        if st == "current":
+        who = _owner(f.key_id, keys)
+        if who.status == "current":
             report["current"] += 1
-        elif st == "retired":
-            todo[f.digest, f.payload].append(f)
+        elif who.status == "retired":
+            todo[f.digest, f.payload, who.tenant].append(f)
         else:
             report["not_configured"] += 1
-    for (digest, payload), files in sorted(todo.items()):
+    for (digest, payload, tenant), files in sorted(todo.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or "")):
         fields = ns_fields.get(digest)
         if fields is None:
             report["no_namespace"] += len(files)
             click.echo(f"namespace {digest}: no config.json describes it; {len(files)} chunk(s) left", err=True)
             continue
-        _rewrite(tier_type, options, fields, payload, files, report)
-    out = {"tier": tier_type, "current_key_id": keyring.current, **dict(report)}
+        _rewrite(tier_type, options, fields, payload, files, report, tenant)
+    current = _current_ids(keys)
+    out = {"tier": tier_type, "current_key_id": current.get("default"), "current_key_ids": current, **dict(report)}
     if as_json:
         click.echo(json.dumps(out, indent=1))
     else:
-        click.echo(f"rewritten {report['rewritten']} chunk(s) under key id {keyring.current!r}; "
+        ids = ", ".join(f"{who} {kid!r}" for who, kid in current.items())
+        click.echo(f"rewritten {report['rewritten']} chunk(s) under the current key ids ({ids}); "
                    f"already current {report['current']}; failed {report['failed']}; "
                    f"not configured {report['not_configured']}; no namespace {report['no_namespace']}")
     if report["failed"]:
@@ -193,17 +230,21 @@ def rewrite(tier_type: str, config_text: str | None, config_file: str | None, as
 
 
 def _rewrite(tier_type: str, options: dict[str, Any], fields: dict[str, Any], slot_bytes: int,
-             files: list[SealedFile], report: Counter[str]) -> None:
-    """Load, remove, store again: ``files`` (one namespace, one slot size) in batches."""
+             files: list[SealedFile], report: Counter[str], tenant: str | None = None) -> None:
+    """Load, remove, store again: ``files`` (one namespace, one slot size, one owner:
+    ``tenant``, None for the default key) in batches."""
+    from ..encryption_tenants import note_tenant
     from ..integrations.blocking import BlockingTier
     from ..registry import open_tier
     from ..types import Arena, Namespace, TierContext
 
     ctx = TierContext(Arena.allocate(BATCH, slot_bytes), Namespace(fields))
-    tier = BlockingTier(open_tier(tier_type, options, ctx))
+    handle = open_tier(tier_type, options, ctx)
+    tier = BlockingTier(handle)
     try:
         for i in range(0, len(files), BATCH):
             part = files[i:i + BATCH]
+            note_tenant(handle, [f.key for f in part], tenant)
             r = tier.run("load", [f.key for f in part], range(len(part)))
             ok = [(s, f) for s, f in enumerate(part) if f.key not in r.failed_keys]
             report["failed"] += len(part) - len(ok)
