@@ -84,7 +84,7 @@ def test_a_prefix_held_only_by_the_fs_tier_is_hit_in_the_step_that_asks(tmp_path
     data = bytes(range(256)) * (ROW // 256)
     _store(str(tmp_path), keys, data)
     extra = PATIENT if wait_ms is None else {"kvtiers_promotion_wait_ms": wait_ms}
-    m = lookup_wait.make_manager(str(tmp_path), 32, {}, extra)  # a new engine: its host arena is empty
+    m = lookup_wait.make_manager(str(tmp_path), 32, PATIENT_TIER, extra)  # a new engine: its host arena is empty
     try:
         ctx = _ctx("r", keys)
         m.on_new_request(ctx)

@@ -30,7 +30,8 @@ A RETRY defers the request a whole engine step (vLLM asks again only in its next
 while a tier resolves most of them in well under a millisecond (the fs tier's ``stat`` probe
 of a key it does not know, which is every key of a new prompt). So the adapter asks a key
 that answered RETRY again, every 0.2 ms, until it resolves or ``retry_wait_ms`` of this
-step's scheduler time is spent (default :data:`DEFAULT_RETRY_WAIT_MS`; 0: pass RETRY as is).
+step's scheduler time is spent (default :data:`DEFAULT_RETRY_WAIT_MS`, 0: pass RETRY as is; it blocks
+the scheduler, see :mod:`.promotion_wait` for why the waits are off by default).
 The tier's own lookup stays non-blocking (rule 1); only this adapter waits.
 
 Tenants: a request's ``cache_salt`` is its tenant (:mod:`.tenant` carries it in the
@@ -80,7 +81,7 @@ log = logging.getLogger("kvtiers.integrations.vllm")
 _ANSWER = {Lookup.HIT: LookupResult.HIT, Lookup.MISS: LookupResult.MISS, Lookup.RETRY: LookupResult.RETRY}
 _DRAIN_WARN_S = 10.0
 #: scheduler milliseconds per step the adapter spends asking RETRY keys again, by default
-DEFAULT_RETRY_WAIT_MS = 5.0
+DEFAULT_RETRY_WAIT_MS = 0.0
 _RETRY_POLL_S = 0.0002
 #: vLLM medium of a kvtiers tier, for vLLM's load filters and cache-hit sources; others are STORAGE
 MEDIUM = {"memory": Medium.CPU, "p2p": Medium.CPU}
