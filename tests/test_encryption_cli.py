@@ -91,7 +91,7 @@ def test_scan_and_rewrite_retired_chunks(tmp_path, capsys):
 
 
 def _store_as(root, enc: dict, keys: list[bytes], tenant: str) -> None:
-    from kvtiers.encryption_tenants import note_tenant
+    from kvtiers.encryption.tenants import note_tenant
 
     ctx = TierContext(Arena.allocate(len(keys), SLOT), Namespace({"model": "a"}))
     for i, k in enumerate(keys):
@@ -105,7 +105,7 @@ def _store_as(root, enc: dict, keys: list[bytes], tenant: str) -> None:
 def test_scan_and_rewrite_tenant_keys(tmp_path, capsys):
     """A tenant's chunks under its retired key are sealed again under its current key, as its
     own (they load for it, not for another tenant); the output names tenants by label only."""
-    from kvtiers.encryption_tenants import note_tenant, tenant_label
+    from kvtiers.encryption.tenants import note_tenant, tenant_label
 
     root = tmp_path / "kv"
     a_old, a_new, b = _key(tmp_path, "a-old"), _key(tmp_path, "a-new"), _key(tmp_path, "b")

@@ -1,4 +1,4 @@
-"""Tenant keys (kvtiers.encryption_tenants, docs/security.md#tenants), through the tiering
+"""Tenant keys (kvtiers.encryption.tenants, docs/security.md#tenants), through the tiering
 manager on real fs tiers: each tenant's chunks sealed under its own key and bound to it; a
 tenant without a key not offloaded (counted); a chunk moved between tenants' files on disk
 fails authentication; tenant names and keys stay out of logs and errors."""
@@ -17,7 +17,7 @@ from test_manager import blocks_of, chunk_blocks, kv_caches, make_manager, poiso
 
 from kvtiers import ConfigError
 from kvtiers.encryption import HEADER, Keyring, read_header
-from kvtiers.encryption_tenants import CONFLICT, TenantBook, TenantKeys, tenant_label
+from kvtiers.encryption.tenants import CONFLICT, TenantBook, TenantKeys, tenant_label
 
 pytest.importorskip("cryptography")
 

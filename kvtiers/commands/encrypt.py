@@ -86,7 +86,7 @@ def _setup(tier_type: str, config_text: str | None, config_file: str | None,
     """The tier's options, its directories and its keys (a :class:`TenantKeys`, or None
     without ``encrypt``)."""
     from ..config import parse_json_option
-    from ..encryption_tenants import TenantKeys
+    from ..encryption.tenants import TenantKeys
     from ..registry import get_registry
 
     options = parse_json_option(config_text, config_file)
@@ -118,7 +118,7 @@ class Owner:
     @property
     def label(self) -> str:
         """``default``, a tenant's label (``t-`` and 12 hex digits, never its name), or ``-``."""
-        from ..encryption_tenants import tenant_label
+        from ..encryption.tenants import tenant_label
 
         if self.status in ("-", "not configured"):
             return "-"
@@ -233,7 +233,7 @@ def _rewrite(tier_type: str, options: dict[str, Any], fields: dict[str, Any], sl
              files: list[SealedFile], report: Counter[str], tenant: str | None = None) -> None:
     """Load, remove, store again: ``files`` (one namespace, one slot size, one owner:
     ``tenant``, None for the default key) in batches."""
-    from ..encryption_tenants import note_tenant
+    from ..encryption.tenants import note_tenant
     from ..integrations.blocking import BlockingTier
     from ..registry import open_tier
     from ..types import Arena, Namespace, TierContext

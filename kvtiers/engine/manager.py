@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..encryption_tenants import check_tenant, note_tenant
+from ..encryption.tenants import check_tenant, note_tenant
 from ..registry import TierHandle, open_tier
 from ..types import Arena, Namespace, TierContext, check_keys
 from .build import build_from_config
@@ -286,7 +286,7 @@ class TieringManager:
         return tr.tid
 
     def _note_tenant(self, keys: tuple[bytes, ...], tenant: str | None) -> None:
-        """Tell every encrypted tier that ``keys`` are ``tenant``'s (kvtiers.encryption_tenants)."""
+        """Tell every encrypted tier that ``keys`` are ``tenant``'s (kvtiers.encryption.tenants)."""
         if check_tenant(tenant) is None:
             return
         for tier in self._tiers.tiers:

@@ -30,7 +30,7 @@ class Tenant:
     name: str
 
     def __repr__(self) -> str:  # a cache_salt is a secret of its tenant's: never printed
-        from ...encryption_tenants import tenant_label
+        from ...encryption.tenants import tenant_label
 
         return f"Tenant({tenant_label(self.name)})"
 

@@ -36,7 +36,7 @@ The tier's own lookup stays non-blocking (rule 1); only this adapter waits.
 
 Tenants: a request's ``cache_salt`` is its tenant (:mod:`.tenant` carries it in the
 ``ReqContext``). Before each lookup, store and promotion the adapter tells an encrypted tier
-whose keys they are (:func:`kvtiers.encryption_tenants.note_tenant`), so it seals and opens
+whose keys they are (:func:`kvtiers.encryption.tenants.note_tenant`), so it seals and opens
 them with that tenant's key (docs/security.md#tenants); other tiers ignore it.
 """
 
@@ -63,7 +63,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ...encryption_tenants import note_tenant
+from ...encryption.tenants import note_tenant
 from ...errors import ConfigError
 from ...metrics import TierObserver
 from ...registry import TierHandle, open_tier

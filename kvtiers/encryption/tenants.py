@@ -28,10 +28,10 @@ import hashlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from .encryption import Keyring
+    from .keys import Keyring
 
 #: the fields of ``"encrypt"`` this module reads
 TENANT_FIELDS = ("tenants", "unknown_tenant")
@@ -100,7 +100,7 @@ class TenantKeys:
         """Load the keys of an ``"encrypt"`` object: the default key (``key_file``,
         ``key_env`` or ``provider``, optional once ``tenants`` is given) and each tenant's.
         A one-line :class:`ConfigError` for anything wrong, never quoting key material."""
-        from .encryption import _KEY_FIELDS, Keyring
+        from .keys import _KEY_FIELDS, Keyring
 
         if not isinstance(spec, Mapping):
             raise ConfigError(f"encrypt: expects an object, got {type(spec).__name__}")
@@ -133,7 +133,7 @@ class TenantKeys:
 
 
 def _tenant_keyring(name: Any, entry: Any, providers: Mapping[str, Callable[[dict], bytes]] | None) -> Keyring:
-    from .encryption import Keyring
+    from .keys import Keyring
 
     if not isinstance(name, str) or not name:
         raise ConfigError(f"encrypt: tenants: a tenant name must be a non-empty string, got {name!r}")
