@@ -43,6 +43,7 @@ LOOKUP_BATCH = 1024
 WINDOW = 64  #: requests in flight per peer (GETs also within the server's max_inflight)
 ZERO_COPY_MIN = 256 << 10  #: a PUT's chunk this big is sent from its slot (zero-copy), smaller ones copied
 UNSENT_GRACE_S = 1.0  #: a failed PUT whose chunk ZMQ still holds this long resets the peer's socket
+HELLO_RETRY_S = (0.1, 1.0)  #: a refused HELLO is said again on the same connection after this, doubling to the max
 
 
 @dataclass
@@ -110,6 +111,8 @@ class Peer:
         self.gets = 0
         self.connected = False
         self.hello_rid: int | None = None
+        self.retry_at = 0.0  # refused: when to say HELLO again on this connection
+        self.backoff = HELLO_RETRY_S[0]
         self.nixl = True  # ask it for NIXL loads (with a NIXL client); False once it said it serves none
 
 
@@ -412,10 +415,11 @@ class PeerClient:
     # -- sending -------------------------------------------------------------------------
     def _pump(self, peer: Peer) -> None:
         if not peer.ready:
-            if peer.error is not None:
-                self._fail_peer(peer, peer.error, queued=True)
-            elif peer.connected and peer.hello_rid is None and peer.sock is not None:
-                self._hello(peer)  # the first try found no pipe yet, or timed out
+            if peer.error is not None:  # refused: what waits for the peer fails with the refusal ...
+                self._fail_waiting(peer, peer.error)
+            if peer.connected and peer.hello_rid is None and peer.sock is not None \
+                    and time.monotonic() >= peer.retry_at:
+                self._hello(peer)  # ... and HELLO is said again: the first try found no pipe, timed out or was refused
             return
         while peer.queue and len(peer.inflight) < WINDOW:
             req = peer.queue[0]
@@ -596,6 +600,7 @@ class PeerClient:
             mi = body.get("max_inflight")
             peer.max_inflight = mi if type(mi) is int and mi > 0 else 1
             peer.error = None
+            peer.backoff = HELLO_RETRY_S[0]
             peer.ready = True
         elif req.kind == "lookup":
             if not isinstance(body, bytes) or len(body) != len(req.keys):
@@ -617,10 +622,14 @@ class PeerClient:
         if req.kind == "hello" and code == P.E_NONIXL and peer.nixl and self.nx is not None and self.nixl_fallback:
             self._without_nixl(peer, msg)
             return
-        if req.kind == "hello":
-            peer.error = f"peer {peer.url} refused the handshake: {msg}"
-            log.warning("p2p: %s", peer.error)
-            self._fail_peer(peer, peer.error, queued=True)
+        if req.kind == "hello":  # jobs for the peer fail with the refusal until a HELLO is answered OK
+            error = f"peer {peer.url} refused the handshake: {msg}"
+            if error != peer.error:
+                log.warning("p2p: %s", error)
+            peer.error = error
+            peer.retry_at = time.monotonic() + peer.backoff  # a full server may have room by then
+            peer.backoff = min(peer.backoff * 2, HELLO_RETRY_S[1])
+            self._fail_peer(peer, error, queued=True)
             return
         if code == P.E_HELLO:  # the server forgot us (idle, restart): handshake again, retry
             peer.ready = False
@@ -708,6 +717,17 @@ class PeerClient:
         if queued:
             reqs += list(peer.queue)
             peer.queue.clear()
+        for req in reqs:
+            self._fail_request(peer, req, why)
+
+    def _fail_waiting(self, peer: Peer, why: str) -> None:
+        """Fail what is queued for a peer that refused us, and what is in flight to it, but
+        its HELLO: the answer to that one may let us in."""
+        reqs = [r for r in peer.inflight.values() if r.rid != peer.hello_rid]
+        for req in reqs:
+            self._end(peer, req)
+        reqs += list(peer.queue)
+        peer.queue.clear()
         for req in reqs:
             self._fail_request(peer, req, why)
 
