@@ -3,17 +3,17 @@
 vLLM passes tiers the model argument as given (``./models/llama``, ``/srv/llama``,
 ``org/llama``). Two engines serving the same checkpoint from two paths, or by name and by
 path, compute the same KV bytes for the same tokens, so they should share a cache; two
-checkpoints with the same config but other weights must not. :func:`model_identity` reads,
-cheaply (no full pass over the weights):
+checkpoints with the same config but other weights, in any byte, must not (one would load the
+other's KV and answer wrong tokens). :func:`model_identity` covers every byte:
 
 - ``config.json``, parsed, without the keys that name where it was loaded from
   (``_name_or_path``, ``_commit_hash``, ``transformers_version``);
 - for each weight file (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf``): its name,
-  its size, and :data:`SAMPLES` pages of 4 KiB read at fixed offsets spread over the file;
-  for a safetensors file also its header (tensor names, dtypes, shapes, offsets) and the
-  first 256 bytes of every tensor (of at most 4096 per file, evenly spread), so checkpoints of
-  one architecture whose weights differ (a fine-tune, even of a few layers) differ: a few MB
-  read per model, whatever its size.
+  its size and a digest of all its bytes. In a Hugging Face cache, where a snapshot's file is a
+  link to ``../../blobs/<sha256 of its content>``, that is the blob's name (nothing read);
+  elsewhere one xxh3-128 pass over the file, remembered in a small cache file
+  (:func:`digest_cache_path`) under the file's device, inode, size, mtime and ctime, so the next
+  engine start reads nothing again until the file changes.
 
 A Hugging Face repository id is resolved through the local Hugging Face cache (vLLM has
 downloaded it there before any tier starts), when the cache holds exactly one snapshot of it.
@@ -23,24 +23,26 @@ Where the model cannot be read (a remote loader, several cached revisions), the 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
-import struct
+import os
+import re
+import tempfile
 from pathlib import Path
+
+import xxhash
 
 log = logging.getLogger("kvtiers.integrations.vllm")
 
-__all__ = ["SAMPLES", "model_identity", "resolve_model_dir"]
+__all__ = ["digest_cache_path", "file_digest", "model_identity", "resolve_model_dir"]
 
-#: pages of 4 KiB read from each weight file, evenly spread from its first byte to its last
-SAMPLES = 16
-_PAGE = 4096
-_TENSOR_BYTES = 256  # read from the start of each tensor
-_TENSORS = 4096  # tensors sampled per file at most (evenly), for MoE checkpoints of 100k tensors
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _NOT_IDENTITY = ("_name_or_path", "_commit_hash", "transformers_version")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_READ = 16 << 20  # bytes per read of the xxh3 pass
+_CACHE_ENTRIES = 4096  # digests the cache file keeps (the newest)
+_CACHE_VERSION = 1
 
 
 def resolve_model_dir(name: str) -> Path | None:
@@ -63,63 +65,130 @@ def resolve_model_dir(name: str) -> Path | None:
     return found[0].resolve() if len(found) == 1 else None
 
 
-def _weight_digest(path: Path, h: hashlib._Hash) -> None:
-    """Name, size, safetensors header and sampled pages of one weight file, into ``h``."""
-    size = path.stat().st_size
-    h.update(f"{path.name}\0{size}\0".encode())
-    with open(path, "rb") as f:
-        if path.suffix == ".safetensors" and size >= 8:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n <= min(size - 8, 1 << 28):
-                header = f.read(n)
-                h.update(hashlib.sha256(header).digest())
-                starts = sorted({int(t["data_offsets"][0]) for name, t in json.loads(header).items()
-                                 if name != "__metadata__" and isinstance(t, dict) and "data_offsets" in t})
-                step = max(1, len(starts) // _TENSORS)
-                for start in starts[::step]:  # the first bytes of every tensor (of at most _TENSORS per file)
-                    f.seek(8 + n + start)
-                    h.update(f.read(_TENSOR_BYTES))
-        last = max(size - _PAGE, 0)
-        for i in range(SAMPLES):
-            f.seek(last * i // max(SAMPLES - 1, 1))
-            h.update(f.read(_PAGE))
+def digest_cache_path() -> Path:
+    """The file that remembers weight files' xxh3 digests: ``$XDG_CACHE_HOME/kvtiers/weight-digests.json``
+    (``~/.cache`` without ``XDG_CACHE_HOME``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvtiers" / "weight-digests.json"
 
 
-@functools.lru_cache(maxsize=16)
-def _identity(where: str, stamp: tuple) -> str | None:
-    p = Path(where)
-    h = hashlib.sha256(b"kvtiers-model-identity-1\0")
+def _stamp(st: os.stat_result) -> str:
+    """What must not change for a remembered digest to hold: device, inode, size, mtime and
+    ctime (ctime too: a rewrite that puts the old mtime back still moves it)."""
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def _hf_blob(path: Path) -> str | None:
+    """The sha256 a Hugging Face cache names ``path``'s content by, if ``path`` is a snapshot's
+    link ``<repo>/snapshots/<rev>/<file> -> <repo>/blobs/<sha256>``; else None."""
+    if not path.is_symlink():
+        return None
+    target = path.resolve()
+    repo = path.parent.parent.parent
+    if (_SHA256.fullmatch(target.name) and target.parent.name == "blobs" and path.parent.parent.name == "snapshots"
+            and target.parent.parent == repo.resolve()):
+        return target.name
+    return None
+
+
+class _DigestCache:
+    """The cache file's ``{stamp: xxh3 digest}``, read once per identity and written back
+    (whole, by rename) when it gained entries; a damaged or unreadable file counts as empty,
+    and one that cannot be written only costs the next start a pass."""
+
+    def __init__(self) -> None:
+        self.path = digest_cache_path()
+        self.entries: dict[str, str] = {}
+        self.added = False
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(data, dict) and data.get("version") == _CACHE_VERSION and isinstance(data.get("files"), dict):
+            self.entries = {k: v for k, v in data["files"].items() if isinstance(k, str) and isinstance(v, str)}
+
+    def get(self, stamp: str) -> str | None:
+        return self.entries.get(stamp)
+
+    def put(self, stamp: str, digest: str) -> None:
+        self.entries.pop(stamp, None)
+        self.entries[stamp] = digest
+        self.added = True
+
+    def save(self) -> None:
+        if not self.added:
+            return
+        keep = dict(list(self.entries.items())[-_CACHE_ENTRIES:])
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".weight-digests-")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"version": _CACHE_VERSION, "files": keep}, f)
+                os.replace(tmp, self.path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as e:
+            log.info("kvtiers: could not write the weight digest cache %s (%s): the next start reads the weights again",
+                     self.path, e)
+
+
+def file_digest(path: Path, cache: _DigestCache | None = None) -> str:
+    """A digest of every byte of file ``path``: ``sha256:<hex>`` from a Hugging Face cache's
+    blob name, else ``xxh3:<hex>`` from one pass over it (remembered in ``cache``)."""
+    blob = _hf_blob(path)
+    if blob is not None:
+        return f"sha256:{blob}"
+    with open(path, "rb", buffering=0) as f:
+        before = _stamp(os.fstat(f.fileno()))
+        if cache is not None and (known := cache.get(before)) is not None:
+            return known
+        h = xxhash.xxh3_128()
+        buf = bytearray(_READ)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+        digest = f"xxh3:{h.hexdigest()}"
+        if cache is not None and _stamp(os.fstat(f.fileno())) == before:  # not written to meanwhile
+            cache.put(before, digest)
+    return digest
+
+
+def _identity(p: Path, cache: _DigestCache) -> str | None:
+    h = hashlib.sha256(b"kvtiers-model-identity-2\0")
     if p.is_file():
-        _weight_digest(p, h)
-        return h.hexdigest()[:32]
-    cfg_file = p / "config.json"
-    if not cfg_file.is_file():
-        return None
-    cfg = json.loads(cfg_file.read_text())
-    if not isinstance(cfg, dict):
-        return None
-    for k in _NOT_IDENTITY:
-        cfg.pop(k, None)
-    h.update(json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode())
-    weights = sorted(q for q in p.iterdir() if q.suffix in _WEIGHTS and q.is_file())
-    if not weights:
-        return None
+        weights = [p]
+    else:
+        cfg_file = p / "config.json"
+        if not cfg_file.is_file():
+            return None
+        cfg = json.loads(cfg_file.read_text())
+        if not isinstance(cfg, dict):
+            return None
+        for k in _NOT_IDENTITY:
+            cfg.pop(k, None)
+        h.update(json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode())
+        weights = sorted(q for q in p.iterdir() if q.suffix in _WEIGHTS and q.is_file())
+        if not weights:
+            return None
     for q in weights:
-        _weight_digest(q, h)
+        h.update(f"{q.name}\0{q.stat().st_size}\0{file_digest(q, cache)}\0".encode())
     return h.hexdigest()[:32]
 
 
 def model_identity(name: str) -> str | None:
-    """``sha256:<32 hex digits>`` of model ``name``'s config and weights (see the module), or
-    None where they cannot be read here (then the namespace keeps ``name``)."""
+    """``sha256:<32 hex digits>`` of model ``name``'s config and every byte of its weights (see
+    the module), or None where they cannot be read here (then the namespace keeps ``name``)."""
     where = resolve_model_dir(name)
     if where is None:
         return None
+    cache = _DigestCache()
     try:
-        entries = [where] if where.is_file() else sorted(where.iterdir())
-        stamp = tuple((q.name, q.stat().st_size, q.stat().st_mtime_ns) for q in entries if q.is_file())
-        digest = _identity(str(where), stamp)
+        digest = _identity(where, cache)
     except (OSError, ValueError) as e:
         log.warning("kvtiers: could not read model %r for its identity (%s): the namespace keeps the name", name, e)
         return None
+    finally:
+        cache.save()
     return None if digest is None else f"sha256:{digest}"
