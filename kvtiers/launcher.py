@@ -10,13 +10,20 @@ server in its ``conformance_config`` all go through :class:`ChildProcess`::
     srv.stop()  # SIGTERM by its own PID, SIGKILL after a grace period
 
 ``start`` spawns the process and polls its ``ready`` check until that returns something
-truthy (kept as :attr:`~ChildProcess.ready_value`); a child that exits first, or is not
-ready in time (it is killed then), raises :class:`LaunchError` with the last line of its log.
+truthy (kept as :attr:`~ChildProcess.ready_value`); a child that exits first, is not ready in
+time, or whose ready check raises, raises :class:`LaunchError` with the last line of its log
+(the child and, with ``new_session``, every process of its group are killed then).
 Its stdout and stderr go to ``log``: a path (appended to), an open file, ``subprocess.DEVNULL``,
 or by default an unnamed temporary file (nothing left on disk) that :meth:`~ChildProcess.log_tail`
 reads. Every child still running when this process exits is killed (SIGKILL by PID, its
 process group with ``new_session``); ``die_with_parent`` also has the kernel kill it when this
-process dies without running exit handlers. No torch, no command here.
+process dies without running exit handlers.
+
+With ``new_session`` the child leads a process group, and the group is what is signalled, also
+once the leader has exited (a server that crashed, or exited before it was ready, leaving
+helpers it started): the leader is left a zombie until :meth:`~ChildProcess.stop` or
+:meth:`~ChildProcess.kill` reaps it, so its process group id cannot belong to anyone else
+meanwhile, and it is reaped only after its group was sent SIGKILL. No torch, no command here.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ _TAIL_BYTES = 8192
 
 
 class LaunchError(TierError):
-    """A child process exited before it was ready, or was not ready in time (it was killed).
+    """A child process exited before it was ready, was not ready in time, or its ready check
+    failed (it was killed).
     A :class:`~kvtiers.TierError`: the ``kvtiers`` command reports it in one line."""
 
 
@@ -81,6 +89,7 @@ class ChildProcess:
         self.ready_value: Any = None
         self._log_file: IO | None = None  # a file this object opened (and closes)
         self._tail = b""  # the log's last bytes, kept when its file is closed
+        self._reaped = False  # the leader reaped here (its group killed first): nothing more to signal
 
     # -- starting ---------------------------------------------------------------------
 
@@ -105,27 +114,34 @@ class ChildProcess:
         except OSError as e:
             self._close_log()
             raise LaunchError(f"{self.name}: cannot run {argv[0]!r}: {e}") from None
+        self._reaped = False
         _running.append(self)
         self.wait_ready(timeout)
         return self
 
     def wait_ready(self, timeout: float = 30.0) -> Any:
         """Poll the ``ready`` check until it returns something truthy, and return that (also
-        kept as ``ready_value``). Raises :class:`LaunchError` if the process exits first, or
-        after ``timeout`` seconds (the process is killed then)."""
+        kept as ``ready_value``). Raises :class:`LaunchError` if the process exits first,
+        after ``timeout`` seconds, or if the check raises (the process, and its group with
+        ``new_session``, is killed then)."""
         if self.ready is None:
             return None
         deadline = time.monotonic() + timeout
         while True:
-            value = self.ready()
+            try:
+                value = self.ready()
+            except Exception as e:
+                self.kill()
+                raise LaunchError(f"{self.name}: its ready check failed: {type(e).__name__}: {e}"
+                                  f"{self._last_line()}") from e
             if value:
                 self.ready_value = value
                 return value
-            if self.proc is None or self.proc.poll() is not None:
-                status = None if self.proc is None else self.proc.returncode
+            status = None if self.proc is None else self._exit_status()
+            if self.proc is None or status is not None:
                 why = f"{self.name} exited with status {status} before it was ready{self._last_line()}"
                 if self.proc is not None:
-                    self._reap()  # its log file is closed now, not at the next start
+                    self.kill()  # helpers it started die with it; its log file is closed now
                 raise LaunchError(why)
             if time.monotonic() > deadline:
                 self.kill()
@@ -144,38 +160,73 @@ class ChildProcess:
     @property
     def returncode(self) -> int | None:
         """The exit status once it has exited (negative: killed by that signal), else None."""
-        return None if self.proc is None else self.proc.poll()
+        return None if self.proc is None else self._exit_status()
 
     def alive(self) -> bool:
         """Whether it was started and has not exited."""
-        return self.proc is not None and self.proc.poll() is None
+        return self.proc is not None and self._exit_status() is None
+
+    def _exit_status(self) -> int | None:
+        """The exit status if it has exited, else None. With ``new_session`` the exited leader is
+        not reaped here (it stays a zombie, holding its process group id, until :meth:`_reap`)."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.returncode is not None or not self.new_session:
+            return proc.poll()
+        try:
+            r = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped by another (a SIGCHLD handler): as Popen sees it
+            return proc.poll()
+        if r is None:
+            return None
+        return -r.si_status if r.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else r.si_status
+
+    def _group_alive(self) -> bool:
+        """Whether a process of its group, other than the exited leader and zombies, still runs."""
+        pgid = self.pid
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    state, _ppid, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+            except (OSError, ValueError, IndexError):
+                continue
+            if int(pgrp) == pgid and state not in ("Z", "X"):
+                return True
+        return False
 
     # -- stopping ---------------------------------------------------------------------
 
     def signal(self, sig: int) -> None:
-        """Send ``sig`` to the child (to its process group with ``new_session``), if running."""
-        if not self.alive():
+        """Send ``sig`` to the child if running; with ``new_session`` to its process group,
+        whether or not the leader still runs (helpers outlive a crashed leader), until reaped."""
+        if self.proc is None or self._reaped:
             return
         try:
             if self.new_session:
-                os.killpg(self.proc.pid, sig)  # type: ignore[union-attr]
-            else:
-                self.proc.send_signal(sig)  # type: ignore[union-attr]
+                os.killpg(self.proc.pid, sig)
+            elif self.alive():
+                self.proc.send_signal(sig)
         except ProcessLookupError:
             pass
 
     def stop(self, timeout: float | None = None) -> int | None:
-        """SIGTERM, then SIGKILL if it has not exited within ``timeout`` seconds (default
-        ``stop_timeout``); wait for it and return its exit status."""
+        """SIGTERM, then SIGKILL if it (with ``new_session``: any process of its group) has not
+        exited within ``timeout`` seconds (default ``stop_timeout``); wait for it and return its
+        exit status."""
         if self.proc is None:
             return None
         timeout = self.stop_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         self.signal(signal.SIGCONT)  # a paused child could not act on SIGTERM
         self.signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
+        while self.alive() or (self.new_session and not self._reaped and self._group_alive()):
+            if time.monotonic() > deadline:
+                self.signal(signal.SIGKILL)
+                break
+            time.sleep(0.02)
         return self._reap()
 
     def kill(self) -> int | None:
@@ -194,10 +245,16 @@ class ChildProcess:
         self.signal(signal.SIGCONT)
 
     def _reap(self) -> int | None:
+        """Wait for the leader (its group sent SIGKILL first, with ``new_session``: nothing of
+        it outlives this), close its log, forget it; its exit status."""
+        if self.new_session:
+            self.signal(signal.SIGKILL)
         try:
             self.proc.wait(30)  # type: ignore[union-attr]
         except subprocess.TimeoutExpired:
             pass
+        else:
+            self._reaped = True
         self._close_log()
         if self in _running:
             _running.remove(self)
@@ -327,9 +384,11 @@ def _file_tail(path: Path) -> bytes:
 
 
 def _reap() -> None:
-    """Release what children that exited on their own still hold (their log files)."""
+    """Release what children that exited on their own still hold (their log files). A
+    ``new_session`` child is left to its stop, kill or this process's exit: its helpers may
+    still run, and they are its owner's to stop."""
     for child in list(_running):
-        if child.proc is not None and child.proc.poll() is not None:
+        if child.proc is not None and not child.new_session and child.proc.poll() is not None:
             child._reap()
 
 

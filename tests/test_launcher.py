@@ -181,3 +181,65 @@ def test_a_p2p_server_is_started_and_stopped_through_it(tmp_path):
     assert srv.alive() and srv.endpoint.startswith("tcp://127.0.0.1:") and srv.port > 0
     assert srv.stop() == 0  # SIGTERM: it stops cleanly, printing its counters
     assert "stats {" in srv.log_tail()
+
+
+def _helper_script(tmp_path, then: str) -> list[str]:
+    """A shell server that starts a ``sleep`` helper (its PID written to ``helper``), then runs
+    ``then``; ``ready`` is written when it says it is ready."""
+    script = tmp_path / "server.sh"
+    script.write_text(f"""#!/bin/sh
+sleep 300 &
+echo $! > {tmp_path / 'helper'}
+{then}
+""")
+    script.chmod(0o755)
+    return [str(script)]
+
+
+def _helper(tmp_path) -> int:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = (tmp_path / "helper").read_text().strip() if (tmp_path / "helper").exists() else ""
+        if text:
+            return int(text)
+        time.sleep(0.02)
+    raise AssertionError("the helper was not started")
+
+
+def test_a_child_that_exits_before_ready_leaves_no_helper_running(tmp_path):
+    child = ChildProcess(_helper_script(tmp_path, "echo 'cannot bind'; exit 3"), name="helper server",
+                         ready=lambda: False, new_session=True)
+    with pytest.raises(LaunchError, match="helper server exited with status 3 before it was ready; "
+                                          "its log ends: cannot bind"):
+        child.start(timeout=60)
+    assert _gone(_helper(tmp_path)), "the helper outlived its server's failed start"
+
+
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_a_child_that_crashes_after_ready_leaves_no_helper_running(tmp_path, how):
+    child = ChildProcess(_helper_script(tmp_path, f"echo up > {tmp_path / 'ready'}; sleep 0.2; kill -9 $$"),
+                         name="helper server", ready=file_text(tmp_path / "ready"), new_session=True).start()
+    helper = _helper(tmp_path)
+    deadline = time.monotonic() + 30
+    while child.alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert child.returncode == -signal.SIGKILL  # the server crashed; its helper runs on
+    assert not _gone(helper, 0.2)
+    assert getattr(child, how)() == -signal.SIGKILL
+    assert _gone(helper), "the helper outlived its crashed server's stop"
+
+
+def test_a_ready_check_that_raises_is_a_launch_error_and_the_child_is_killed(tmp_path):
+    in_a_directory = file_text(tmp_path)  # reading it raises IsADirectoryError
+
+    def ready():  # once the helper is started
+        return in_a_directory() if (tmp_path / "helper").exists() else None
+
+    child = ChildProcess(_helper_script(tmp_path, "sleep 300"), name="helper server", ready=ready,
+                         new_session=True)
+    with pytest.raises(LaunchError) as e:
+        child.start(timeout=60)
+    assert str(e.value).startswith("helper server: its ready check failed: IsADirectoryError: ")
+    assert "\n" not in str(e.value)
+    assert child.returncode == -signal.SIGKILL and not child.alive()
+    assert _gone(_helper(tmp_path))
