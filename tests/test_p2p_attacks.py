@@ -220,7 +220,8 @@ def test_peers_that_never_read_cannot_pin_the_engines_arena():
 def test_many_chunk_sizes_stay_within_capacity_and_tiny_chunks_are_refused(tmp_path):
     cap = 64
     log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
-    srv = start_server(capacity=cap * MiB, stderr=log)
+    # every chunk size from one address (the per-peer cap raised to the server's 8): its memory is what is measured
+    srv = start_server(capacity=cap * MiB, stderr=log, extra=["--max-chunk-sizes-per-peer", "8"])
     ctx = zmq.Context()
     try:
         good = Good(srv.port)

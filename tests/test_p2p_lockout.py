@@ -65,10 +65,10 @@ def hellos(ctx, port: int, src: str, n: int, *, curve: tuple | None = None,
 
 
 @contextmanager
-def served(extra: list[str] | None = None, log=None) -> Iterator[tuple]:
+def served(extra: list[str] | None = None, log=None, capacity: int = 16 * MiB) -> Iterator[tuple]:
     """A ``kvtiers p2p serve`` process (16 MiB), a ZMQ context and a list for the good clients:
     all closed and stopped at the end."""
-    srv = start_server(capacity=16 * MiB, extra=extra, stderr=log)
+    srv = start_server(capacity=capacity, extra=extra, stderr=log)
     ctx = zmq.Context()
     good: list[Good] = []
     try:

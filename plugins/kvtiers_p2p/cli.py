@@ -44,6 +44,11 @@ def p2p() -> None:
               help="Sessions of one peer at once (its address; its client key with CurveZMQ).")
 @click.option("--max-pending-per-peer", type=click.IntRange(1), default=16, show_default=True,
               help="Connections that have not said HELLO from one address at once; one more is closed at once.")
+@click.option("--max-namespaces-per-peer", type=click.IntRange(1), default=32, show_default=True,
+              help="Namespaces charged to one peer (the first to say HELLO for each); at the cap its least "
+                   "recently used namespace no session uses is reclaimed for a new one.")
+@click.option("--max-chunk-sizes-per-peer", type=click.IntRange(1), default=4, show_default=True,
+              help="Distinct chunk sizes of the namespaces charged to one peer (of 8 on the server).")
 @click.option("--stall-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
               help="Seconds a client may read nothing while replies wait for it before it is disconnected.")
 @click.option("--curve-secret", type=click.Path(dir_okay=False), help="The server's secret key file (CurveZMQ).")
@@ -61,7 +66,8 @@ def p2p() -> None:
 @click.option("--parent-pid", type=int, hidden=True)
 def serve(bind: str, capacity: int, namespace: str | None, chunk_bytes: int | None, max_clients: int,
           max_inflight: int, max_chunk_bytes: int, handshake_timeout: float, idle_timeout: float,
-          max_connections: int, max_sessions_per_peer: int, max_pending_per_peer: int, stall_timeout: float,
+          max_connections: int, max_sessions_per_peer: int, max_pending_per_peer: int,
+          max_namespaces_per_peer: int, max_chunk_sizes_per_peer: int, stall_timeout: float,
           curve_secret: str | None, allow_dir: str | None, nixl: bool,
           nixl_strict: bool, test_faults: bool, endpoint_file: str | None, exit_when_missing: str | None,
           parent_pid: int | None) -> None:  # fmt: skip
@@ -74,7 +80,9 @@ def serve(bind: str, capacity: int, namespace: str | None, chunk_bytes: int | No
     limits = ServerLimits(max_clients=max_clients, max_inflight=max_inflight, max_chunk_bytes=max_chunk_bytes,
                           handshake_timeout=handshake_timeout, idle_timeout=idle_timeout,
                           max_connections=max_connections, stall_timeout=stall_timeout,
-                          max_sessions_per_peer=max_sessions_per_peer, max_pending_per_peer=max_pending_per_peer)
+                          max_sessions_per_peer=max_sessions_per_peer, max_pending_per_peer=max_pending_per_peer,
+                          max_namespaces_per_peer=max_namespaces_per_peer,
+                          max_chunk_sizes_per_peer=max_chunk_sizes_per_peer)
 
     if nixl:  # NIXL's canary first: if it crashes, serve over ZMQ only (or, strict, refuse)
         from kvtiers_nixl import use_nixl

@@ -12,8 +12,13 @@ No client can lock another out: sessions are capped per peer (its address; its C
 key where CurveZMQ is on), connections without a session per peer address
 (:mod:`kvtiers_p2p.conns`); a full server gives a HELLO from a peer holding fewer sessions
 than the largest holder that holder's least recently active session; a session idle for
-``idle_timeout`` is reaped with its connection. A client's ``max_bytes`` never shrinks what
-another client of its namespace asked for (see :meth:`PeerServer.quota`).
+``idle_timeout`` is reaped with its connection. Namespaces and chunk sizes are charged to
+the peer that first said HELLO for the namespace and capped per peer the same way: a peer
+at its cap reclaims its own least recently used namespace that no session uses, and a
+full table gives a peer holding at least two fewer than the largest holder one of that
+holder's (see :meth:`PeerServer._room_for`); a reclaimed namespace's chunks are evicted.
+A client's ``max_bytes`` never shrinks what another client of its namespace asked for (see
+:meth:`PeerServer.quota`).
 
 No client can hold up another: each session has its own queue of replies its pipe had no
 room for (at most ``max_queued``); a client whose pipe is full is skipped, and one that
@@ -68,6 +73,8 @@ class ServerLimits:
     max_queued: int = 64  #: replies queued per client behind its full pipe; one more disconnects it
     max_namespaces: int = 64  #: namespaces at once; a HELLO for one more is refused with ``full``
     max_chunk_sizes: int = 8  #: distinct chunk sizes at once; a HELLO for one more is refused with ``full``
+    max_namespaces_per_peer: int = 32  #: namespaces charged to one peer (the peer that first said HELLO for each)
+    max_chunk_sizes_per_peer: int = 4  #: distinct chunk sizes of the namespaces charged to one peer
     max_sessions_per_peer: int = 32  #: sessions of one peer (address; CurveZMQ key with CurveZMQ) at once
     max_pending_per_peer: int = 16  #: connections that have not said HELLO from one address at once
 
@@ -144,7 +151,9 @@ class PeerServer:
         self.instance = secrets.token_hex(8)  # clients notice a restart by a new instance id
         self.sessions: dict[bytes, Session] = {}
         self.banned: OrderedDict[bytes, float] = OrderedDict()
-        self.ns_chunk: dict[str, int] = {}
+        self.ns_chunk: dict[str, int] = {}  # namespace -> its chunk size
+        self.ns_owner: dict[str, str] = {}  # namespace -> the peer it is charged to (its first HELLO's)
+        self.ns_used: dict[str, float] = {}  # namespace -> when a session last used it
         self.streams: deque[Stream] = deque()
         self._gone: set[bytes] = set()
         self.waiting: dict[bytes, Session] = {}  # sessions with replies queued (Session.outbox)
@@ -153,7 +162,7 @@ class PeerServer:
         self._fd: int | None = None  # the connection of the message being handled
         self.conns: Connections | None = None
         self.stats = {"malformed": 0, "refused": 0, "chunks_sent": 0, "chunks_stored": 0, "disconnected": 0,
-                      "reaped": 0}
+                      "reaped": 0, "reclaimed": 0}
         self._stop = False
         self.nixl = None
         self.orphans: list[tuple] = []  # (write, source, stream, pos) of ended GETNs: kept until NIXL is done
@@ -518,7 +527,7 @@ class PeerServer:
             if op not in (P.BYE, P.CANCEL):
                 self._error(ident, rid, P.E_HELLO, "no session: send HELLO first (or the session idled out)")
             return
-        sess.last_seen = time.monotonic()
+        self.ns_used[sess.ns] = sess.last_seen = time.monotonic()
         if op == P.LOOKUP:
             P.expect_len(hdr, 3, "LOOKUP")
             self._lookup(sess, rid, P.check_keys(hdr[2]))
@@ -586,9 +595,7 @@ class PeerServer:
             return self._error(ident, rid, P.E_TOO_SMALL,
                                f"chunk of {chunk} bytes is below the server's minimum of {MIN_CHUNK_BYTES}")
         if self.store is not None:
-            refusal = self._room_for(ns, chunk)
-            if refusal is not None:
-                return self._error(ident, rid, P.E_FULL, refusal)
+            self._forget_unused()
         want = self.pinned_chunk or self.ns_chunk.get(ns)
         if want is not None and chunk != want:
             return self._error(ident, rid, P.E_MISMATCH,
@@ -597,8 +604,13 @@ class PeerServer:
             return self._error(ident, rid, P.E_TOO_BIG,
                                f"chunk of {chunk} bytes exceeds the server's {self.limits.max_chunk_bytes}")
         peer = self._peer(addr, head)
+        victim, reclaim = None, []  # a session to reap, namespaces to reclaim: only once the HELLO is answered OK
         if ident not in self.sessions:
-            refusal = self._admit(peer)
+            refusal, victim = self._admit(peer)
+            if refusal is not None:
+                return self._error(ident, rid, P.E_FULL, refusal)
+        if self.store is not None and ns not in self.ns_chunk:
+            refusal, reclaim = self._room_for(ns, chunk, peer, ident)
             if refusal is not None:
                 return self._error(ident, rid, P.E_FULL, refusal)
         nixl = None
@@ -616,7 +628,13 @@ class PeerServer:
                 nixl = (self.nixl.add_peer(x["md"]), x["base"], x["n"], x["stride"])
             except Exception as e:
                 return self._error(ident, rid, P.E_NONIXL, f"NIXL refused the client's agent: {e}")
+        if victim is not None:
+            self._reap(victim[0], victim[1])
+        if reclaim:
+            self._reclaim(reclaim, ident, f"room for a namespace of {peer}")
         self.ns_chunk.setdefault(ns, chunk)
+        self.ns_owner.setdefault(ns, peer)
+        self.ns_used[ns] = time.monotonic()
         sess = self.sessions.get(ident)
         if sess is not None and sess.ns == ns:  # a repeated HELLO: keep its streams and queued replies
             sess.max_bytes, sess.last_seen, sess.nixl = max_bytes, time.monotonic(), nixl
@@ -637,42 +655,122 @@ class PeerServer:
         user = head.get("User-Id") if head is not None else None
         return f"key {user}" if user else addr
 
-    def _admit(self, peer: str) -> str | None:
-        """Why a new session of ``peer`` is refused, or None. A full server reaps the least
-        recently active session of the peer holding the most sessions for a peer holding
-        at least two fewer, so a peer within its share always gets in."""
+    def _admit(self, peer: str) -> tuple[str | None, tuple[bytes, str] | None]:
+        """Why a new session of ``peer`` is refused (or None), and the session to reap for
+        it (its routing id and why, or None). A full server reaps the least recently active
+        session of the peer holding the most sessions for a peer holding at least two
+        fewer, so a peer within its share always gets in."""
         lim = self.limits
         count: dict[str, int] = {}
         for s in self.sessions.values():
             count[s.peer] = count.get(s.peer, 0) + 1
         mine = count.get(peer, 0)
         if mine >= lim.max_sessions_per_peer:
-            who = "this client key" if peer.startswith("key ") else peer
-            return f"server has its maximum of {lim.max_sessions_per_peer} sessions from {who}"
+            return f"server has its maximum of {lim.max_sessions_per_peer} sessions from {_who(peer)}", None
         if len(self.sessions) < lim.max_clients:
-            return None
+            return None, None
         top = max(count, key=count.__getitem__)
         if count[top] <= mine + 1:
-            return f"server has its maximum of {lim.max_clients} clients"
+            return f"server has its maximum of {lim.max_clients} clients", None
         victim = min((s for s in self.sessions.values() if s.peer == top), key=lambda s: (s.streams > 0, s.last_seen))
-        self._reap(victim.ident, f"the server is full and {top} holds the most sessions ({count[top]})")
-        return None
+        return None, (victim.ident, f"the server is full and {top} holds the most sessions ({count[top]})")
 
-    def _room_for(self, ns: str, chunk: int) -> str | None:
-        """Why a HELLO for the new namespace ``ns`` of ``chunk``-byte chunks is refused, or
-        None. Namespaces holding no chunk and no session are forgotten first (with their
-        chunk size)."""
+    def _forget_unused(self) -> None:
+        """Forget the namespaces holding no chunk and no session, with their chunk sizes."""
         live = self.store.namespaces() | {s.ns for s in self.sessions.values()}
         for old in [n for n in self.ns_chunk if n not in live]:
             del self.ns_chunk[old]
-        if ns in self.ns_chunk:
-            return None
-        if len(self.ns_chunk) >= self.limits.max_namespaces:
-            return f"server has its maximum of {self.limits.max_namespaces} namespaces"
-        sizes = set(self.ns_chunk.values())
-        if chunk not in sizes and len(sizes) >= self.limits.max_chunk_sizes:
-            return f"server has its maximum of {self.limits.max_chunk_sizes} distinct chunk sizes"
-        return None
+            self.ns_owner.pop(old, None)
+            self.ns_used.pop(old, None)
+
+    def _room_for(self, ns: str, chunk: int, peer: str, ident: bytes) -> tuple[str | None, list[str]]:
+        """Why a HELLO of ``peer`` for the new namespace ``ns`` of ``chunk``-byte chunks is
+        refused (or None), and the namespaces to reclaim for it (their chunks evicted, their
+        sessions reaped). A namespace is charged to the peer that first said HELLO for it.
+
+        - ``peer`` at its cap of namespaces (or of chunk sizes) reclaims its own least
+          recently used namespace (or all its namespaces of its least recently used size)
+          that no session uses; else it is refused.
+        - A full table (namespaces or sizes) reclaims, for a peer holding at least two fewer
+          than the largest holder, that holder's least recently used namespace (or size)
+          no other peer has a session in, as a full server does with sessions.
+
+        So one peer holds at most its caps, and a peer within its share always gets a new
+        namespace. ``ident``'s own session (it is switching namespaces) counts as gone."""
+        lim = self.limits
+        users: dict[str, set[str]] = {}  # namespace -> peers with a session in it
+        for s in self.sessions.values():
+            if s.ident != ident:
+                users.setdefault(s.ns, set()).add(s.peer)
+        gone: list[str] = []
+
+        def held(p: str) -> list[str]:
+            return [n for n, o in self.ns_owner.items() if o == p and n not in gone]
+
+        def sizes(p: str) -> set[int]:
+            return {self.ns_chunk[n] for n in held(p)}
+
+        def used(names: list[str]) -> float:
+            return max(self.ns_used.get(n, 0.0) for n in names)
+
+        def spare(p: str, own: bool) -> list[str]:
+            """``p``'s namespaces that may go, least recently used first: none in use (own),
+            or none another peer uses (for a newcomer; those without a session first)."""
+            ok = [n for n in held(p) if not users.get(n) or (not own and users[n] <= {p})]
+            return sorted(ok, key=lambda n: (bool(users.get(n)), self.ns_used.get(n, 0.0)))
+
+        def spare_size(p: str, own: bool) -> list[str]:
+            """All namespaces of ``p``'s least recently used chunk size that may go (own: of
+            ``p``'s namespaces; else of every namespace of that size, all charged to ``p``)."""
+            free = set(spare(p, own))
+            groups: dict[int, list[str]] = {}
+            for n, c in self.ns_chunk.items():
+                if n not in gone and c != chunk and (not own or self.ns_owner.get(n) == p):
+                    groups.setdefault(c, []).append(n)
+            ok = [g for c, g in groups.items() if c in sizes(p) and all(n in free for n in g)]
+            return min(ok, key=used) if ok else []
+
+        who = _who(peer)
+        if len(held(peer)) >= lim.max_namespaces_per_peer:
+            own = spare(peer, own=True)
+            if not own:
+                return f"server has its maximum of {lim.max_namespaces_per_peer} namespaces from {who}", []
+            gone.append(own[0])
+        if chunk not in sizes(peer) and len(sizes(peer)) >= lim.max_chunk_sizes_per_peer:
+            own = spare_size(peer, own=True)
+            if not own:
+                return f"server has its maximum of {lim.max_chunk_sizes_per_peer} chunk sizes from {who}", []
+            gone += own
+        if len(self.ns_chunk) - len(gone) >= lim.max_namespaces:
+            mine = len(held(peer))
+            tops = sorted({o for o in self.ns_owner.values() if o != peer}, key=lambda p: -len(held(p)))
+            take = next((c[0] for p in tops if len(held(p)) >= mine + 2 for c in [spare(p, own=False)] if c), None)
+            if take is None:
+                return f"server has its maximum of {lim.max_namespaces} namespaces", []
+            gone.append(take)
+        live_sizes = {c for n, c in self.ns_chunk.items() if n not in gone}
+        if chunk not in live_sizes and len(live_sizes) >= lim.max_chunk_sizes:
+            mine = len(sizes(peer))
+            tops = sorted({o for o in self.ns_owner.values() if o != peer}, key=lambda p: -len(sizes(p)))
+            take = next((g for p in tops if len(sizes(p)) >= mine + 2 for g in [spare_size(p, own=False)] if g), None)
+            if take is None:
+                return f"server has its maximum of {lim.max_chunk_sizes} distinct chunk sizes", []
+            gone += take
+        return None, gone
+
+    def _reclaim(self, names: list[str], ident: bytes, why: str) -> None:
+        """Reclaim namespaces (see :meth:`_room_for`): reap their sessions but ``ident``'s,
+        evict their chunks, forget them."""
+        for n in names:
+            for s in [s for s in self.sessions.values() if s.ns == n and s.ident != ident]:
+                self._reap(s.ident, f"its namespace {n} was reclaimed for {why}")
+            dropped = self.store.drop(n)
+            log.info("p2p server: reclaimed namespace %s of %s (%d chunks evicted) for %s", n,
+                     self.ns_owner.get(n, "?"), dropped, why)
+            self.ns_chunk.pop(n, None)
+            self.ns_owner.pop(n, None)
+            self.ns_used.pop(n, None)
+            self.stats["reclaimed"] += 1
 
     def _active_ns(self) -> set[str] | None:
         """With tenants, the namespaces with a session (eviction keeps their share); else
@@ -826,6 +924,11 @@ class PeerServer:
         if self.nixl is not None and not self.orphans and not self.draining:  # writes still running keep it
             self.nixl.close()
         self.ctx.term()
+
+
+def _who(peer: str) -> str:
+    """A peer as a refusal names it."""
+    return "this client key" if peer.startswith("key ") else peer
 
 
 def parse_size(text: str | int) -> int:

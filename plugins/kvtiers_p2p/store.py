@@ -289,6 +289,14 @@ class MemoryStore:
         d[key] = [buf, digest, len(buf), False, next(self._tick)]
         self._count += 1
 
+    def drop(self, ns: str) -> int:
+        """Evict every chunk of ``ns`` (a server reclaims the namespace); returns how many."""
+        n = 0
+        while self._lru.get(ns):
+            self._evict(ns)
+            n += 1
+        return n
+
     def _evict(self, ns: str) -> tuple[str, bytes]:
         key, item = self._lru[ns].popitem(last=False)
         buf, _, size, sent, _ = item

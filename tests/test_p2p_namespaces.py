@@ -1,0 +1,83 @@
+"""No p2p client can exhaust a server's namespaces or chunk sizes (docs/p2p.md, Limits),
+each checked with a real ``kvtiers p2p serve`` process: an attacker storing a 4 KiB chunk in
+each of 64 namespaces, or in namespaces of 8 distinct chunk sizes, leaves a well-behaved
+client able to store in a new namespace; one connection saying HELLO for namespace after
+namespace, and sessions held from two addresses (the server's tables and sessions full)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+zmq = pytest.importorskip("zmq")
+
+from kvtiers_p2p import protocol as P  # noqa: E402
+from kvtiers_p2p.store import SLAB_BYTES  # noqa: E402
+from test_p2p_attacks import BOUND_S, Good  # noqa: E402
+from test_p2p_lockout import dealer, hello, served  # noqa: E402
+from tier_helpers import server_stats  # noqa: E402
+
+KiB = 1 << 10
+SIZES_CAPACITY = 9 * SLAB_BYTES  #: a slab for each of 8 chunk sizes and the good client's
+
+
+def attack(ctx, port: int, src: str, specs: list[tuple[str, int]], *, hold: bool) -> tuple[list[list], list]:
+    """From ``src``, a HELLO for each ``(namespace, chunk size)`` of ``specs`` and a PUT of
+    one chunk in it: all on one connection (each HELLO ends the session before it), or
+    ``hold``, each on a connection of its own kept open. The HELLO answers and the sockets."""
+    answers, socks, s = [], [], None
+    for ns, size in specs:
+        if s is None or hold:
+            s = dealer(ctx, port, src)
+            socks.append(s)
+        answers.append(hello(s, ns=ns, chunk=size))
+        if answers[-1][0] == P.OK:
+            data = os.urandom(size)
+            s.send_multipart([P.pack(P.PUT, 2, b"k", P.checksum(data)), data])
+            assert s.poll(10000), "no answer to PUT"
+            reply = P.unpack(s.recv(), reply=True)
+            assert reply[0] == P.OK, reply
+    return answers, socks
+
+
+def names(src: str, n: int) -> list[str]:
+    return [f"{int(src.rsplit('.', 1)[1]):02x}{i:014x}" for i in range(n)]
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["one-connection", "sessions-held"])
+def test_one_client_cannot_exhaust_the_namespaces(tmp_path, hold):
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
+    with served(log=log) as (srv, ctx, good):
+        sources = ["127.0.0.2", "127.0.0.3"] if hold else ["127.0.0.2"]
+        for src in sources:  # 64 namespaces with a chunk each, 256 KiB in all
+            answers, _socks = attack(ctx, srv.port, src, [(n, 4 * KiB) for n in names(src, 64 // len(sources))],
+                                     hold=hold)
+            assert all(a[0] == P.OK for a in answers), [a for a in answers if a[0] != P.OK][:1]
+        good.append(Good(srv.port))  # a new namespace from another address is served
+        for _ in range(2):
+            assert good[0].round() < BOUND_S
+    assert server_stats(log)["reclaimed"] >= 1
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["one-connection", "sessions-held"])
+def test_one_client_cannot_exhaust_the_chunk_sizes(tmp_path, hold):
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
+    # room for a 64 MiB slab of each size: a smaller capacity evicts a size's only chunk to map the next
+    with served(log=log, capacity=SIZES_CAPACITY) as (srv, ctx, good):
+        sources = ["127.0.0.2", "127.0.0.3"] if hold else ["127.0.0.2"]
+        for k, src in enumerate(sources):  # 8 distinct chunk sizes of 4-32 KiB, the good client's is 64 KiB
+            sizes = [4 * KiB * (i + 1) for i in range(8)]
+            if hold:  # 4 sizes each, the second address's distinct from the first's: the server's 8
+                sizes = sizes[4 * k : 4 * k + 4] + sizes[4 * (1 - k) : 4 * (1 - k) + 1]
+            answers, _socks = attack(ctx, srv.port, src, list(zip(names(src, len(sizes)), sizes, strict=True)),
+                                     hold=hold)
+            if hold:  # its fifth size: its four namespaces have sessions, none can go
+                assert all(a[0] == P.OK for a in answers[:4]), answers
+                assert answers[4][0] == P.ERR and "maximum of 4 chunk sizes from " + src in answers[4][3], answers[4]
+            else:  # one connection: each new size past 4 reclaims its own least recently used one
+                assert all(a[0] == P.OK for a in answers), [a for a in answers if a[0] != P.OK][:1]
+        good.append(Good(srv.port))
+        for _ in range(2):
+            assert good[0].round() < BOUND_S
+    assert server_stats(log)["reclaimed"] >= 1
