@@ -13,7 +13,8 @@ with the options in ``"tiny_model"`` (e.g. ``{"layer_types": [...], "sliding_win
 ``runs`` (optional) lists rounds, each a list of prompt indices served in order, one request
 at a time (default: every prompt once); ``"reset"`` between rounds drops vLLM's device prefix
 cache, so the next round's prefixes must come from the offload tiers. ``cache_salts`` (optional):
-``{"prompt index": salt}``, each such prompt's requests sent with that ``cache_salt``. One engine per process:
+``{"prompt index": salt}``, each such prompt's requests sent with that ``cache_salt``. ``load_format`` and
+``model_loader_extra_config`` (optional) go to vLLM as given (e.g. ``"kvtiers"``). One engine per process:
 vLLM's CPU platform binds OpenMP threads at start-up, and a second engine in one process
 does not get its own.
 
@@ -168,6 +169,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         seed=0,
         tensor_parallel_size=int(job.get("tensor_parallel_size", 1)),
         kv_transfer_config=job.get("kv_transfer_config"),
+        **({"load_format": job["load_format"]} if job.get("load_format") else {}),
+        **({"model_loader_extra_config": job["model_loader_extra_config"]}
+           if job.get("model_loader_extra_config") else {}),
     )
     started = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

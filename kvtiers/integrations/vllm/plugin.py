@@ -5,6 +5,8 @@ vLLM's ``SecondaryTierFactory``, the type ``kvtiers`` (the tier named by a ``tie
 and ``kvtiers_<name>`` for each tier in kvtiers' registry (``kvtiers_fs``,
 ``kvtiers_memory``, ``kvtiers_obj``, third-party tiers), so a config needs no
 ``module_path``. The prefix keeps them apart from vLLM's own ``fs``, ``obj`` and ``p2p``.
+It also registers the model load format ``kvtiers`` (:mod:`.loader`: publish a model's weights
+to the tiers as it loads, or start from weights another engine published; docs/vllm.md).
 Registering twice in one process is harmless, and a name vLLM already knows is left alone.
 """
 
@@ -26,9 +28,28 @@ def vllm_type_names() -> list[str]:
     return [GENERIC] + [PREFIX + info.name for info in get_registry().tiers()]
 
 
+def register_load_format() -> None:
+    """Register the ``kvtiers`` model load format with vLLM (once per process); a vLLM where
+    that fails (no ``register_model_loader``) is named in one log line and left alone."""
+    try:
+        from vllm.model_executor import model_loader
+
+        from .loader import KvtiersModelLoader
+        from .loader_config import LOAD_FORMAT
+
+        known = getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", {})
+        if known.get(LOAD_FORMAT) is not KvtiersModelLoader:
+            model_loader.register_model_loader(LOAD_FORMAT)(KvtiersModelLoader)
+    except Exception as e:  # noqa: BLE001 - the tiers must register whatever this does
+        log.warning("kvtiers: the load format 'kvtiers' is unavailable in this vLLM: %s", e)
+
+
 def register() -> None:
-    """Register the kvtiers tiers with vLLM's ``SecondaryTierFactory`` (vLLM calls this)."""
+    """Register the kvtiers tiers with vLLM's ``SecondaryTierFactory``, and the ``kvtiers`` load
+    format (vLLM calls this)."""
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    register_load_format()
 
     try:
         names = vllm_type_names()
