@@ -51,22 +51,50 @@ def test_weights_changed_in_place_between_level2_sleeps_come_back_changed(tmp_pa
 
 
 def test_unchanged_weights_are_not_stored_again(tmp_path):
+    """Counted where the stores are made: the chunks the manager was asked to store (its
+    ``stored`` events on the host, reason ``offloaded``), those it sent on to the fs tier (its
+    ``stored`` events there) and the bytes of both paths. The chunk files alone would not show
+    a chunk stored again: the fs tier keeps an existing file (rule 7)."""
     m, root = model(), tmp_path / "fs"
     with ModelWeights(m, fs_config(root), name="same", revision="v1", chunk_bytes=CHUNK) as w:
+        stored: dict[str, list[bytes]] = {"host": [], "fs": []}
+
+        def note(e):
+            if e.kind == "stored" and (e.medium, e.reason) in (("host", "offloaded"), ("fs", None)):
+                stored[e.medium].extend(e.keys)
+
+        w.manager.add_listener(note)
+        paths = w.manager.stats.paths
+
+        def counts():
+            return ({m: len(k) for m, k in stored.items()},
+                    {p: (paths[p].chunks, paths[p].nbytes) for p in ("device->host", "host->fs")})
+
+        n = w.plan.num_chunks + 1  # every data chunk and the manifest
         w.sleep(2)
         w.wake()
+        assert len(set(stored["host"])) == n and set(stored["fs"]) == set(stored["host"])
+        first = counts()
+        assert first == ({"host": n, "fs": n}, {"device->host": (n, n * CHUNK), "host->fs": (n, n * CHUNK)})
         files = {f: os.stat(f).st_ino for f in chunk_files(root)}
-        assert files
+        assert len(files) == n
         w.sleep(2)  # the same bytes: every tier holds every chunk already
         w.wake()
+        assert counts() == first  # nothing copied to the host, nothing sent to the tier
         assert {f: os.stat(f).st_ino for f in chunk_files(root)} == files
+        old = set(stored["host"])
         with torch.no_grad():
             m["b"].add_(1)
         w.sleep(2)
         w.wake()
         after = chunk_files(root)
-    assert set(files) < set(after)  # the changed bytes went in under new keys; the old ones stay
-    assert len(after) - len(files) <= len(files)
+    # the changed bytes went in under new keys (a new digest names every chunk and the
+    # manifest), each once; the old files stay
+    again = stored["host"][n:]
+    assert len(again) == n and not set(again) & old and sorted(stored["fs"][n:]) == sorted(again)
+    assert counts() == ({"host": 2 * n, "fs": 2 * n},
+                        {"device->host": (2 * n, 2 * n * CHUNK), "host->fs": (2 * n, 2 * n * CHUNK)})
+    assert set(files) < set(after) and len(after) == 2 * n
 
 
 def test_fork_of_an_older_identity_gives_its_own_bytes(tmp_path):
@@ -86,7 +114,7 @@ def test_fork_of_an_older_identity_gives_its_own_bytes(tmp_path):
             assert torch.equal(twin[k], want[k]), (ident, k)
 
 
-@pytest.mark.parametrize("how", ["length", "json", "shape"])
+@pytest.mark.parametrize("how", ["length", "json", "shape", "nested", "nested-shape"])
 def test_a_damaged_manifest_at_fork_is_a_lookup_error(tmp_path, how):
     import json
     import struct
@@ -105,6 +133,13 @@ def test_a_damaged_manifest_at_fork_is_a_lookup_error(tmp_path, how):
             return struct.pack("<8sQ", MANIFEST_MAGIC, 1 << 40) + raw[16:]
         if how == "json":
             return raw[:16] + b"{" * (len(raw) - 16)
+        if how == "nested":  # arrays nested deeper than Python's recursion limit
+            body = b"[" * 5000 + b"]" * 5000
+            return struct.pack("<8sQ", MANIFEST_MAGIC, len(body)) + body
+        if how == "nested-shape":  # parsable, but a field nested just below that limit
+            body = json.dumps({**doc, "tensors": [{**t, "dtype": [[]]} for t in doc["tensors"]]}).encode()
+            body = body.replace(b"[[]]", b"[" * 900 + b"]" * 900)
+            return struct.pack("<8sQ", MANIFEST_MAGIC, len(body)) + body
         body = json.dumps({"tensors": [1, 2, 3]}).encode()  # valid JSON of another shape
         return struct.pack("<8sQ", MANIFEST_MAGIC, len(body)) + body
 

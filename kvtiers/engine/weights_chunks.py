@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import struct
 import threading
 from collections.abc import Mapping, Sequence
@@ -231,10 +232,35 @@ def manifest_length(head: bytes | memoryview | np.ndarray) -> int:
     return _HEADER.size + n
 
 
+#: how deep a manifest's JSON may nest: it nests 4 deep (the document, its ``tensors`` list, a
+#: tensor, its shape); more is a damaged or forged manifest, refused before it is parsed
+MANIFEST_MAX_DEPTH = 8
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_OPEN, _CLOSE = np.frombuffer(b"[{", dtype=np.uint8), np.frombuffer(b"]}", dtype=np.uint8)
+
+
+def json_depth(text: bytes) -> int:
+    """How deep ``text``'s arrays and objects nest (brackets inside strings do not count),
+    found without recursion: a forged document of a million ``[`` costs one pass."""
+    b = np.frombuffer(_JSON_STRING.sub(b'""', text), dtype=np.uint8)
+    steps = np.isin(b, _OPEN).astype(np.int64) - np.isin(b, _CLOSE).astype(np.int64)
+    return int(np.cumsum(steps).max()) if len(steps) else 0
+
+
 def parse_manifest(raw: bytes | memoryview | np.ndarray) -> dict[str, Any]:
-    """The manifest document from its stored bytes (header included)."""
+    """The manifest document from its stored bytes (header included). ``ValueError`` when they
+    are not one: a wrong magic, text that is not JSON, or JSON nested deeper than
+    :data:`MANIFEST_MAX_DEPTH` (which never reaches the parser, so it is never a
+    ``RecursionError``)."""
     n = manifest_length(raw)
-    return json.loads(bytes(raw[_HEADER.size : n]))
+    text = bytes(raw[_HEADER.size : n])
+    depth = json_depth(text)
+    if depth > MANIFEST_MAX_DEPTH:
+        raise ValueError(f"its JSON nests {depth} levels deep; a manifest nests at most {MANIFEST_MAX_DEPTH}")
+    try:
+        return json.loads(text)
+    except RecursionError:  # not reached after the depth check; kept so that it never escapes
+        raise ValueError("its JSON nests too deep to parse") from None
 
 
 def uint8_view(storage: Any) -> torch.Tensor:
