@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
+import stat
+import subprocess
+import sys
 import time
+from collections import Counter
 
 from kvtiers import Arena, Job, Namespace, TierContext, open_tier
 from kvtiers.commands.cli import main
@@ -179,3 +185,157 @@ def test_missing_cryptography_is_one_line_naming_the_extra(tmp_path, monkeypatch
     assert rc == 2
     assert err.strip() == ("kvtiers: error: tier 'fs': encrypt: needs the 'cryptography' package: "
                            "pip install 'kvtiers[encrypt]'")
+
+
+# -- a hostile medium: FIFOs, forged headers, a rewrite killed midway --------------------------
+KVTIERS = [sys.executable, "-c", "import sys; from kvtiers.commands.cli import main; sys.exit(main())"]
+
+
+def _run(*argv: str, timeout: float = 120, limit_as: int | None = None) -> subprocess.CompletedProcess:
+    """The real CLI in a child process (a hang is a timeout here, not a hung test run);
+    ``limit_as``: the child's address-space limit (bytes)."""
+    def limits():
+        if limit_as is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (limit_as, limit_as))
+
+    try:
+        return subprocess.run([*KVTIERS, *argv], capture_output=True, text=True, timeout=timeout, preexec_fn=limits)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"kvtiers {' '.join(argv[:2])} hung: no answer within {timeout} s "
+                             f"(stderr: {e.stderr!r})") from None
+
+
+def _rotated(tmp_path, root, n: int, *, slot: int = SLOT) -> tuple[str, list[bytes], dict, str]:
+    """``n`` chunks stored under the old key; the config that retires it; the namespace dir."""
+    old, new = _key(tmp_path, "old"), _key(tmp_path, "new")
+    keys = [b"chunk-%d" % i for i in range(n)]
+    ctx = TierContext(Arena.allocate(n, slot), Namespace({"model": "a"}))
+    for i, k in enumerate(keys):
+        ctx.arena[i][:] = (k * (slot // len(k) + 1))[:slot]
+    h = open_tier("fs", {"root_dir": str(root), "encrypt": {"key_file": old, "key_id": "k-old"}}, ctx)
+    assert _job(h, "store", Job(1, tuple(keys), tuple(range(n)))).ok
+    h.close()
+    rotated = {"key_file": new, "key_id": "k-new", "retired": [{"key_file": old, "key_id": "k-old"}]}
+    return json.dumps({"root_dir": str(root), "encrypt": rotated}), keys, rotated, ctx.namespace.digest
+
+
+def _all_load(root, keys: list[bytes], enc: dict, slot: int = SLOT) -> list[bytes]:
+    """The keys that do not load with their bytes (every chunk's file holds a whole chunk)."""
+    ctx = TierContext(Arena.allocate(len(keys), slot), Namespace({"model": "a"}))
+    h = open_tier("fs", {"root_dir": str(root), "encrypt": enc}, ctx)
+    r = _job(h, "load", Job(9, tuple(keys), tuple(range(len(keys)))))
+    h.close()
+    return sorted(set(r.failed_keys) | {k for i, k in enumerate(keys)
+                                        if bytes(ctx.arena[i]) != (k * (slot // len(k) + 1))[:slot]})
+
+
+def _key_ids(nsdir) -> Counter:
+    out: Counter = Counter()
+    for p in nsdir.rglob("*.bin"):
+        if not stat.S_ISREG(os.lstat(p).st_mode):
+            continue
+        try:
+            h = read_header(p.read_bytes()[:HEADER.size])
+        except OSError:
+            continue
+        out[h[0] if h else None] += 1
+    return out
+
+
+def test_fifos_under_the_root_never_hang_scan_or_rewrite(tmp_path):
+    """A FIFO where a chunk, a config.json or any file could be (docs/fs.md: never a hang):
+    skipped without being opened for reading, named on stderr; every real chunk rewritten."""
+    root = tmp_path / "kv"
+    config, keys, rotated, digest = _rotated(tmp_path, root, 20)
+    nsdir = root / digest
+    fifos = [nsdir / "ab" / "cd" / (b"planted".hex() + ".bin"), root / "elsewhere" / "config.json",
+             nsdir / "fifo", root / "top.bin"]
+    for f in fifos:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(f)
+
+    r = _run("encrypt", "scan", "fs", "--config", config, "--json", timeout=60)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [(x["key_id"], x["chunks"]) for x in rows["rows"]] == [("k-old", 20)] and rows["skipped"] == 4
+    for f in fifos:
+        assert f"skipped {f}: a FIFO, not opened" in r.stderr
+
+    r = _run("encrypt", "rewrite", "fs", "--config", config, "--json", timeout=60)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["rewritten"] == 20 and rep["skipped"] == 4 and rep.get("failed", 0) == 0
+    assert _key_ids(nsdir) == {"k-new": 20}
+    assert all(stat.S_ISFIFO(os.lstat(f).st_mode) for f in fifos)  # left alone
+    assert _all_load(root, keys, {"key_file": rotated["key_file"], "key_id": "k-new"}) == []
+
+
+def test_forged_sealed_lengths_are_skipped_and_the_real_chunks_rewritten(tmp_path):
+    """Bare sealed headers (nothing authenticates their length) saying 1000 bytes and 1 GiB:
+    skipped and named, the 20 real chunks rewritten, and memory bounded by the files' real
+    sizes (the child runs under a 3 GiB address-space limit; 16 x 1 GiB would not fit)."""
+    from kvtiers.encryption import MAGIC
+
+    root = tmp_path / "kv"
+    config, keys, rotated, digest = _rotated(tmp_path, root, 20)
+    nsdir = root / digest
+    forged = {}
+    for n in (1000, 1 << 30):
+        key = b"forged-%d" % n
+        head = HEADER.pack(MAGIC, 5, len(key), n, os.urandom(12), b"k-old", key, bytes.fromhex(digest))
+        p = nsdir / "ff" / "ff" / (key.hex() + ".bin")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(head)
+        forged[n] = p
+
+    r = _run("encrypt", "scan", "fs", "--config", config, "--json", limit_as=3 << 30)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [(x["key_id"], x["chunks"], x["bytes"]) for x in rows["rows"]] == [("k-old", 20, 20 * SLOT)]
+    assert rows["skipped"] == 2
+
+    r = _run("encrypt", "rewrite", "fs", "--config", config, "--json", limit_as=3 << 30)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["rewritten"] == 20 and rep["skipped"] == 2 and rep.get("failed", 0) == 0, rep
+    for n, p in forged.items():
+        assert f"skipped {p}: a forged sealed header: it says {n} bytes of chunk" in r.stderr
+        assert p.read_bytes()[:8] == MAGIC  # left alone
+    assert "Traceback" not in r.stderr
+    assert _all_load(root, keys, {"key_file": rotated["key_file"], "key_id": "k-new"}) == []
+
+
+def test_a_rewrite_killed_midway_loses_no_chunk(tmp_path):
+    """SIGKILL to a real `kvtiers encrypt rewrite` the moment chunks under the new key appear,
+    three times: after each kill every chunk still loads with its bytes (the new file is
+    written before the old one goes); a last run finishes the job and leaves no staging."""
+    slot = 64 << 10
+    root = tmp_path / "kv"
+    config, keys, rotated, digest = _rotated(tmp_path, root, 160, slot=slot)
+    nsdir = root / digest
+    both = {**rotated}
+    seen = 0
+    for _round in range(3):
+        child = subprocess.Popen([*KVTIERS, "encrypt", "rewrite", "fs", "--config", config],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 120
+            while child.poll() is None and time.monotonic() < deadline:
+                if _key_ids(nsdir)["k-new"] > seen:
+                    break
+                time.sleep(0.002)
+            child.send_signal(signal.SIGKILL)
+        finally:
+            child.wait(timeout=60)
+            child.stderr.close()
+        assert child.returncode == -signal.SIGKILL, "the rewrite ended before it could be killed midway"
+        assert _all_load(root, keys, both, slot) == [], "chunks lost by a rewrite killed midway"
+        seen = _key_ids(nsdir)["k-new"]
+        assert _key_ids(nsdir) == {"k-old": 160 - seen, "k-new": seen}
+    r = _run("encrypt", "rewrite", "fs", "--config", config, "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["rewritten"] + rep["current"] == 160 and rep["current"] == seen
+    assert _key_ids(nsdir) == {"k-new": 160}
+    assert not [p for p in root.iterdir() if p.name.startswith(".kvtiers-rewrite-")]  # the killed ones' too
+    assert _all_load(root, keys, {"key_file": rotated["key_file"], "key_id": "k-new"}, slot) == []

@@ -4,15 +4,26 @@ the chunks under retired keys to the current key (docs/security.md, "Rotation").
 Both work for tiers that keep one file per chunk, its sealed bytes at offset 0, under a
 directory their options name, with the namespace's ``config.json`` beside the chunks (the
 fs tier). ``scan`` reads the 144-byte header of each file, no key needed; ``rewrite`` loads
-each chunk under a retired key through the tier (the retired key opens it), removes the
-file and stores the chunk again (sealed under the current key), so the tier's own format,
-trailer and bound stay its own. No key material is printed.
+each chunk under a retired key through the tier (the retired key opens it), stores it
+through a second instance of the tier opened on a staging directory beside the chunks
+(sealed under the current key, in the tier's own format and trailer), and renames the new
+file over the old one: at every moment the chunk's path holds one whole chunk, old or new,
+so a rewrite killed at any point loses nothing. No key material is printed.
+
+Anyone who can write the medium can put anything under it, so both read it as hostile: only
+regular files are opened (``lstat`` first, then ``O_NONBLOCK | O_NOFOLLOW`` and ``fstat``:
+a FIFO, device, socket or link is skipped, never waited on), and a header's length, which
+no key authenticates, is believed only when the file is big enough to hold what it claims
+(a forged one is skipped and reported; memory stays bounded by the files' real sizes).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
+import stat
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,58 +35,143 @@ from ..errors import ConfigError
 
 #: keys per load/store job of a rewrite
 BATCH = 16
+#: the most chunk bytes one load/store job of a rewrite holds (fewer keys per job for bigger
+#: chunks; one chunk per job when a single one is bigger)
+BATCH_BYTES = 256 << 20
+#: a rewrite's staging directory, beside the chunks: this prefix, then ``<pid>@<host>``
+STAGING_PREFIX = ".kvtiers-rewrite-"
+#: the largest ``config.json`` either command reads
+CONFIG_LIMIT = 1 << 20
+#: skipped files named on stderr; the rest are counted
+SHOW_SKIPPED = 20
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
 class SealedFile:
-    """One chunk file with a sealed header."""
+    """One chunk file with a sealed header, found under ``root`` (a medium directory)."""
 
     path: str
     key_id: str
     key: bytes
     payload: int
     digest: str
+    root: str = ""
+    size: int = 0
 
 
 def medium_dirs(options: dict[str, Any]) -> list[str]:
     """The existing directories a tier's options name (absolute paths)."""
-    out = []
+    return list(_dir_options(options).values())
+
+
+def _dir_options(options: dict[str, Any]) -> dict[str, str]:
+    out = {}
     for k, v in options.items():
         if k != "encrypt" and isinstance(v, str) and os.path.isabs(v) and os.path.isdir(v):
-            out.append(v)
+            out[k] = v
     return out
 
 
-def sealed_files(dirs: list[str]) -> Iterator[SealedFile]:
-    """Every file under ``dirs`` that starts with a sealed header."""
-    from ..encryption import HEADER, read_header
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return what
+    return f"not a regular file (mode {stat.filemode(mode)})"
+
+
+def _open_regular(path: str) -> tuple[int, os.stat_result]:
+    """A descriptor and ``fstat`` of the regular file at ``path``; ``ValueError`` naming what
+    is there instead. Never blocks: the name is ``lstat``-ed first, then opened
+    ``O_NONBLOCK | O_NOFOLLOW`` and checked again (it may have been swapped in between)."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(_kind(st.st_mode))
+    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(_kind(st.st_mode))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _files(root: str) -> Iterator[str]:
+    """Every name under ``root`` that is not a directory (directory links are not followed;
+    rewrite staging directories are left out)."""
+    for d, subdirs, names in os.walk(root):
+        subdirs[:] = [s for s in subdirs if not s.startswith(STAGING_PREFIX)]
+        for n in names:
+            yield os.path.join(d, n)
+
+
+def sealed_files(dirs: list[str], skipped: list[tuple[str, str]] | None = None) -> Iterator[SealedFile]:
+    """Every regular file under ``dirs`` that starts with a sealed header whose length the
+    file can hold. Files that are not regular (FIFOs, devices, sockets, links: never opened
+    for reading, never waited on) and files whose header claims more than they hold (a
+    forged header: nothing authenticates its length) go to ``skipped`` as ``(path, why)``."""
+    from ..encryption import HEADER, read_header, sealed_bytes
+    from ..types import PAGE
 
     for root in dirs:
-        for d, _subdirs, names in os.walk(root):
-            for n in names:
-                p = os.path.join(d, n)
-                try:
-                    with open(p, "rb") as f:
-                        head = f.read(HEADER.size)
-                except OSError:
-                    continue
-                h = read_header(head)
-                if h is not None:
-                    yield SealedFile(p, h[0], h[1], h[2], h[3])
+        for p in _files(root):
+            try:
+                fd, st = _open_regular(p)
+            except ValueError as e:
+                if skipped is not None:
+                    skipped.append((p, f"{e}, not opened"))
+                continue
+            except OSError:  # gone, unreadable, or swapped for a link (ELOOP): not a chunk we can read
+                continue
+            try:
+                head = os.pread(fd, HEADER.size, 0)
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            h = read_header(head)
+            if h is None:
+                continue
+            kid, key, payload, digest = h
+            if payload <= 0 or payload % PAGE or sealed_bytes(payload) > st.st_size:
+                if skipped is not None:
+                    skipped.append((p, f"a forged sealed header: it says {payload} bytes of chunk, which a file of "
+                                       f"{st.st_size} bytes cannot hold (a sealed chunk of N bytes takes N + "
+                                       f"{sealed_bytes(0)}, N a multiple of {PAGE}); left alone"))
+                continue
+            yield SealedFile(p, kid, key, payload, digest, root, st.st_size)
+
+
+def _report_skipped(skipped: list[tuple[str, str]]) -> None:
+    for path, why in skipped[:SHOW_SKIPPED]:
+        click.echo(f"skipped {path}: {why}", err=True)
+    if len(skipped) > SHOW_SKIPPED:
+        click.echo(f"skipped {len(skipped) - SHOW_SKIPPED} more file(s)", err=True)
 
 
 def namespaces(dirs: list[str]) -> dict[str, dict[str, Any]]:
     """Namespace digest -> fields, from the ``config.json`` documents under ``dirs``."""
     out: dict[str, dict[str, Any]] = {}
     for root in dirs:
-        for d, _subdirs, names in os.walk(root):
-            if "config.json" not in names:
+        for p in _files(root):
+            if os.path.basename(p) != "config.json":
                 continue
             try:
-                with open(os.path.join(d, "config.json"), encoding="utf-8") as f:
-                    doc = json.load(f)
+                fd, st = _open_regular(p)  # a FIFO named config.json is skipped, never waited on
             except (OSError, ValueError):
                 continue
+            try:
+                if st.st_size > CONFIG_LIMIT:
+                    continue
+                doc = json.loads(os.pread(fd, CONFIG_LIMIT + 1, 0))
+            except (OSError, ValueError, RecursionError):
+                continue
+            finally:
+                os.close(fd)
             if isinstance(doc, dict) and doc.get("kvtiers_namespace") == 1 and isinstance(doc.get("fields"), dict):
                 out[str(doc.get("digest"))] = doc["fields"]
     return out
@@ -171,7 +267,8 @@ def scan(tier_type: str, config_text: str | None, config_file: str | None, as_js
     _options, dirs, keys = _setup(tier_type, config_text, config_file, need_keys=False)
     counts: Counter[tuple[str, str]] = Counter()
     sizes: Counter[tuple[str, str]] = Counter()
-    for f in sealed_files(dirs):
+    skipped: list[tuple[str, str]] = []
+    for f in sealed_files(dirs, skipped):
         counts[f.digest, f.key_id] += 1
         sizes[f.digest, f.key_id] += f.payload
     rows = []
@@ -179,8 +276,9 @@ def scan(tier_type: str, config_text: str | None, config_file: str | None, as_js
         who = _owner(kid, keys)
         rows.append({"namespace": ns, "key_id": kid, "status": who.status, "owner": who.label, "chunks": n,
                      "bytes": sizes[ns, kid]})
+    _report_skipped(skipped)
     if as_json:
-        click.echo(json.dumps({"tier": tier_type, "dirs": dirs, "rows": rows}, indent=1))
+        click.echo(json.dumps({"tier": tier_type, "dirs": dirs, "rows": rows, "skipped": len(skipped)}, indent=1))
         return
     click.echo(f"{'namespace':<18} {'key id':<34} {'status':<15} {'owner':<15} {'chunks':>8} {'bytes':>14}")
     for r in rows:
@@ -188,20 +286,27 @@ def scan(tier_type: str, config_text: str | None, config_file: str | None, as_js
                    f"{r['bytes']:>14}")
     if not rows:
         click.echo(f"no sealed chunks under {', '.join(dirs)}")
+    if skipped:
+        click.echo(f"skipped {len(skipped)} file(s) that are not regular or whose sealed header is forged")
 
 
 @encrypt.command()
 @_with_config
 def rewrite(tier_type: str, config_text: str | None, config_file: str | None, as_json: bool) -> None:
     """Seal every chunk under a retired key (in 'encrypt': 'retired', or a tenant's) again
-    under its owner's current key: load it through TYPE, remove its file, store it again (a
-    tenant's chunks as that tenant's). Chunks under key ids that are not configured are
-    counted, never touched."""
+    under its owner's current key: load it through TYPE, store it through TYPE opened on a
+    staging directory beside it, rename the new file over the old (a tenant's chunks as that
+    tenant's). The chunk's file is never missing, even if the rewrite is killed. Chunks under
+    key ids that are not configured are counted, never touched; files that are not regular
+    or whose header is forged are skipped and named."""
     options, dirs, keys = _setup(tier_type, config_text, config_file, need_keys=True)
+    for d in dirs:
+        _remove_stale_staging(d)
     ns_fields = namespaces(dirs)
     todo: dict[tuple[str, int, str | None], list[SealedFile]] = defaultdict(list)
     report: Counter[str] = Counter()
-    for f in sealed_files(dirs):
+    skipped: list[tuple[str, str]] = []
+    for f in sealed_files(dirs, skipped):
         who = _owner(f.key_id, keys)
         if who.status == "current":
             report["current"] += 1
@@ -209,6 +314,8 @@ def rewrite(tier_type: str, config_text: str | None, config_file: str | None, as
             todo[f.digest, f.payload, who.tenant].append(f)
         else:
             report["not_configured"] += 1
+    report["skipped"] = len(skipped)
+    _report_skipped(skipped)
     for (digest, payload, tenant), files in sorted(todo.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or "")):
         fields = ns_fields.get(digest)
         if fields is None:
@@ -224,40 +331,161 @@ def rewrite(tier_type: str, config_text: str | None, config_file: str | None, as
         ids = ", ".join(f"{who} {kid!r}" for who, kid in current.items())
         click.echo(f"rewritten {report['rewritten']} chunk(s) under the current key ids ({ids}); "
                    f"already current {report['current']}; failed {report['failed']}; "
-                   f"not configured {report['not_configured']}; no namespace {report['no_namespace']}")
+                   f"not configured {report['not_configured']}; no namespace {report['no_namespace']}; "
+                   f"skipped {report['skipped']}")
     if report["failed"]:
         raise SystemExit(1)
 
 
+def _staging_name() -> str:
+    return f"{STAGING_PREFIX}{os.getpid()}@{socket.gethostname()}"
+
+
+def _remove_stale_staging(root: str) -> None:
+    """Remove the staging directories under ``root`` that rewrites of this host killed before
+    their end left behind (their pid is no longer alive here). What they hold are copies: every
+    chunk's own path kept a whole chunk."""
+    try:
+        entries = [e for e in os.scandir(root) if e.name.startswith(STAGING_PREFIX)]
+    except OSError:
+        return
+    for e in entries:
+        pid, _, host = e.name[len(STAGING_PREFIX):].partition("@")
+        if host != socket.gethostname() or not pid.isdigit() or not e.is_dir(follow_symlinks=False):
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive: another rewrite's
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(e.path, ignore_errors=True)
+
+
 def _rewrite(tier_type: str, options: dict[str, Any], fields: dict[str, Any], slot_bytes: int,
              files: list[SealedFile], report: Counter[str], tenant: str | None = None) -> None:
-    """Load, remove, store again: ``files`` (one namespace, one slot size, one owner:
-    ``tenant``, None for the default key) in batches."""
-    from ..encryption.tenants import note_tenant
-    from ..integrations.blocking import BlockingTier
-    from ..registry import open_tier
-    from ..types import Arena, Namespace, TierContext
-
-    ctx = TierContext(Arena.allocate(BATCH, slot_bytes), Namespace(fields))
-    handle = open_tier(tier_type, options, ctx)
-    tier = BlockingTier(handle)
+    """Load, store aside, rename over: ``files`` (one namespace, one slot size, one owner:
+    ``tenant``, None for the default key) in batches of at most :data:`BATCH` chunks and
+    :data:`BATCH_BYTES`. Whatever fails (a load, a store, opening the tier) leaves the files
+    it concerns as they are, is counted in ``failed`` and said on stderr; the rest go on."""
+    handled = 0
     try:
-        for i in range(0, len(files), BATCH):
-            part = files[i:i + BATCH]
-            note_tenant(handle, [f.key for f in part], tenant)
-            r = tier.run("load", [f.key for f in part], range(len(part)))
-            ok = [(s, f) for s, f in enumerate(part) if f.key not in r.failed_keys]
-            report["failed"] += len(part) - len(ok)
-            if r.failed_keys:
-                click.echo(f"load failed, left as is: {r.error}", err=True)
-            for _s, f in ok:
-                os.unlink(f.path)
-            if not ok:
-                continue
-            r = tier.run("store", [f.key for _s, f in ok], [s for s, _f in ok])
-            report["rewritten"] += len(ok) - len(r.failed_keys)
+        with _Rewriter(tier_type, options, fields, slot_bytes, tenant) as rw:
+            for i in range(0, len(files), rw.batch):
+                part = files[i:i + rw.batch]
+                rw.rewrite(part, report)
+                handled += len(part)
+    except Exception as e:  # noqa: BLE001 - one group that cannot be rewritten must not stop the others
+        report["failed"] += len(files) - handled
+        click.echo(f"namespace {files[0].digest}, chunks of {slot_bytes} bytes: {type(e).__name__}: {e}; "
+                   f"{len(files) - handled} chunk(s) left as they were", err=True)
+
+
+class _Rewriter:
+    """The tier opened on its directories (to load under the retired key) and on a staging
+    directory inside each (to store under the current key), over one arena of ``batch``
+    slots; the staging directories are removed at exit."""
+
+    def __init__(self, tier_type: str, options: dict[str, Any], fields: dict[str, Any], slot_bytes: int,
+                 tenant: str | None) -> None:
+        from ..integrations.blocking import BlockingTier
+        from ..registry import open_tier
+        from ..types import Arena, Namespace, TierContext
+
+        self.tenant, self.fsync = tenant, bool(options.get("fsync"))
+        self.batch = max(1, min(BATCH, BATCH_BYTES // slot_bytes))
+        arena, ns = Arena.allocate(self.batch, slot_bytes), Namespace(fields)
+        self.dirs = _dir_options(options)
+        self.staging = {k: os.path.join(v, _staging_name()) for k, v in self.dirs.items()}
+        self.src = self.dst = None
+        try:
+            for d in self.staging.values():
+                os.makedirs(d, exist_ok=True)
+            self.src = BlockingTier(open_tier(tier_type, options, TierContext(arena, ns)))
+            # the staging instance holds one batch at a time: no bound of its own to evict it by
+            aside = {k: v for k, v in options.items() if k != "max_bytes"} | self.staging
+            self.dst = BlockingTier(open_tier(tier_type, aside, TierContext(arena, ns)))
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> _Rewriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for t in (self.dst, self.src):
+            if t is not None:
+                t.close()
+        self.src = self.dst = None
+        for d in self.staging.values():
+            shutil.rmtree(d, ignore_errors=True)
+
+    def rewrite(self, part: list[SealedFile], report: Counter[str]) -> None:
+        """One batch: load, store aside, rename each new file over its old one."""
+        from ..encryption.tenants import note_tenant
+
+        assert self.src is not None and self.dst is not None
+        keys = [f.key for f in part]
+        note_tenant(self.src.handle, keys, self.tenant)
+        note_tenant(self.dst.handle, keys, self.tenant)
+        r = self.src.run("load", keys, range(len(part)))
+        ok = [(s, f) for s, f in enumerate(part) if f.key not in r.failed_keys]
+        report["failed"] += len(part) - len(ok)
+        if r.failed_keys:
+            click.echo(f"load failed, left as is: {r.error}", err=True)
+        if not ok:
+            return
+        r = self.dst.run("store", [f.key for _s, f in ok], [s for s, _f in ok])
+        if r.failed_keys:  # not renamed: the old files stay, still under the retired key
+            click.echo(f"store failed, {len(r.failed_keys)} chunk(s) left as they were: {r.error}", err=True)
             report["failed"] += len(r.failed_keys)
-            if r.failed_keys:  # removed and not stored again: a cache miss, said out loud
-                click.echo(f"store failed, {len(r.failed_keys)} chunk(s) dropped: {r.error}", err=True)
+        touched = set()
+        for _s, f in ok:
+            if f.key not in r.failed_keys:
+                report[_replace(f, self.dirs, self.staging)] += 1
+                touched.add(os.path.dirname(f.path))
+        if self.fsync:  # the renames, as durable as the tier's own stores
+            for d in touched:
+                _fsync_dir(d)
+
+
+def _replace(f: SealedFile, dir_opts: dict[str, str], staging: dict[str, str]) -> str:
+    """Rename the new copy of ``f`` from the staging directory over ``f``'s file; what
+    happened (a report key)."""
+    opt = next(k for k, v in dir_opts.items() if v == f.root)
+    new = os.path.join(staging[opt], os.path.relpath(f.path, f.root))
+    try:
+        st = os.lstat(new)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        click.echo(f"{f.path}: the tier stored no file at {new}; left as it was", err=True)
+        return "failed"
+    try:
+        old = os.lstat(f.path)
+    except FileNotFoundError:  # removed meanwhile (evicted by a cleaner, gc): not brought back
+        os.unlink(new)
+        return "gone"
+    if not stat.S_ISREG(old.st_mode):
+        os.unlink(new)
+        click.echo(f"{f.path}: {_kind(old.st_mode)} there now; left alone", err=True)
+        return "failed"
+    os.replace(new, f.path)
+    return "rewritten"
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
     finally:
-        tier.close()
+        os.close(fd)
