@@ -173,6 +173,30 @@ def test_bad_workloads_and_variants_one_line(args: list[str], says: str) -> None
     assert [ln for ln in p.stderr.splitlines() if says in ln] == [p.stderr.strip().splitlines()[-1]]  # one line
 
 
+def test_unknown_model_is_one_line_naming_the_shapes() -> None:
+    p = _kvtiers("--model", "no-such-shape")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "smollm2-135m" in p.stderr.strip().splitlines()[-1] and "--model" in p.stderr
+
+
+def test_shape_defaults_only_where_the_option_was_left_alone() -> None:
+    given = {"prefix_len": 4096, "gpu_blocks": 50, "cpu_bytes": 1, "tier_cpu_bytes": 2, "prefixes": "2",
+             "conversation_prefix_len": 2048}
+    out = bs.shape_defaults("smollm2-135m", given, lambda k: k != "gpu_blocks")
+    assert out["prefix_len"] == 1024 and out["prefixes"] == "2,8,24" and out["gpu_blocks"] == 50
+    assert bs.shape_defaults(None, given, lambda k: True) == given
+
+
+def test_named_shape_is_smollm2_135m() -> None:
+    from kvtiers.commands.tinymodel import SHAPES
+
+    s = SHAPES["smollm2-135m"]
+    assert (s["num_layers"], s["hidden_size"], s["num_heads"], s["num_kv_heads"], s["intermediate_size"]) == \
+        (30, 576, 9, 3, 1536)
+    # 22.5 KiB of bf16 KV per token: 30 layers x K,V x 3 heads x 64 x 2 bytes
+    assert s["num_layers"] * 2 * s["num_kv_heads"] * (s["hidden_size"] // s["num_heads"]) * 2 == 23040
+
+
 def test_missing_multi_turn_client_says_what_to_run(tmp_path) -> None:
     p = _kvtiers("--workloads", "prefix,multi-turn", "--multi-turn-client", str(tmp_path))
     assert p.returncode == 2 and "Traceback" not in p.stderr

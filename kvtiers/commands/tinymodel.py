@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["ARCHITECTURES", "build_dir", "make_tiny_model"]
+__all__ = ["ARCHITECTURES", "SHAPES", "build_dir", "make_named_model", "make_tiny_model"]
 
 #: the shapes this module makes: ``arch`` -> transformers' class name
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
@@ -29,6 +29,14 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mist
 _QWEN3_NEXT = dict(linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_num_key_heads=2,
                    linear_num_value_heads=4, linear_value_head_dim=64, num_experts=4, num_experts_per_tok=2,
                    moe_intermediate_size=128, shared_expert_intermediate_size=128, initializer_range=0.1)
+#: published models' shapes by name, made by :func:`make_named_model` with random weights and the
+#: local tokenizer (2048 tokens). ``smollm2-135m``: HuggingFaceTB/SmolLM2-135M's config (Llama,
+#: 30 layers, hidden 576, 9 heads, 3 KV heads, MLP 1536; 108.6M parameters with this vocabulary
+#: and an untied output layer): 22.5 KiB of bf16 KV per token
+SHAPES: dict[str, dict] = {
+    "smollm2-135m": dict(arch="llama", hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                         intermediate_size=1536, max_position_embeddings=8192),
+}
 _DONE = ".kvtiers-tinymodel"  # written last: a directory without it is incomplete
 
 
@@ -112,6 +120,15 @@ def make_tiny_model(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def make_named_model(name: str, out_dir: str | os.PathLike | None = None) -> Path:
+    """Make (or find in the cache) a model of the published shape ``name`` (a key of
+    :data:`SHAPES`, any case) and return its directory, as :func:`make_tiny_model` does."""
+    shape = SHAPES.get(name.lower())
+    if shape is None:
+        raise ValueError(f"no model shape named {name!r}: the shapes are {', '.join(sorted(SHAPES))}")
+    return make_tiny_model(out_dir, **shape)
 
 
 def _corpus(seed: int, lines: int = 4000) -> list[str]:

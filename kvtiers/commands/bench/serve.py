@@ -46,6 +46,37 @@ BENCH_FIELDS = ("request_throughput", "output_throughput", "mean_ttft_ms", "medi
                 "completed", "failed", "duration")
 #: the workloads: vLLM's ``vllm bench serve`` prefix repetition, vLLM's multi-turn client
 WORKLOADS = ("prefix", "multi-turn")
+#: what a named model shape (``--model NAME``, :data:`kvtiers.commands.tinymodel.SHAPES`) changes in
+#: the options left at their defaults: SmolLM2-135M's shape has 22.5 MiB of KV per 1024-token
+#: prefix, so 24 device blocks of 128 tokens hold 2 prompts, a 256 MiB arena 11 prefixes
+SHAPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {"prefix_len": 1024, "gpu_blocks": 24, "cpu_bytes": 256 << 20, "tier_cpu_bytes": 256 << 20,
+                     "prefixes": "2,8,24", "conversation_prefix_len": 1024},
+}
+
+
+def resolve_model(model: str | None) -> tuple[str, str | None]:
+    """``--model``: a shape name (made on first use), a model directory, or None (the tiny
+    Llama); the directory and the shape's name (None for a directory). ``ValueError``: neither."""
+    from ..tinymodel import SHAPES, make_named_model, make_tiny_model
+
+    if model is None:
+        return str(make_tiny_model()), None
+    if model.lower() in SHAPES:
+        return str(make_named_model(model)), model.lower()
+    if os.path.isdir(model):
+        return model, None
+    raise ValueError(f"--model {model!r} is neither a model shape ({', '.join(sorted(SHAPES))}) nor a directory")
+
+
+def shape_defaults(shape: str | None, given: dict[str, Any], is_default: Any) -> dict[str, Any]:
+    """``given`` (option -> value) with a shape's defaults (:data:`SHAPE_DEFAULTS`) for the
+    options ``is_default(name)`` says the user left alone."""
+    out = dict(given)
+    for k, v in SHAPE_DEFAULTS.get(shape or "", {}).items():
+        if k in out and is_default(k):
+            out[k] = v
+    return out
 
 
 @dataclass
@@ -288,7 +319,10 @@ def run_bench_serve(configs: list[sr.Config], settings: sr.ServeSettings, prefix
               help="A named copy of configuration CONFIG with these kv_connector_extra_config keys (retry_wait_ms "
                    "and a \"tier\" object go to its secondary tier entry), measured in the same interleaved run, "
                    "e.g. 'fs-nowait=fs:{\"kvtiers_promotion_wait_ms\": 0, \"retry_wait_ms\": 0}'.")
-@click.option("--model", default=None, help="Model directory (default: the tiny local Llama).")
+@click.option("--model", default=None,
+              help="A model shape made locally on first use (smollm2-135m: SmolLM2-135M's config, random weights; "
+                   "its own defaults for --prefix-len, --gpu-blocks, --cpu-bytes, --tier-cpu-bytes, --prefixes) "
+                   "or a model directory (default: the tiny local Llama).")
 @click.option("--tier-config", "tier_config", multiple=True, metavar="NAME=JSON",
               help="Extra keys of a tier's secondary_tiers entry, e.g. fs='{\"verify\": true}'.")
 @click.option("--serve-arg", "serve_args", multiple=True, help="One more argument for every vllm serve.")
@@ -349,16 +383,27 @@ def serve(tiers: str, peer: bool, configs: str | None, prefixes: str, concurrenc
         if not isinstance(val, dict):
             raise click.BadParameter(f"{item!r} is not NAME=JSON-object", param_hint="--tier-config")
         extra[name.strip()] = val
+    from ..tinymodel import SHAPES
+
+    shape = model.lower() if model is not None and model.lower() in SHAPES else None
+    if model is not None and shape is None and not os.path.isdir(model):
+        raise click.BadParameter(f"{model!r} is neither a model shape ({', '.join(sorted(SHAPES))}) nor a directory",
+                                 param_hint="--model")
+    ctx = click.get_current_context()
+    opts = shape_defaults(shape, {"prefix_len": prefix_len, "gpu_blocks": gpu_blocks, "cpu_bytes": cpu_bytes,
+                                  "tier_cpu_bytes": tier_cpu_bytes, "prefixes": prefixes,
+                                  "conversation_prefix_len": conversation_prefix_len},
+                          lambda k: ctx.get_parameter_source(k) is click.core.ParameterSource.DEFAULT)
+    prefix_len, gpu_blocks, cpu_bytes, tier_cpu_bytes, prefixes, conversation_prefix_len = (
+        opts["prefix_len"], opts["gpu_blocks"], opts["cpu_bytes"], opts["tier_cpu_bytes"], opts["prefixes"],
+        opts["conversation_prefix_len"])
     p_list, c_list = _ints(prefixes, "--prefixes"), _ints(concurrency, "--concurrency")
     if plot_file:
         serve_report.require_plot()
     from ..requires import require
 
     require("kvtiers bench serve", "vllm")
-    if model is None:
-        from ..tinymodel import make_tiny_model
-
-        model = str(make_tiny_model())
+    model, _ = resolve_model(model)
     settings = sr.ServeSettings(model=model, prefix_len=prefix_len, suffix_len=suffix_len, output_len=output_len,
                                 per_prefix=requests_per_prefix, gpu_blocks=gpu_blocks, cpu_bytes=cpu_bytes,
                                 tier_cpu_bytes=tier_cpu_bytes,
