@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import subprocess
+import sys
 import time
 
 import pytest
@@ -473,3 +475,28 @@ def test_older_cryptography_without_the_into_calls(tmp_path):
         out = memoryview(bytearray(8192))
         assert open_into(ring, b"\1" * 8, b"k", sealed, out) == kr.current
         assert bytes(out) == bytes(data)
+
+
+def test_a_fifo_or_a_device_as_key_file_is_a_one_line_error_not_a_hang(tmp_path):
+    """Issue 44 item 10: ``key_file`` naming a FIFO (nobody writing it) or a device: opening
+    the tier in a real child process is a one-line error at once, never a hang in ``open()``."""
+    fifo = tmp_path / "key.fifo"
+    os.mkfifo(fifo)
+    script = (
+        "import sys\n"
+        "from kvtiers import Arena, ConfigError, Namespace, TierContext, open_tier\n"
+        "ctx = TierContext(Arena.allocate(2, 4096), Namespace({}))\n"
+        "try:\n"
+        "    open_tier('fs', {'root_dir': sys.argv[1], 'encrypt': {'key_file': sys.argv[2]}}, ctx)\n"
+        "except ConfigError as e:\n"
+        "    print(e)\n"
+        "    sys.exit(3)\n"
+    )
+    for path in (str(fifo), "/dev/zero"):
+        try:
+            out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "kv"), path],
+                                 capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"open_tier with key_file {path} hung")
+        assert out.returncode == 3, out.stderr
+        assert out.stdout.strip() == f"tier 'fs': encrypt: key_file {path!r} is not a regular file"

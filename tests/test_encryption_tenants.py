@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import logging
 import pathlib
+import re
 import shutil
 import time
 
@@ -286,3 +287,155 @@ def test_the_tenant_book_is_bounded_and_marks_conflicts():
     assert book.get(b"a") is CONFLICT and book.conflicts == 1
     book.note([b"a"], "t")  # stays a conflict
     assert book.get(b"a") is CONFLICT and book.conflicts == 1
+
+
+# -- the tenant of a job is the job's, not the book's -------------------------------------------
+
+def test_a_store_in_waves_stays_its_tenants_after_the_book_forgot_it(tmp_path, keys):
+    """Issue 44 item 3: alice's store of 8 chunks through a 4-slot arena runs in two waves;
+    between them bob looks up 70,000 keys (more than the tenant book holds), so the book no
+    longer knows alice's keys when the second wave reaches the tier. Every chunk must still be
+    sealed under alice's key and bound to her: none under the default key for nobody."""
+    root = tmp_path / "kv"
+    enc = {"key_file": keys["default"], "key_id": "default-1", **_tenants(keys)}
+    a_keys = [_tkey(i, "alice") for i in range(8)]
+    mgr, kv, _ = make_manager(4, tiers=[("fs", {"root_dir": str(root), "encrypt": enc})], kv=kv_caches(0))
+    try:
+        sealed = mgr.tiers[0].handle.hooks
+        assert sealed.book.capacity < 70_000
+        tid = mgr.store(a_keys, [chunk_blocks(i) for i in range(8)], tenant="alice")
+        assert mgr._stores.pending() == 1  # the second wave waits for the first wave's slots
+        mgr.lookup([f"bob-probe-{i}".encode() for i in range(70_000)], tenant="bob")
+        assert sealed.book.get(a_keys[-1]) is None  # the book forgot alice's keys
+        (res,) = mgr.wait([tid], timeout=20)
+        assert not res.skipped_keys and not res.failed_keys
+        settle(mgr)
+        assert sealed.tenant_stats[tenant_label("alice"), "sealed"] == 8
+        want = blocks_of(kv, range(16))
+    finally:
+        mgr.close(timeout=5)
+    assert _kids(root) == {"alice-1": 8}  # none under the default key
+    for tenant in (None, "bob"):  # nobody else opens any of them, not even under the default key
+        mgr, kv2, _ = _manager(root, enc, seed=2)
+        try:
+            _look, res = _reload(mgr, kv2, a_keys[:4], 0, tenant)
+            assert set(res.failed_keys) == set(a_keys[:4]), tenant
+            _look, res = _reload(mgr, kv2, a_keys[4:], 4, tenant)
+            assert set(res.failed_keys) == set(a_keys[4:]), tenant
+        finally:
+            mgr.close(timeout=5)
+    mgr, kv3, _ = _manager(root, enc, seed=3)
+    try:
+        for half in (0, 4):
+            _look, res = _reload(mgr, kv3, a_keys[half:half + 4], half, "alice")
+            assert not res.failed_keys
+        assert all(t.equal(w) for t, w in zip(blocks_of(kv3, range(16)), want, strict=True))
+    finally:
+        mgr.close(timeout=5)
+
+
+# -- a failed load leaves the caller's slot as it was -------------------------------------------
+
+@pytest.mark.parametrize("shared", ["single key", "unknown_tenant default"])
+def test_a_failed_load_under_a_shared_key_leaves_no_plaintext_in_the_slot(tmp_path, keys, shared):
+    """Issue 44 item 4: two tenants under one AES key (a single-key option, as vLLM runs with
+    one; or ``unknown_tenant: "default"``). In a tier opened again (its book empty), a
+    no-tenant and bob's load of alice's chunks (keys not salted) fail authentication, and the
+    slots they were to fill hold what they held before: none of alice's bytes, for a small
+    job (opened on the caller's thread) and a big one (on the wrapper's threads). The
+    staging slots keep none either."""
+    from test_encryption import _pattern
+
+    from kvtiers import Arena, Job, Namespace, TierContext, open_tier
+    from kvtiers.encryption.tenants import as_tenant
+
+    enc = ({"key_file": keys["default"]} if shared == "single key"
+           else {"key_file": keys["default"], "unknown_tenant": "default", "tenants": {
+               "carol": {"key_file": keys["alice"]}}})
+    slot = 64 << 10
+    ctx = TierContext(Arena.allocate(16, slot), Namespace({"model": "m"}))
+    ks = [f"shared-{i}".encode() for i in range(8)]  # unsalted keys: the same for every tenant
+
+    def tier():
+        return open_tier("fs", {"root_dir": str(tmp_path / "kv"), "encrypt": enc}, ctx)
+
+    h = tier()
+    try:
+        for i in range(8):
+            ctx.arena[i][:] = _pattern(i, slot)
+        with as_tenant(h, "alice"):
+            h.submit_store(Job(1, tuple(ks), tuple(range(8))))
+        assert _wait_job(h, 1).ok
+    finally:
+        h.close()
+    h = tier()
+    try:
+        jid = 1
+        for tenant in (None, "bob"):
+            for part in (ks[:2], ks[2:]):  # 128 KiB: inline; 384 KiB: on the wrapper's threads
+                slots = tuple(range(8, 8 + len(part)))
+                for s in slots:
+                    ctx.arena[s][:] = b"\xa5" * slot
+                jid += 1
+                with as_tenant(h, tenant):
+                    h.submit_load(Job(jid, tuple(part), slots))
+                res = _wait_job(h, jid)
+                assert set(res.failed_keys) == set(part), (tenant, res)
+                for s in slots:
+                    assert bytes(ctx.arena[s]) == b"\xa5" * slot, (tenant, s)
+        assert h.hooks.stats["open_failed_auth"] == 16 and h.hooks.stats["opened"] == 0
+        assert b"KVTIERS-PLAINTEXT-MARKER" not in bytes(h.hooks.staging.buffer)
+    finally:
+        h.close()
+    h = tier()
+    try:  # alice's own loads open, byte for byte
+        with as_tenant(h, "alice"):
+            h.submit_load(Job(99, tuple(ks), tuple(range(8, 16))))
+        assert _wait_job(h, 99).ok
+        assert all(bytes(ctx.arena[8 + i]) == _pattern(i, slot) for i in range(8))
+    finally:
+        h.close()
+
+
+def _wait_job(h, jid: int, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for r in h.get_finished_jobs():
+            if r.job_id == jid:
+                return r
+        time.sleep(0.001)
+    raise AssertionError(f"job {jid} not reported within {timeout} s")
+
+
+def test_one_key_for_two_owners_under_any_ids_is_an_error_at_open(tmp_path, keys, monkeypatch):
+    """Issue 44 item 12: the same key bytes configured for two owners (two tenants, a tenant
+    and the default key, a tenant's current and another's retired key), under distinct key
+    ids and in different encodings (raw file, hex file, environment variable), is refused
+    when the tier opens: one line, naming the entries, never the key."""
+    from kvtiers import Arena, Namespace, TierContext, open_tier
+
+    raw = pathlib.Path(keys["alice"]).read_bytes()
+    hexed = tmp_path / "alice-hex"
+    hexed.write_text(raw.hex() + "\n")
+    hexed.chmod(0o600)
+    monkeypatch.setenv("KVTIERS_TEST_ALICE_AGAIN", raw.hex())
+    alice = {"key_file": keys["alice"], "key_id": "alice-1"}
+    cases = [
+        ({"tenants": {"alice": alice, "bob": {"key_file": str(hexed), "key_id": "bob-1"}}},
+         "for tenant 'alice' (key id 'alice-1') and for tenant 'bob' (key id 'bob-1')"),
+        ({"tenants": {"alice": alice, "bob": {"key_env": "KVTIERS_TEST_ALICE_AGAIN"}}}, "and for tenant 'bob'"),
+        ({"tenants": {"alice": alice, "bob": {"key_file": keys["bob"], "key_id": "bob-2",
+                                              "retired": [{"key_file": str(hexed), "key_id": "bob-1"}]}}},
+         "for tenant 'alice' (key id 'alice-1') and for tenant 'bob' (key id 'bob-1')"),
+        ({"key_file": str(hexed), "key_id": "d-1", "tenants": {"alice": alice}},
+         "for the default key (key id 'd-1') and for tenant 'alice' (key id 'alice-1')"),
+    ]
+    for enc, msg in cases:
+        ctx = TierContext(Arena.allocate(2, 4096), Namespace({}))
+        with pytest.raises(ConfigError, match=re.escape(msg)) as e:
+            open_tier("fs", {"root_dir": str(tmp_path / "kv"), "encrypt": enc}, ctx)
+        text = str(e.value)
+        assert "\n" not in text and text.startswith("tier 'fs': encrypt: one key is configured")
+        assert raw.hex() not in text and raw.hex().upper() not in text
+    # one owner's own key under two ids (current and retired) is not two owners: accepted
+    TenantKeys.from_spec({"tenants": {"alice": {**alice, "retired": [{"key_file": str(hexed), "key_id": "a-0"}]}}})

@@ -5,7 +5,9 @@ Any tier's options accept ``"encrypt": {...}`` (docs/security.md).
 a :class:`Sealing` opens the tier on a *staging arena* of slots one page bigger than the caller's, and
 puts a :class:`SealedTier` in front of it. A store seals ``arena[slot]`` into a staging slot
 with AES-256-GCM and hands the staging slot to the tier; a load lets the tier fill a staging
-slot, then opens it into ``arena[slot]``. The tier stores and loads opaque slots, as always.
+slot, then opens it there and copies the plaintext into ``arena[slot]`` only once the tag
+verified (a failed key's slot is left as it was). The tier stores and loads opaque slots,
+as always.
 
 A sealed slot (``slot_bytes + 4096`` bytes)::
 
@@ -29,12 +31,14 @@ Layer 1: no torch, no engine. ``cryptography`` is the ``encrypt`` extra.
 from __future__ import annotations
 
 import collections
+import contextlib
+import ctypes
 import logging
 import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -42,7 +46,7 @@ from ..errors import ConfigError
 from ..hookspecs import hookimpl
 from ..types import PAGE, Arena, Job, JobResult, Lookup, TierContext, accept_job, drain
 from .keys import EXTRA_HINT, KEY_BYTES, MAX_KEY_ID, Keyring, KeySpec, key_fingerprint
-from .tenants import CONFLICT, MIN_BOOK_KEYS, TenantBook, TenantKeys, tenant_aad, tenant_label
+from .tenants import CONFLICT, MIN_BOOK_KEYS, TenantBook, TenantKeys, check_tenant, tenant_aad, tenant_label
 
 __all__ = [
     "EXTRA_HINT", "HEADER", "KEY_BYTES", "MAGIC", "OVERHEAD", "KeySpec", "Keyring", "OpenFailed", "SealedTier",
@@ -125,10 +129,15 @@ def read_header(buf: memoryview | bytes) -> tuple[str, bytes, int, str] | None:
 
 
 def open_into(keyring: Keyring, digest8: bytes, key: bytes, sealed: memoryview, out: memoryview,
-              tenant: str | None = None) -> str:
+              tenant: str | None = None, *, in_place: bool = False) -> str:
     """Check and decrypt the sealed copy of ``key`` (sealed for ``tenant``) into ``out``;
-    return the key id it was sealed under. Raises :class:`OpenFailed` (``out`` may then hold
-    anything): a chunk sealed for another tenant, or for none, fails authentication."""
+    return the key id it was sealed under. Raises :class:`OpenFailed`: a chunk sealed for
+    another tenant, or for none, fails authentication.
+
+    ``out`` is written only once the GCM tag verified: a chunk that fails leaves it as it
+    was (never the plaintext of a chunk sealed for someone else under the same key).
+    ``in_place``: decrypt within ``sealed`` (writable scratch: the wrapper's staging slot,
+    whose payload is wiped if the tag fails) and copy; else into a new buffer."""
     n = len(out)
     h = HEADER.size
     head = bytes(sealed[:h])
@@ -153,14 +162,70 @@ def open_into(keyring: Keyring, digest8: bytes, key: bytes, sealed: memoryview, 
         raise OpenFailed("auth", "sealed chunk failed authentication (bytes after the tag)")
     aad = head + tenant_aad(tenant)
     try:
-        if hasattr(cipher, "decrypt_into"):
-            cipher.decrypt_into(nonce, sealed[h:end], aad, out)
-        else:
-            out[:] = cipher.decrypt(nonce, sealed[h:end].tobytes(), aad)
+        if in_place and hasattr(cipher, "decrypt_into") and _in_place_works():
+            payload = sealed[h:h + n]
+            try:
+                cipher.decrypt_into(nonce, sealed[h:end], aad, payload)
+            except Exception:  # the cipher wrote plaintext before it checked the tag: gone
+                _wipe(payload)
+                raise
+            _copy(out, payload)
+        else:  # decrypt() returns nothing unless the tag verifies
+            _copy(out, memoryview(cipher.decrypt(nonce, sealed[h:end].tobytes(), aad)))
     except Exception as e:  # cryptography's InvalidTag
         raise OpenFailed("auth", f"sealed chunk failed authentication under key id {kid!r} "
                                  f"(tampered, another key under that id, or sealed for another tenant)") from e
     return kid
+
+
+#: copies of at least this many bytes go through ``memmove`` with the GIL released
+_MEMMOVE_BYTES = 64 << 10
+_in_place: list[bool] = []
+
+
+def _address(buf: memoryview) -> int:
+    """The address of a writable, contiguous buffer (the ctypes view is dropped at once)."""
+    view = ctypes.c_char.from_buffer(buf)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src``; a big copy without holding the GIL (opening runs on several threads)."""
+    n = len(src)
+    if n >= _MEMMOVE_BYTES and not dst.readonly and dst.contiguous and src.contiguous and not src.readonly:
+        ctypes.memmove(_address(dst), _address(src), n)
+    else:
+        dst[:] = src
+
+
+def _wipe(buf: memoryview) -> None:
+    if len(buf) >= _MEMMOVE_BYTES and buf.contiguous:
+        ctypes.memset(_address(buf), 0, len(buf))
+    else:
+        buf[:] = bytes(len(buf))
+
+
+def _in_place_works() -> bool:
+    """Whether this ``cryptography`` decrypts a buffer onto itself (checked once per process:
+    OpenSSL allows it; a binding that refused or garbled it would fail every load)."""
+    if not _in_place:
+        from .keys import _aesgcm
+
+        try:
+            c = _aesgcm()(bytes(range(32)))
+            nonce, data = bytes(NONCE_BYTES), bytes(range(256)) * 257
+            buf = memoryview(bytearray(c.encrypt(nonce, data, b"aad")))
+            c.decrypt_into(nonce, buf, b"aad", buf[:len(data)])
+            ok = bytes(buf[:len(data)]) == data
+        except Exception:
+            ok = False
+        if not ok:
+            log.info("kvtiers encrypt: this cryptography does not decrypt in place; opening through a copy")
+        _in_place.append(ok)
+    return _in_place[0]
 
 
 # -- the wrapper ----------------------------------------------------------------------------
@@ -196,8 +261,11 @@ class SealedTier:
     ``tenant_stats`` counts chunks sealed and opened by ``(tenant label, op)``.
 
     ``keys``: a :class:`Keyring` (one key for every chunk) or a
-    :class:`~kvtiers.encryption.tenants.TenantKeys`. The engine tells it whose keys are whose
-    with :meth:`note_tenant` (docs/security.md#tenants); a key never noted has no tenant."""
+    :class:`~kvtiers.encryption.tenants.TenantKeys`. The engine passes the tenant with each
+    call (:meth:`tenant_scope`: the lookups and jobs inside it are that tenant's, or no
+    tenant's); a caller driving the tier itself may note keys' tenants instead
+    (:meth:`note_tenant`) right before it submits them: a key never noted has no tenant
+    (docs/security.md#tenants)."""
 
     def __init__(self, inner: Any, ctx: TierContext, keys: Keyring | TenantKeys, *, threads: int = 4) -> None:
         self.inner = inner
@@ -224,6 +292,8 @@ class SealedTier:
         self.stats: collections.Counter[str] = collections.Counter()
         self.tenant_stats: collections.Counter[tuple[str, str]] = collections.Counter()
         self._labels: dict[str, str] = {}
+        #: the tenant of this thread's calls inside :meth:`tenant_scope`: ``(tenant,)``
+        self._scope = threading.local()
         from ..metrics import tier_metrics
 
         m = tier_metrics(ctx)
@@ -240,6 +310,43 @@ class SealedTier:
         (called by the engine before it stores or loads them; a no-op for None)."""
         if tenant is not None:
             self.book.note(keys, tenant)
+
+    @contextlib.contextmanager
+    def tenant_scope(self, tenant: str | None) -> Iterator[None]:
+        """Inside the block, this thread's lookups and submitted jobs are ``tenant``'s (None:
+        no tenant's), whatever was noted: the tenant travels with the call, so a job's keys
+        are sealed or opened for it however long ago they were noted. The keys are noted for
+        ``tenant`` too, and a key noted for another tenant is a conflict (offloaded for
+        neither), as with :meth:`note_tenant`."""
+        check_tenant(tenant)
+        prev = getattr(self._scope, "tenant", None)
+        self._scope.tenant = (tenant,)
+        try:
+            yield
+        finally:
+            self._scope.tenant = prev
+
+    def _selector(self, keys: Sequence[bytes]) -> Callable[[bytes], tuple[Keyring, str | None] | str] | None:
+        """How this call picks each key's keys and tenant (see :meth:`_select`), or None:
+        every key under the default keys with no tenant."""
+        scoped = getattr(self._scope, "tenant", None)
+        if scoped is None:  # no tenant given with the call: the book's
+            return None if self._plain() else self._select
+        tenant = scoped[0]
+        if tenant is not None:
+            self.book.note(keys, tenant)
+        elif self._plain():
+            return None
+        kr = self.keys.keyring_for(tenant)
+        get = self.book.get
+
+        def select(key: bytes) -> tuple[Keyring, str | None] | str:
+            noted = get(key)
+            if noted is not None and noted != tenant:  # CONFLICT, or another tenant's
+                return "conflict"
+            return "skipped" if kr is None else (kr, tenant)
+
+        return select
 
     def _select(self, key: bytes) -> tuple[Keyring, str | None] | str:
         """The keys and tenant of ``key``, or why it is not offloaded (``"skipped"``: its
@@ -267,9 +374,10 @@ class SealedTier:
     # -- hooks ------------------------------------------------------------------------------
     @hookimpl
     def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
-        if self._plain():
+        select = self._selector(keys)
+        if select is None:
             return self.inner.lookup(keys)
-        sel = [self._select(k) for k in keys]
+        sel = [select(k) for k in keys]
         ask = [k for k, s in zip(keys, sel, strict=True) if not isinstance(s, str)]
         answers = iter(self.inner.lookup(ask) if ask else ())
         return [Lookup.MISS if isinstance(s, str) else next(answers) for s in sel]
@@ -333,19 +441,21 @@ class SealedTier:
         if not job.keys:
             self._finish(outer)
             return
-        if not self._plain():
-            self._select_keys(outer)
+        select = self._selector(job.keys)
+        if select is not None:
+            self._select_keys(outer, select)
             if not outer.todo:  # every key skipped: finished already
                 return
         self._waiting.append(outer)
         self._drive()
 
-    def _select_keys(self, outer: _Outer) -> None:
-        """Pick each key's keys and tenant; fail the keys that are not offloaded, saying why."""
+    def _select_keys(self, outer: _Outer, select: Callable[[bytes], tuple[Keyring, str | None] | str]) -> None:
+        """Pick each key's keys and tenant (once, when the job comes: the job keeps them);
+        fail the keys that are not offloaded, saying why."""
         keep: collections.deque[tuple[bytes, int]] = collections.deque()
         out: dict[str, list[bytes]] = {}
         for k, s in outer.todo:
-            r = self._select(k)
+            r = select(k)
             if isinstance(r, str):
                 out.setdefault(r, []).append(k)
             else:
@@ -422,7 +532,7 @@ class SealedTier:
         for k, s, t in items:
             kr, tenant = sel.get(k, default) if sel else default
             try:
-                open_into(kr, d8, k, staging[t], arena[s], tenant)
+                open_into(kr, d8, k, staging[t], arena[s], tenant, in_place=True)
             except OpenFailed as e:
                 errs.append((k, e.reason, str(e)))
             except Exception as e:

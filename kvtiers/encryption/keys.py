@@ -42,6 +42,17 @@ def _aesgcm() -> Any:
 
 # -- keys ---------------------------------------------------------------------------------
 
+#: the key of :func:`key_digest`: random per process, so a digest is comparable within one
+#: process only and says nothing about the key anywhere else
+_DIGEST_KEY = os.urandom(32)
+
+
+def key_digest(key: bytes) -> bytes:
+    """A keyed digest of ``key`` (HMAC-SHA-256 under a random per-process key): equal for
+    equal keys, so two configured keys can be compared without keeping or showing either."""
+    return hmac.new(_DIGEST_KEY, key, hashlib.sha256).digest()
+
+
 def key_fingerprint(key: bytes) -> str:
     """The default key id of ``key``: ``fp-`` and 16 hex digits of an HMAC of a constant
     under the key (reveals nothing about the key; the same key gives the same id)."""
@@ -67,16 +78,26 @@ def _parse_key_bytes(raw: bytes, what: str) -> bytes:
 
 
 def _read_key_file(path: Any) -> bytes:
+    """The key in the regular file ``path``. Opened without blocking (``O_NONBLOCK``: a FIFO
+    or a device opens at once) and checked to be a regular file before a byte is read, so
+    a FIFO, a socket or a terminal is a one-line error, never a hang."""
     if not isinstance(path, str) or not path:
         raise ConfigError(f"encrypt: 'key_file' expects a path, got {type(path).__name__}")
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise ConfigError(f"encrypt: key_file {path!r} is not a regular file")
+        fd = os.open(path, flags)
+    except OSError as e:
+        raise ConfigError(f"encrypt: cannot read key_file {path!r}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"encrypt: key_file {path!r} is not a regular file")
+        with open(fd, "rb", closefd=False) as f:
             raw = f.read(4 * KEY_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"encrypt: cannot read key_file {path!r}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
     if st.st_mode & 0o077:
         log.warning("kvtiers encrypt: key_file %s is readable by group or others (mode %o)", path,
                     stat.S_IMODE(st.st_mode))
@@ -128,11 +149,14 @@ class Keyring:
     ones (loads only), by key id. The key bytes live only inside the AESGCM objects and are
     never printed: ``repr`` shows ids and sources."""
 
-    def __init__(self, current: str, ciphers: Mapping[str, Any], specs: Mapping[str, KeySpec]) -> None:
+    def __init__(self, current: str, ciphers: Mapping[str, Any], specs: Mapping[str, KeySpec],
+                 digests: Mapping[str, bytes] | None = None) -> None:
         self.current = current
         self._ciphers = dict(ciphers)
         self.specs = dict(specs)
         self.current_kid = current.encode("ascii")
+        #: key id -> :func:`key_digest` of its key (to tell one key configured twice)
+        self.digests = dict(digests or {})
 
     @property
     def retired(self) -> list[str]:
@@ -161,6 +185,7 @@ class Keyring:
         current_spec = {k: v for k, v in spec.items() if k not in _SPEC_FIELDS or k in (*_KEY_FIELDS, "key_id")}
         ciphers: dict[str, Any] = {}
         specs: dict[str, KeySpec] = {}
+        digests: dict[str, bytes] = {}
         current = ""
         for i, one in enumerate([current_spec, *retired]):
             where = "encrypt" if i == 0 else f"encrypt: retired[{i - 1}]"
@@ -171,9 +196,10 @@ class Keyring:
                 raise ConfigError(f"{where}: key id {kid!r} is configured twice")
             ciphers[kid] = AESGCM(key)
             specs[kid] = KeySpec(kid, source)
+            digests[kid] = key_digest(key)
             if i == 0:
                 current = kid
-        return cls(current, ciphers, specs)
+        return cls(current, ciphers, specs, digests)
 
 
 def _load_one(one: Mapping[str, Any], where: str,

@@ -9,14 +9,16 @@ An ``"encrypt"`` option may hold, besides the default key, a key per tenant
 
 A tenant is a string the engine knows per request (vLLM: the request's ``cache_salt``;
 :class:`kvtiers.engine.manager.TieringManager`: the ``tenant=`` of ``lookup``, ``store`` and
-``load``). The engine notes the chunk keys of a request with its tenant
-(:func:`note_tenant`); the sealing wrapper looks each key's tenant up in its
-:class:`TenantBook` when it stores or loads it, and :meth:`TenantKeys.keyring_for` picks the
-keys: the tenant's own, or for a tenant with none, per ``unknown_tenant``, nothing (``"skip"``:
-the chunk is not offloaded, and a load of it fails) or the default key (``"default"``). The
-tenant is bound into the chunk's associated data, so a chunk sealed for one tenant fails
-authentication for any other, whatever key both use. Tenant names never reach logs, errors at
-run time, metrics or the medium: :func:`tenant_label` stands for them.
+``load``). The engine passes it with every lookup and job it makes on a tier
+(:func:`as_tenant`: the job's keys are that tenant's, or no tenant's, for as long as the job
+runs, however many waves it takes); a caller driving a tier itself may instead note keys'
+tenants (:func:`note_tenant`) in the wrapper's bounded :class:`TenantBook` right before it
+submits them. :meth:`TenantKeys.keyring_for` picks the keys: the tenant's own, or for a
+tenant with none, per ``unknown_tenant``, nothing (``"skip"``: the chunk is not offloaded,
+and a load of it fails) or the default key (``"default"``). The tenant is bound into the
+chunk's associated data, so a chunk sealed for one tenant fails authentication for any
+other, whatever key both use. Tenant names never reach logs, errors at run time, metrics or
+the medium: :func:`tenant_label` stands for them.
 
 Layer 1: no torch, no engine.
 """
@@ -24,8 +26,9 @@ Layer 1: no torch, no engine.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
@@ -150,9 +153,11 @@ def _tenant_keyring(name: Any, entry: Any, providers: Mapping[str, Callable[[dic
 
 
 def _check_distinct(default: Keyring | None, tenants: Mapping[str, Keyring]) -> None:
-    """Every key id (hence every key: a default key id is the key's fingerprint) belongs to
-    one owner: a key shared by two tenants would not keep them apart."""
+    """Every key belongs to one owner (the default key or one tenant), by its id and by its
+    bytes (compared by :func:`~kvtiers.encryption.keys.key_digest`, never shown): a key
+    shared by two owners, under any ids, current or retired, would not keep them apart."""
     owner: dict[str, str] = {}
+    by_digest: dict[bytes, tuple[str, str]] = {}
     rings: list[tuple[str, Keyring]] = [("the default key", default)] if default is not None else []
     rings += [(f"tenant {t[:40]!r}", kr) for t, kr in tenants.items()]
     for who, kr in rings:
@@ -161,14 +166,20 @@ def _check_distinct(default: Keyring | None, tenants: Mapping[str, Keyring]) -> 
                 raise ConfigError(f"encrypt: key id {kid!r} is configured for {owner[kid]} and for {who}: "
                                   "give each tenant a key (and key id) of its own")
             owner[kid] = who
+        for kid, digest in kr.digests.items():
+            first = by_digest.get(digest)
+            if first is not None and first[0] != who:
+                raise ConfigError(f"encrypt: one key is configured for {first[0]} (key id {first[1]!r}) and for "
+                                  f"{who} (key id {kid!r}): give each tenant a key of its own")
+            by_digest.setdefault(digest, (who, kid))
 
 
 class TenantBook:
-    """Chunk key -> tenant, as the engine noted them (:meth:`note`), for the sealing wrapper to
-    look up when it stores or loads a key. Bounded (least recently noted first out) at
-    ``capacity`` keys: the engine notes a request's keys before it stores or loads them, and
-    at most an arena's worth are in flight. A key noted for two different tenants is
-    :data:`CONFLICT` (offloaded for neither) until it is forgotten."""
+    """Chunk key -> tenant, as noted (:meth:`note`, and every call inside
+    :func:`as_tenant`), for the sealing wrapper to find keys noted for two tenants and, for
+    calls made without :func:`as_tenant`, to look a key's tenant up when it stores or loads
+    it. Bounded (least recently noted first out) at ``capacity`` keys. A key noted for two
+    different tenants is :data:`CONFLICT` (offloaded for neither) until it is forgotten."""
 
     def __init__(self, capacity: int = MIN_BOOK_KEYS) -> None:
         self.capacity = max(1, capacity)
@@ -197,9 +208,26 @@ class TenantBook:
         return len(self._map)
 
 
+@contextlib.contextmanager
+def as_tenant(handle: Any, tenant: str | None) -> Iterator[None]:
+    """Inside the block, the lookups and jobs the caller makes on the tier behind ``handle``
+    (a :class:`kvtiers.registry.TierHandle`) are ``tenant``'s (None: no tenant's): an
+    encrypted tier seals and opens them for that tenant, whatever its book remembers. How the
+    engine passes each job's tenant with the job; a no-op for a tier that is not encrypted."""
+    check_tenant(tenant)
+    scope = getattr(getattr(handle, "hooks", None), "tenant_scope", None)
+    if scope is None:
+        yield
+        return
+    with scope(tenant):
+        yield
+
+
 def note_tenant(handle: Any, keys: Iterable[bytes], tenant: str | None) -> None:
     """Tell the tier behind ``handle`` (a :class:`kvtiers.registry.TierHandle`) that ``keys``
-    are ``tenant``'s; a no-op for a tier that is not encrypted, and for ``tenant`` None."""
+    are ``tenant``'s, for the lookups and jobs that follow without :func:`as_tenant` (the
+    tier's book is bounded: note right before submitting); a no-op for a tier that is not
+    encrypted, and for ``tenant`` None."""
     if tenant is None:
         return
     note = getattr(getattr(handle, "hooks", None), "note_tenant", None)

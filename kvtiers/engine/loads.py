@@ -47,8 +47,8 @@ class LoadPath:
         """Loads waiting for fills."""
         return len(self._waiting)
 
-    def lookup(self, keys: tuple[bytes, ...]) -> LookupResult:
-        """How many leading chunks of ``keys`` can be loaded, and from where."""
+    def lookup(self, keys: tuple[bytes, ...], tenant: str | None) -> LookupResult:
+        """How many leading chunks of ``keys`` (``tenant``'s) can be loaded, and from where."""
         sources: list[str | None] = [None] * len(keys)
         pending = [False] * len(keys)
         ask: list[int] = []
@@ -66,7 +66,7 @@ class LoadPath:
         for tier in self._tiers.tiers:
             if not ask:
                 break
-            answers = self._tiers.lookup(tier, [keys[i] for i in ask])
+            answers = self._tiers.lookup(tier, [keys[i] for i in ask], tenant=tenant)
             still = []
             for i, a in zip(ask, answers, strict=True):
                 if a is Lookup.HIT:
@@ -161,7 +161,7 @@ class LoadPath:
         for tier in self._tiers.tiers:
             if not ask:
                 break
-            answers = self._tiers.lookup(tier, ask)
+            answers = self._tiers.lookup(tier, ask, tenant=tr.tenant)
             for key, a in zip(ask, answers, strict=True):
                 if a is Lookup.HIT:
                     route[key] = tier
@@ -184,7 +184,7 @@ class LoadPath:
         for tier in self._tiers.tiers:
             items = per_tier.get(id(tier))
             if items:
-                self._tiers.submit(tier, "load", items)
+                self._tiers.submit(tier, "load", items, tenant=tr.tenant)
 
     def _maybe_copy_in(self, tr: Transfer) -> None:
         """Start the arena -> device copy of a load once nothing is being filled for it."""

@@ -221,7 +221,7 @@ class TieringManager:
         keys = check_keys(keys)
         self._note_tenant(keys, tenant)
         self._progress()
-        result = self._loads.lookup(keys)
+        result = self._loads.lookup(keys, tenant)
         self._events.flush()
         return result
 
@@ -259,7 +259,7 @@ class TieringManager:
         self._events.note_store(keys, request, first_chunk)  # self-describing KV events: tokens, block hashes
         limit = chunk_limit(request, max_offload_tokens=self.max_offload_tokens,
                             offload_prompt_only=self.offload_prompt_only, tokens_per_chunk=self.tokens_per_chunk)
-        tid = self._stores.store(keys, blocks, request, limit, first_chunk)
+        tid = self._stores.store(keys, blocks, request, limit, first_chunk, tenant)
         self._events.flush()
         return tid
 
@@ -279,7 +279,7 @@ class TieringManager:
         if request is not None and request.cancelled:
             return None
         self._progress()
-        tr = self._transfers.start("load", keys, request)
+        tr = self._transfers.start("load", keys, request, tenant)
         tr.blocks = dict(zip(keys, blocks, strict=True))
         self._loads.start_wave(tr, list(keys))
         self._events.flush()

@@ -51,11 +51,12 @@ class StorePath:
         self.wave_timeout = WAVE_TIMEOUT
 
     def store(self, keys: tuple[bytes, ...], blocks: list[Sequence[int]], request: Request | None,
-              limit: int | None, first_chunk: int) -> int:
+              limit: int | None, first_chunk: int, tenant: str | None) -> int:
         """Start the device -> arena copy of the chunks of ``keys`` worth storing; returns
         the transfer id. ``limit``: the chunk index (in the request) storing stops at.
-        Chunks that find no free slot wait for the next wave (see the module docstring)."""
-        tr = self._book.start("store", keys, request)
+        Chunks that find no free slot wait for the next wave (see the module docstring).
+        ``tenant``: whose chunks; every wave's tier calls carry it."""
+        tr = self._book.start("store", keys, request, tenant)
         admitted: list[bytes] = []
         for j, key in enumerate(keys):
             if (limit is not None and first_chunk + j >= limit) or key in self._cache:
@@ -179,7 +180,7 @@ class StorePath:
                                                  tr.dma_started or tr.t0, now)
         for key, _ in items:
             self._loads.filled(key, True, "offloaded")
-        self._cascade(items)  # pins the slots again for the tier jobs
+        self._cascade(items, tr.tenant)  # pins the slots again for the tier jobs
         if not tr.deferred:
             self._book.finish(tr)  # drops the copy's pins
             return
@@ -199,16 +200,16 @@ class StorePath:
         if self._waiting:  # slots came free: a store waiting for a wave may go on
             self.poll()
 
-    def _cascade(self, items: list[tuple[bytes, int]]) -> None:
-        """Send freshly stored chunks to every tier that does not have them yet."""
+    def _cascade(self, items: list[tuple[bytes, int]], tenant: str | None) -> None:
+        """Send freshly stored chunks (``tenant``'s) to every tier that does not have them yet."""
         for tier in self._tiers.tiers:
-            answers = self._tiers.lookup(tier, [k for k, _ in items])
+            answers = self._tiers.lookup(tier, [k for k, _ in items], tenant=tenant)
             todo = [(k, s) for (k, s), a in zip(items, answers, strict=True) if a is not Lookup.HIT]
             if not todo:
                 continue
             for key, _ in todo:
                 self._cache.pin(key)
-            self._tiers.submit(tier, "store", todo)
+            self._tiers.submit(tier, "store", todo, tenant=tenant)
 
 
 def chunk_limit(request: Request | None, *, max_offload_tokens: int | None, offload_prompt_only: bool,

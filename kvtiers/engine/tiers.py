@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ..encryption.tenants import as_tenant
 from ..registry import TierHandle
 from ..types import Job, JobResult, Lookup
 from .events import HOST, log
@@ -98,10 +99,12 @@ class TierSet:
         else:
             log.debug("kvtiers: tier %s: %s failed: %s: %s", tier.name, what, type(e).__name__, e)
 
-    def lookup(self, tier: Tier, keys: list[bytes]) -> list[Lookup]:
-        """``tier``'s answer per key; anything but a well-formed answer is all misses."""
+    def lookup(self, tier: Tier, keys: list[bytes], *, tenant: str | None) -> list[Lookup]:
+        """``tier``'s answer per key, asked as ``tenant``'s (None: no tenant;
+        docs/security.md#tenants); anything but a well-formed answer is all misses."""
         try:
-            answers = tier.handle.lookup(keys)
+            with as_tenant(tier.handle, tenant):
+                answers = tier.handle.lookup(keys)
             if answers is None or len(answers) != len(keys):
                 raise TypeError(f"lookup answered {0 if answers is None else len(answers)} for {len(keys)} keys")
             return [a if isinstance(a, Lookup) else Lookup.MISS for a in answers]
@@ -144,11 +147,14 @@ class TierSet:
             self.failed(tier, "close", e)
 
     # -- jobs ----------------------------------------------------------------------------
-    def submit(self, tier: Tier, kind: str, items: list[tuple[bytes, int]]) -> None:
-        """Submit a tier job over ``items``; their slots carry one pin each for the job."""
+    def submit(self, tier: Tier, kind: str, items: list[tuple[bytes, int]], *, tenant: str | None) -> None:
+        """Submit a tier job over ``items``; their slots carry one pin each for the job. The
+        job is ``tenant``'s (None: no tenant): an encrypted tier seals or opens its keys for
+        that tenant, passed with the job, never looked up later (docs/security.md#tenants)."""
         job = Job(next(self._job_ids), tuple(k for k, _ in items), tuple(s for _, s in items))
         try:
-            (tier.handle.submit_store if kind == "store" else tier.handle.submit_load)(job)
+            with as_tenant(tier.handle, tenant):
+                (tier.handle.submit_store if kind == "store" else tier.handle.submit_load)(job)
         except Exception as e:
             self.failed(tier, f"submit_{kind}", e)
             self._end(TierJob(tier, kind, job, time.perf_counter()),

@@ -43,6 +43,7 @@ class Transfer:
     wave_t0: float = 0.0  # stores: when the previous wave reached the host
     dma_started: float | None = None
     error: str | None = None
+    tenant: str | None = None  # whose chunks (TieringManager's tenant=): every tier call of the transfer carries it
 
 
 class TransferBook:
@@ -68,9 +69,10 @@ class TransferBook:
         """Call ``fn(transfer)`` when the device copy of a ``kind`` transfer completes."""
         self._on_copied[kind] = fn
 
-    def start(self, kind: str, keys: tuple[bytes, ...], request: Request | None) -> Transfer:
-        """A new transfer with the next id."""
-        return Transfer(next(self._ids), kind, keys, request, time.perf_counter())
+    def start(self, kind: str, keys: tuple[bytes, ...], request: Request | None,
+              tenant: str | None) -> Transfer:
+        """A new transfer with the next id (``tenant``: whose chunks, for its tier calls)."""
+        return Transfer(next(self._ids), kind, keys, request, time.perf_counter(), tenant=tenant)
 
     def pending(self) -> int:
         """Device copies in flight."""

@@ -35,9 +35,9 @@ the scheduler, see :mod:`.promotion_wait` for why the waits are off by default).
 The tier's own lookup stays non-blocking (rule 1); only this adapter waits.
 
 Tenants: a request's ``cache_salt`` is its tenant (:mod:`.tenant` carries it in the
-``ReqContext``). Before each lookup, store and promotion the adapter tells an encrypted tier
-whose keys they are (:func:`kvtiers.encryption.tenants.note_tenant`), so it seals and opens
-them with that tenant's key (docs/security.md#tenants); other tiers ignore it.
+``ReqContext``). Each lookup, store and promotion is made as that tenant's (or no tenant's)
+(:func:`kvtiers.encryption.tenants.as_tenant`), so an encrypted tier seals and opens the
+job's keys with that tenant's key (docs/security.md#tenants); other tiers ignore it.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ...encryption.tenants import note_tenant
+from ...encryption.tenants import as_tenant
 from ...errors import ConfigError
 from ...metrics import TierObserver
 from ...registry import TierHandle, open_tier
@@ -217,10 +217,11 @@ class KvtiersTier(SecondaryTierManager):
         k = self._key(key)
         if k in self._failed_loads:
             return LookupResult.MISS
-        note_tenant(self.handle, (k,), tenant_of(req_context))
+        tenant = tenant_of(req_context)
         t0 = time.perf_counter()
         try:
-            (answer,) = self.handle.lookup([k])
+            with as_tenant(self.handle, tenant):
+                (answer,) = self.handle.lookup([k])
         except Exception as e:  # rule 4 says a tier never raises here; if one does, it is a miss
             log.warning("kvtiers tier %r: lookup raised %s: %s", self.kvtiers_name, type(e).__name__, e)
             return LookupResult.MISS
@@ -228,11 +229,12 @@ class KvtiersTier(SecondaryTierManager):
             t1 = time.perf_counter()
             self._series.lookup_took(t1 - t0)
         if answer is Lookup.RETRY and self._retry_spent_s < self.retry_wait_s:
-            answer = self._settle(k, t1)
+            answer = self._settle(k, t1, tenant)
         return _ANSWER[answer]
 
-    def _settle(self, k: bytes, t0: float) -> Lookup:
-        """Ask ``k`` again until it is not RETRY or this step's ``retry_wait_ms`` is spent."""
+    def _settle(self, k: bytes, t0: float, tenant: str | None) -> Lookup:
+        """Ask ``k`` (``tenant``'s) again until it is not RETRY or this step's ``retry_wait_ms``
+        is spent."""
         deadline = t0 + self.retry_wait_s - self._retry_spent_s
         answer = Lookup.RETRY
         try:
@@ -240,7 +242,8 @@ class KvtiersTier(SecondaryTierManager):
                 time.sleep(_RETRY_POLL_S)
                 t1 = time.perf_counter()
                 try:
-                    (answer,) = self.handle.lookup([k])
+                    with as_tenant(self.handle, tenant):
+                        (answer,) = self.handle.lookup([k])
                 finally:  # each of the tier's lookups is one in kvtiers_tier_lookup_duration_seconds
                     self._series.lookup_took(time.perf_counter() - t1)
         except Exception as e:
@@ -277,8 +280,8 @@ class KvtiersTier(SecondaryTierManager):
         try:
             if self._closed:
                 raise RuntimeError("tier is shut down")
-            note_tenant(self.handle, keys, tenant_of(tj.req_context))
-            submit(Job(tj.job_id, keys, tuple(int(c) for c in tj.chunk_ids)))
+            with as_tenant(self.handle, tenant_of(tj.req_context)):  # the job's tenant, passed with it
+                submit(Job(tj.job_id, keys, tuple(int(c) for c in tj.chunk_ids)))
         except Exception as e:  # the tier did not accept the job: report it failed, as vLLM expects a result
             log.warning("kvtiers tier %r: job %d not accepted: %s: %s", self.kvtiers_name, tj.job_id,
                         type(e).__name__, e)
