@@ -5,6 +5,7 @@ core seals and opens around them."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -54,3 +55,28 @@ class TestEncryptedObj(TierTests):
     @pytest.fixture
     def tier_config(self, tmp_path, s3_server):
         return "obj", {**options_for(s3_server), "encrypt": _encrypt(tmp_path)}
+
+
+def test_conformance_cli_takes_encrypt_in_config(tmp_path):
+    """Issue 44 item 15 (docs/security.md): ``kvtiers conformance TYPE --config`` with
+    ``"encrypt"``, from the command line in a real child process: the fs tier passes its core
+    rules sealed, every chunk it kept (``--keep``) is sealed under the configured key id, and
+    a bad ``"encrypt"`` is a one-line error (exit 2)."""
+    from test_conformance_cli import run
+
+    from kvtiers.encryption import HEADER, read_header
+
+    root = tmp_path / "kv"
+    config = {"root_dir": str(root), "encrypt": _encrypt(tmp_path)}
+    p = run("fs", "--config", json.dumps(config), "--level", "core", "--examples", "5", "--seed", "3", "--keep")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.strip().splitlines()[-1].startswith("summary: PASSED: 10 passed, 0 failed")
+    chunks = list(root.rglob("*.bin"))
+    assert len(chunks) > 100
+    assert {read_header(c.read_bytes()[:HEADER.size])[0] for c in chunks} == {"conformance"}
+
+    bad = {"root_dir": str(root), "encrypt": {"key_file": str(tmp_path / "no-such.key")}}
+    p = run("fs", "--config", json.dumps(bad), "--level", "core", "--examples", "5")
+    assert p.returncode == 2, p.stdout + p.stderr
+    err = p.stderr.strip()
+    assert "\n" not in err and "encrypt: cannot read key_file" in err and "no-such.key" in err, err

@@ -439,3 +439,90 @@ def test_one_key_for_two_owners_under_any_ids_is_an_error_at_open(tmp_path, keys
         assert raw.hex() not in text and raw.hex().upper() not in text
     # one owner's own key under two ids (current and retired) is not two owners: accepted
     TenantKeys.from_spec({"tenants": {"alice": {**alice, "retired": [{"key_file": str(hexed), "key_id": "a-0"}]}}})
+
+
+# -- what metrics, events, logs and the medium show ---------------------------------------------
+
+def test_encrypt_metrics_count_and_nothing_shows_a_key_or_a_tenant_name(tmp_path, keys, caplog):
+    """Issue 44 item 15 (docs/security.md): the ``kvtiers_encrypt_*`` series count seals, opens,
+    open failures by reason and keys not offloaded by tenant reason; and no key (raw or hex)
+    nor tenant name is in a metric, a cache event, a published KV event, a log line or
+    anywhere on the medium (chunks, ``config.json``, the fs tier's own files)."""
+    import hashlib
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from test_kvevents import drain, subscriber, wait_subscribed
+    from test_metrics import samples, value
+
+    from kvtiers.engine.kvevents import attach_kv_events
+    from kvtiers.metrics import attach_metrics
+
+    caplog.set_level(logging.DEBUG)
+    names = {"alice": "alice-salt-5d1e", "bob": "bob-salt-90ac", "carol": "carol-salt-3b77"}
+    enc = {"tenants": {names["alice"]: {"key_file": keys["alice"], "key_id": "a-1"},
+                       names["bob"]: {"key_file": keys["bob"], "key_id": "b-1"}}}
+    root = tmp_path / "kv"
+
+    def k(tenant: str, i: int) -> bytes:  # salted keys that do not spell the tenant's name
+        return hashlib.sha256(f"{names[tenant]}/{i}".encode()).digest()[:16]
+
+    seen: list[str] = []
+    payloads: list[bytes] = []
+
+    def run(seed: int, work) -> dict:
+        reg = CollectorRegistry()
+        mgr, kv, _ = make_manager(8, tiers=[("fs", {"root_dir": str(root), "encrypt": enc})], kv=kv_caches(seed))
+        mgr.add_listener(lambda ev: seen.append(repr(ev)))
+        attach_metrics(mgr, {"interval": 0}, registry=reg)
+        bridge = attach_kv_events(mgr, {"endpoint": "tcp://127.0.0.1:0", "topic": "kv"})
+        zctx, sub = subscriber(bridge.publisher.endpoint)
+        try:
+            wait_subscribed(bridge.publisher, sub)
+            work(mgr, kv)
+            mgr.close(timeout=5)
+            payloads.extend(p for _t, _s, p in drain(sub))
+        finally:
+            sub.close(linger=0)
+            zctx.term()
+            mgr.close(timeout=5)
+        text = generate_latest(reg).decode()
+        seen.append(text)
+        return samples(text)
+
+    shared = b"unsalted-shared"
+
+    def first(mgr, kv):
+        _store(mgr, [k("alice", i) for i in range(4)] + [shared], 0, names["alice"])
+        _store(mgr, [k("bob", i) for i in range(4)], 5, names["bob"])
+        _store(mgr, [k("carol", i) for i in range(2)], 9, names["carol"])  # no key: not offloaded
+        both = [b"noted-twice"]
+        mgr.lookup(both, tenant=names["alice"])
+        mgr.lookup(both, tenant=names["bob"])
+        _store(mgr, both, 11, names["alice"])  # a conflict: offloaded for neither
+
+    found = run(0, first)
+    fs = {"tier": "fs"}
+    assert value(found, "kvtiers_encrypt_chunks_total", op="seal", **fs) == 9
+    assert value(found, "kvtiers_encrypt_tenant_skipped_total", op="store", reason="skipped", **fs) == 2
+    assert value(found, "kvtiers_encrypt_tenant_skipped_total", op="store", reason="conflict", **fs) == 1
+
+    def second(mgr, kv):
+        _look, res = _reload(mgr, kv, [k("alice", i) for i in range(4)], 0, names["alice"])
+        assert not res.failed_keys
+        _look, res = _reload(mgr, kv, [shared], 4, names["bob"])  # alice's chunk, asked for as bob's
+        assert res.failed_keys == (shared,)
+
+    found = run(1, second)
+    assert value(found, "kvtiers_encrypt_chunks_total", op="open", **fs) == 4
+    assert value(found, "kvtiers_encrypt_open_failures_total", reason="unknown_key", **fs) == 1
+
+    raw_keys = [pathlib.Path(p).read_bytes() for p in keys.values()]
+    text = "\n".join(seen) + caplog.text
+    binary = b"".join(payloads) + b"".join(p.read_bytes() for p in root.rglob("*") if p.is_file())
+    assert payloads and list(root.rglob("*.bin"))
+    for raw in raw_keys:
+        for form in (raw.hex(), raw.hex().upper()):
+            assert form not in text and form.encode() not in binary
+        assert raw not in binary
+    for name in names.values():
+        assert name not in text and name.encode() not in binary
