@@ -25,15 +25,17 @@ SHARED_WRITER = textwrap.dedent(
     from kvtiers_fs import FsTier
     from test_fs_helpers import Env, wait_job
     from kvtiers import Job
-    root, name, log, stop = {root!r}, {name!r}, {log!r}, {stop!r}
-    e = Env(root, slots=2, slot_bytes={slot})
-    opts = dict(max_bytes={max_bytes}, n_write_threads=2)
+    root, name, log, stop, per_job = {root!r}, {name!r}, {log!r}, {stop!r}, {per_job!r}
+    e = Env(root, slots=max(2, per_job), slot_bytes={slot})
+    opts = dict(max_bytes={max_bytes}, n_write_threads={threads})
     if "rescan_seconds" in inspect.signature(FsTier).parameters:  # (so the test runs on older code too)
         opts["rescan_seconds"] = {rescan}
     t = e.open(**opts)
     assert t.scanned.wait(30)
     out = open(log, "w", buffering=1)
     done = threading.Event()
+
+    most = [0]  # the most bytes of stores in flight seen at once while not the cleaner
 
     def monitor():  # when each rescan (and its eviction) completed, as seen from here
         last = None
@@ -42,17 +44,22 @@ SHARED_WRITER = textwrap.dedent(
             if ls is not None and ls != last:
                 out.write(f"scan {{ls[0]!r}} {{time.time()!r}}\\n")
                 last = ls
-            time.sleep(0.002)
+            share = getattr(t, "_share", None)
+            if share is not None and not getattr(t, "is_cleaner", True):
+                most[0] = max(most[0], share._inflight)
+            time.sleep(0.0005)
 
     threading.Thread(target=monitor, daemon=True).start()
-    for i in range({n}):
-        k = b"%s-%d" % (name.encode(), i)
-        e.fill([k], [0])
+    for i in range({n} // per_job):  # jobs of per_job keys
+        keys = [b"%s-%d" % (name.encode(), i * per_job + j) for j in range(per_job)]
+        e.fill(keys, list(range(per_job)))
         s0 = time.time()
-        t.submit_store(Job(i, (k,), (0,)))
+        t.submit_store(Job(i, tuple(keys), tuple(range(per_job))))
         r = wait_job(t, i)
-        out.write(f"store {{s0!r}} {{time.time()!r}} {{int(r.ok)}}\\n")
+        for k in keys:
+            out.write(f"store {{s0!r}} {{time.time()!r}} {{int(k not in r.failed_keys)}}\\n")
         time.sleep({pace})
+    out.write(f"inflight {{most[0]}}\\n")
     out.write("done\\n")
     parent, give_up = os.getppid(), time.monotonic() + 300
     # keep rescanning until the test has seen the end state (or the test is gone)
@@ -102,6 +109,12 @@ def _read_log(path: str):
     return scans, stores, done
 
 
+def _inflight(path: str) -> int:
+    """The most bytes of stores in flight a writer saw at once while it was not the cleaner."""
+    return max([int(line.split()[1]) for line in open(path).read().splitlines() if line.startswith("inflight ")],
+               default=0)
+
+
 def test_three_processes_storing_ten_times_the_bound_stay_within_the_slack(tmp_path):
     root = str(tmp_path / "root")
     slot, rescan, n_files = 4096, 0.1, 32
@@ -112,7 +125,8 @@ def test_three_processes_storing_ten_times_the_bound_stay_within_the_slack(tmp_p
     procs = [
         subprocess.Popen([sys.executable, "-c", SHARED_WRITER.format(
             helpers=HELPERS, root=root, name=f"w{i}", log=logs[i], stop=stop, slot=slot,
-            max_bytes=bound, rescan=rescan, n=10 * n_files, pace=0.005)], stderr=subprocess.PIPE)
+            max_bytes=bound, rescan=rescan, n=10 * n_files, pace=0.005, per_job=1, threads=2)],
+            stderr=subprocess.PIPE)
         for i in range(3)
     ]
     samples = []
