@@ -163,18 +163,18 @@ def open_into(keyring: Keyring, digest8: bytes, key: bytes, sealed: memoryview, 
     aad = head + tenant_aad(tenant)
     try:
         if in_place and hasattr(cipher, "decrypt_into") and _in_place_works():
-            payload = sealed[h:h + n]
+            plain = sealed[h:h + n]
             try:
-                cipher.decrypt_into(nonce, sealed[h:end], aad, payload)
+                cipher.decrypt_into(nonce, sealed[h:end], aad, plain)
             except Exception:  # the cipher wrote plaintext before it checked the tag: gone
-                _wipe(payload)
+                _wipe(plain)
                 raise
-            _copy(out, payload)
         else:  # decrypt() returns nothing unless the tag verifies
-            _copy(out, memoryview(cipher.decrypt(nonce, sealed[h:end].tobytes(), aad)))
+            plain = memoryview(cipher.decrypt(nonce, sealed[h:end].tobytes(), aad))
     except Exception as e:  # cryptography's InvalidTag
         raise OpenFailed("auth", f"sealed chunk failed authentication under key id {kid!r} "
                                  f"(tampered, another key under that id, or sealed for another tenant)") from e
+    _copy(out, plain)  # the tag verified: now the caller's slot gets the bytes
     return kid
 
 
@@ -195,17 +195,26 @@ def _address(buf: memoryview) -> int:
 def _copy(dst: memoryview, src: memoryview) -> None:
     """``dst[:] = src``; a big copy without holding the GIL (opening runs on several threads)."""
     n = len(src)
-    if n >= _MEMMOVE_BYTES and not dst.readonly and dst.contiguous and src.contiguous and not src.readonly:
-        ctypes.memmove(_address(dst), _address(src), n)
-    else:
-        dst[:] = src
+    if n != len(dst):
+        raise ValueError(f"copy of {n} bytes into {len(dst)}")
+    if n >= _MEMMOVE_BYTES and not dst.readonly and not src.readonly and dst.contiguous and src.contiguous:
+        try:
+            ctypes.memmove(_address(dst), _address(src), n)
+            return
+        except (TypeError, ValueError, BufferError):  # a buffer ctypes cannot address: copy in Python
+            pass
+    dst[:] = src
 
 
 def _wipe(buf: memoryview) -> None:
-    if len(buf) >= _MEMMOVE_BYTES and buf.contiguous:
-        ctypes.memset(_address(buf), 0, len(buf))
-    else:
-        buf[:] = bytes(len(buf))
+    """Zero ``buf``."""
+    if len(buf) >= _MEMMOVE_BYTES and buf.contiguous and not buf.readonly:
+        try:
+            ctypes.memset(_address(buf), 0, len(buf))
+            return
+        except (TypeError, ValueError, BufferError):
+            pass
+    buf[:] = bytes(len(buf))
 
 
 def _in_place_works() -> bool:
