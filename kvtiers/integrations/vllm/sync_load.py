@@ -192,7 +192,19 @@ def _wrap_scheduler(cls: Any) -> None:
     def build_connector_meta(self: Any, scheduler_output: Any) -> Any:
         book = _book(self)
         loads = set(getattr(self, "_current_batch_load_jobs", None) or ())
-        meta = build_meta(self, scheduler_output)
+        # vLLM 0.32 builds no store job for a request with a load pending (it asserts the
+        # request's jobs are stores): a sync-loaded request that computes new chunks in this
+        # step stores them too, after its load (stores start at the next step), so its load
+        # reads as a store while vLLM builds the step's jobs (vLLM 0.33 allows it for its own
+        # sync loads)
+        marked = [self._jobs[j] for j in (book.jobs & loads if book is not None else ()) if j in self._jobs]
+        for status in marked:
+            status.is_store = True
+        try:
+            meta = build_meta(self, scheduler_output)
+        finally:
+            for status in marked:
+                status.is_store = False
         if book is not None:
             sync = frozenset(book.jobs & loads)
             if sync:
