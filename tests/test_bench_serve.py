@@ -103,6 +103,34 @@ def test_report_fraction_of_fit_and_table() -> None:
     json.dumps(rep)  # --json
 
 
+def test_ratios_to_none_the_ceiling_and_vllm_fs() -> None:
+    rps = {"none": (12.0, 2.0), "ceiling": (12.0, 10.0), "fs": (11.0, 8.0), "vllm-fs": (10.0, 4.0)}
+    runs = [{"config": c, "repeat": 0, "greedy": [[1]], "cells": [_cell(2, a), _cell(24, b)]}
+            for c, (a, b) in rps.items()]
+    rep = {"engine": "vllm serve", "model": "m", "configs": list(rps), "prefixes": [2, 24], "concurrency": [4],
+           "repeats": 1, "runs": runs, "settings": {"prefix_len": 1024, "suffix_len": 64, "output_len": 16,
+                                                     "requests_per_prefix": 8, "gpu_blocks": 24, "cpu_bytes": 1},
+           "machine": {"cpus": 2, "load_at_start": [1.0] * 3, "load_at_end": [1.0] * 3}}
+    bs._aggregate(rep)
+    bs._identity(rep)
+    fs24 = next(r for r in rep["cells"] if r["config"] == "fs" and r["prefixes"] == 24)
+    assert (fs24["vs_none"], fs24["vs_ceiling"], fs24["vs_vllm_fs"]) == (4.0, 0.8, 2.0)
+    assert next(r for r in rep["cells"] if r["config"] == "vllm-fs")["vs_vllm_fs"] is None
+    text = serve_report.render(rep)
+    assert "/ceiling" in text and "fs/vllm-fs" in text
+
+
+def test_ceiling_is_a_device_cache_that_holds_the_largest_working_set() -> None:
+    from kvtiers.commands.bench import serve_run as sr
+
+    (cfg,) = sr.configs_for(["ceiling"])
+    assert not cfg.offloads and cfg.tier is None
+    st = sr.ServeSettings(model="m", prefix_len=1024, suffix_len=64, output_len=16, gpu_blocks=24)
+    work = bs.Workloads([("prefix", 2, 4), ("prefix", 24, 4)], fit_requests=128)
+    assert work.ceiling_blocks(st) == int((24 * 8 + 4 * 2) * 1.25) + 1  # 8 blocks a prefix, 2 a request
+    assert work.per_prefix(st, 2) == 64 and work.per_prefix(st, 24) == 8  # 128 requests where it fits
+
+
 def statistics_median(a: float, b: float) -> float:
     return (a + b) / 2
 

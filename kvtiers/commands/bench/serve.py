@@ -87,6 +87,23 @@ class Workloads:
     cells: list[tuple[str, int, int]]
     multi_turn: mtc.MultiTurnSettings | None = None
     client: Any = None  # the multi-turn client's folder
+    fit_requests: int = 0  # at least this many requests in each cell of the smallest working set
+
+    def per_prefix(self, settings: sr.ServeSettings, prefixes: int) -> int:
+        """Requests per prefix of a prefix cell: the settings', or more at the smallest working set."""
+        fit = min((p for w, p, _ in self.cells if w == "prefix"), default=prefixes)
+        if prefixes == fit and self.fit_requests:
+            return max(settings.per_prefix, -(-self.fit_requests // prefixes))
+        return settings.per_prefix
+
+    def ceiling_blocks(self, settings: sr.ServeSettings) -> int:
+        """Device blocks of the ``ceiling`` configuration: the largest working set and concurrency."""
+        most = max((p for w, p, _ in self.cells if w == "prefix"), default=0)
+        conc = max((c for _, _, c in self.cells), default=1)
+        convs = max((n for w, n, _ in self.cells if w == "multi-turn"), default=0)
+        mt = self.multi_turn
+        conv_tokens = convs * mt.max_model_len if mt is not None else 0
+        return sr.ceiling_blocks(settings, most, conc, conv_tokens)
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -110,6 +127,9 @@ def _one_server(cfg: sr.Config, repeat: int, settings: sr.ServeSettings, work: W
     if cfg.base is not None:
         run["variant"] = sv.describe(cfg)
     log = os.path.join(wd, "server.log")
+    if cfg.name == "ceiling":
+        settings = replace(settings, gpu_blocks=work.ceiling_blocks(settings))
+        run["gpu_blocks"] = settings.gpu_blocks
     with contextlib.ExitStack() as stack:
         ktc = sr.server_config(cfg, settings, wd, stack, tier_extra)
         run["kv_transfer_config"] = ktc
@@ -129,7 +149,8 @@ def _one_server(cfg: sr.Config, repeat: int, settings: sr.ServeSettings, work: W
                     res = mtc.run_client(work.client, srv.base_url, settings.model, work.multi_turn, prefixes, conc,
                                          seed, wd, os.path.join(wd, "multi-turn.log"), settings.bench_timeout)
                 else:
-                    res = sr.bench_cell(srv.base_url, settings, prefixes, conc, seed,
+                    cell_settings = replace(settings, per_prefix=work.per_prefix(settings, prefixes))
+                    res = sr.bench_cell(srv.base_url, cell_settings, prefixes, conc, seed,
                                         os.path.join(wd, f"bench-p{prefixes}-c{conc}.json"),
                                         os.path.join(wd, "bench.log"))
                 time.sleep(1.0)  # the last step's stats reach the API server
@@ -193,12 +214,30 @@ def _aggregate(report: dict[str, Any]) -> None:
                     and x["prefixes"] == fits[r["workload"]] and x["concurrency"] == r["concurrency"]), None)
         base = ref.get((r["workload"], r["concurrency"]), own)
         r["fraction_of_fit"] = (r["req_s"] / base) if base else None
+    _ratios(out)
     report["fit"] = {"prefixes": fits.get("prefix", min(report["prefixes"])), "reference": "none" if ref else "own",
                      "by_workload": fits}
     order = {n: i for i, n in enumerate(report["configs"])}
     worder = {w: i for i, w in enumerate(WORKLOADS)}
     report["cells"] = sorted(out, key=lambda r: (worder.get(r["workload"], 9), r["concurrency"], r["prefixes"],
                                                  order[r["config"]]))
+
+
+#: the ratios of a cell: to no offloading, to the all-in-device ceiling, kvtiers' fs to vLLM's fs
+RATIOS = (("vs_none", "none"), ("vs_ceiling", "ceiling"))
+
+
+def _ratios(rows: list[dict[str, Any]]) -> None:
+    """Each row's req/s over that of ``none`` and ``ceiling`` in the same cell (workload, size,
+    concurrency), and for ``fs`` over ``vllm-fs``: medians over repeats, None where absent."""
+    by = {(r["config"], r["workload"], r["prefixes"], r["concurrency"]): r["req_s"] for r in rows}
+    for r in rows:
+        cell = (r["workload"], r["prefixes"], r["concurrency"])
+        for key, other in RATIOS:
+            base = by.get((other, *cell))
+            r[key] = (r["req_s"] / base) if base else None
+        peer = by.get(("vllm-fs", *cell)) if r["config"] == "fs" else None
+        r["vs_vllm_fs"] = (r["req_s"] / peer) if peer else None
 
 
 def _mean_dicts(ds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -219,6 +258,64 @@ def _identity(report: dict[str, Any]) -> None:
                           "identical": not differ, "differ": differ}
 
 
+def _soak_out(rep: dict[str, Any], plot_file: str | None, as_json: bool) -> None:
+    from . import serve_soak
+
+    if plot_file:
+        from .serve_soak_plot import plot_serve_soak
+
+        plot_serve_soak(rep, plot_file)
+    click.echo(json.dumps(rep) if as_json else serve_soak.render(rep))
+
+
+def _soak_command(soak: str, interval: str, rate: float, servers: int, prefixes: int, fs_max_bytes: int,
+                  concurrency: str, model: str | None, prefix_len: int, suffix_len: int, output_len: int,
+                  gpu_blocks: int, tier_cpu_bytes: int, serve_args: tuple[str, ...], workdir: str | None,
+                  plot_file: str | None, as_json: bool) -> None:
+    """``--soak``: check the arguments (one line each), run :func:`.serve_soak.run_serve_soak`,
+    print and plot it; exit 1 unless it is OK."""
+    from . import serve_report, serve_soak
+    from .soak import parse_duration
+
+    try:
+        duration_s = parse_duration(soak)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--soak") from None
+    try:
+        interval_s = parse_duration(interval)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--interval") from None
+    if interval_s > duration_s:
+        raise click.BadParameter(f"{interval!r} is longer than the soak ({soak!r})", param_hint="--interval")
+    conc = max(_ints(concurrency, "--concurrency"))
+    from ..tinymodel import SHAPES
+
+    if model is not None and model.lower() not in SHAPES and not os.path.isdir(model):
+        raise click.BadParameter(f"{model!r} is neither a model shape ({', '.join(sorted(SHAPES))}) nor a directory",
+                                 param_hint="--model")
+    ctx = click.get_current_context()
+    shape = model.lower() if model is not None and model.lower() in SHAPES else None
+    opts = shape_defaults(shape, {"prefix_len": prefix_len, "gpu_blocks": gpu_blocks,
+                                  "tier_cpu_bytes": tier_cpu_bytes},
+                          lambda k: ctx.get_parameter_source(k) is click.core.ParameterSource.DEFAULT)
+    if plot_file:
+        serve_report.require_plot()
+    from ..requires import require
+
+    require("kvtiers bench serve --soak", "vllm")
+    model_dir, _ = resolve_model(model)
+    settings = sr.ServeSettings(model=model_dir, prefix_len=opts["prefix_len"], suffix_len=suffix_len,
+                                output_len=output_len, gpu_blocks=opts["gpu_blocks"],
+                                tier_cpu_bytes=opts["tier_cpu_bytes"], extra_serve_args=list(serve_args))
+    ss = serve_soak.SoakSettings(duration_s=duration_s, interval_s=interval_s, rate=rate, max_concurrency=conc,
+                                 prefixes=prefixes, servers=servers, fs_max_bytes=fs_max_bytes)
+    rep = serve_soak.run_serve_soak(settings, ss, workdir=workdir,
+                                    say=None if as_json else (lambda m: click.echo(m, err=True)))
+    _soak_out(rep, plot_file, as_json)
+    if not rep["summary"]["ok"]:
+        sys.exit(1)
+
+
 def _saved(path: str) -> dict[str, Any]:
     """A report saved with ``--json``; a clear error if the file is not one."""
     try:
@@ -226,6 +323,8 @@ def _saved(path: str) -> dict[str, Any]:
             rep = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise click.BadParameter(f"{path}: not a JSON report ({e})", param_hint="--report") from None
+    if isinstance(rep, dict) and rep.get("kind") == "serve-soak" and {"intervals", "summary", "soak"} <= rep.keys():
+        return rep
     if not isinstance(rep, dict) or not {"cells", "runs", "identity", "settings"} <= rep.keys():
         raise click.BadParameter(f"{path}: not a report of kvtiers bench serve --json", param_hint="--report")
     return rep
@@ -235,7 +334,8 @@ def run_bench_serve(configs: list[sr.Config], settings: sr.ServeSettings, prefix
                     concurrency: list[int], repeats: int, *, workdir: str | None = None,
                     tier_extra: dict[str, dict[str, Any]] | None = None, quiet: bool = False,
                     workloads: Sequence[str] = ("prefix",), conversations: Sequence[int] = (),
-                    multi_turn: mtc.MultiTurnSettings | None = None, client: Any = None) -> dict[str, Any]:
+                    multi_turn: mtc.MultiTurnSettings | None = None, client: Any = None,
+                    fit_requests: int = 0) -> dict[str, Any]:
     """Run the sweep; the report (see :func:`kvtiers.commands.bench.serve_report.render`).
     ``workloads``: ``prefix`` (a cell per prefixes x concurrency) and ``multi-turn`` (a cell per
     conversations x concurrency, vLLM's multi-turn client in folder ``client``)."""
@@ -245,7 +345,7 @@ def run_bench_serve(configs: list[sr.Config], settings: sr.ServeSettings, prefix
     wd = tempfile.mkdtemp(prefix="kvtiers-bench-serve-") if own else workdir
     os.makedirs(wd, exist_ok=True)
     cells = [("prefix", p, c) for p in prefixes for c in concurrency] if "prefix" in workloads else []
-    work = Workloads(cells)
+    work = Workloads(cells, fit_requests=fit_requests)
     if "multi-turn" in workloads:
         work.multi_turn = multi_turn or mtc.MultiTurnSettings(output_len=settings.output_len)
         work.client = client if client is not None else mtc.client_dir()
@@ -263,6 +363,7 @@ def run_bench_serve(configs: list[sr.Config], settings: sr.ServeSettings, prefix
                      "output_len": settings.output_len, "requests_per_prefix": settings.per_prefix,
                      "gpu_blocks": settings.gpu_blocks, "cpu_bytes": settings.cpu_bytes,
                      "tier_cpu_bytes": settings.tier_cpu_bytes, "max_model_len": settings.max_model_len,
+                     "fit_requests": fit_requests,
                      "multi_turn": work.multi_turn.as_dict() if work.multi_turn else None},
         "variants": {c.name: sv.describe(c) for c in configs if c.base is not None},
         "machine": {"cpus": os.cpu_count(), "load_at_start": list(os.getloadavg())}, "runs": []}
@@ -303,6 +404,9 @@ def run_bench_serve(configs: list[sr.Config], settings: sr.ServeSettings, prefix
 @click.option("--tier-cpu-bytes", default=64 << 20, show_default=True, type=click.IntRange(1),
               help="cpu_bytes_to_use in front of a secondary tier (smaller than the working set, so the "
                    "tier serves it).")
+@click.option("--fit-requests", default=0, show_default=True, type=click.IntRange(0),
+              help="At least this many requests in each cell of the smallest working set (what offloading costs "
+                   "when it is not needed: 128 or more).")
 @click.option("--workloads", default="prefix", show_default=True,
               help="prefix (vLLM's `vllm bench serve` prefix repetition), multi-turn (vLLM's multi-turn client: "
                    "`make bench-serve` fetches it), or both: prefix,multi-turn.")
@@ -328,24 +432,45 @@ def run_bench_serve(configs: list[sr.Config], settings: sr.ServeSettings, prefix
 @click.option("--serve-arg", "serve_args", multiple=True, help="One more argument for every vllm serve.")
 @click.option("--workdir", default=None, help="Keep servers' logs, tiers and results here (default: a temp dir).")
 @click.option("--plot", "plot_file", default=None, help="Draw req/s against working set to this file.")
+@click.option("--soak", default=None, metavar="DURATION",
+              help="Instead of the sweep: one kvtiers vllm serve (arena + fs bounded by --fs-max-bytes) under vLLM's "
+                   "client at --rate for DURATION (90, 10m, 1h), sampled every --interval (docs/bench.md).")
+@click.option("--interval", default="60s", show_default=True, metavar="DURATION", help="Soak: sampling interval.")
+@click.option("--rate", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Soak: requests per second per server (Poisson arrivals; --concurrency's largest caps those in "
+                   "flight).")
+@click.option("--servers", default=1, show_default=True, type=click.IntRange(1, 2),
+              help="Soak: servers on one fs root, sharing its bound.")
+@click.option("--soak-prefixes", default=48, show_default=True, type=click.IntRange(1),
+              help="Soak: the working set, in prefixes (make it larger than the arena and the bound together).")
+@click.option("--fs-max-bytes", default=256 << 20, show_default=True, type=click.IntRange(1),
+              help="Soak: max_bytes of the fs tier (the bound, shared by --servers 2).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--report", "report_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Start nothing: print the table (and --plot) of a report saved with --json.")
 def serve(tiers: str, peer: bool, configs: str | None, prefixes: str, concurrency: str, repeats: int,
           prefix_len: int, suffix_len: int, output_len: int, requests_per_prefix: int, gpu_blocks: int,
-          cpu_bytes: int, tier_cpu_bytes: int, workloads: str, conversations: str, turns: int,
+          cpu_bytes: int, tier_cpu_bytes: int, fit_requests: int, workloads: str, conversations: str, turns: int,
           conversation_prefix_len: int, turn_len: int, multi_turn_client: str | None, variants: tuple[str, ...],
           model: str | None, tier_config: tuple[str, ...],
-          serve_args: tuple[str, ...], workdir: str | None, plot_file: str | None, as_json: bool,
+          serve_args: tuple[str, ...], workdir: str | None, soak: str | None, interval: str, rate: float,
+          servers: int, soak_prefixes: int, fs_max_bytes: int, plot_file: str | None, as_json: bool,
           report_file: str | None) -> None:
     """Offloading on a real `vllm serve` under load, per configuration, with vLLM's own client."""
     from . import serve_report
 
     if report_file:
         rep = _saved(report_file)
+        if rep.get("kind") == "serve-soak":
+            _soak_out(rep, plot_file, as_json)
+            return
         if plot_file:
             serve_report.plot(rep, plot_file)
         click.echo(json.dumps(rep) if as_json else serve_report.render(rep))
+        return
+    if soak is not None:
+        _soak_command(soak, interval, rate, servers, soak_prefixes, fs_max_bytes, concurrency, model, prefix_len,
+                      suffix_len, output_len, gpu_blocks, tier_cpu_bytes, serve_args, workdir, plot_file, as_json)
         return
 
     names = configs.split(",") if configs is not None else (
@@ -414,7 +539,8 @@ def serve(tiers: str, peer: bool, configs: str | None, prefixes: str, concurrenc
     mt = mtc.MultiTurnSettings(prefix_len=conversation_prefix_len, turns=turns, turn_len=turn_len,
                                output_len=output_len)
     rep = run_bench_serve(cfgs, settings, p_list, c_list, repeats, workdir=workdir, tier_extra=extra, quiet=as_json,
-                          workloads=wl, conversations=n_list, multi_turn=mt, client=client)
+                          workloads=wl, conversations=n_list, multi_turn=mt, client=client,
+                          fit_requests=fit_requests)
     if plot_file:
         serve_report.plot(rep, plot_file)
     click.echo(json.dumps(rep) if as_json else serve_report.render(rep))

@@ -63,6 +63,13 @@ def render(rep: dict[str, Any]) -> str:
             lines.append(f"  {r['config']:<10}{r['prefixes']:>9}{r['req_s']:>8.2f}{f'{lo:.2f}-{hi:.2f}':>13}"
                          f"{frac:>6}{r['output_throughput']:>8.1f}{r['mean_ttft_ms']:>10.0f}"
                          f"{r['median_ttft_ms']:>8.0f}{r['p99_ttft_ms']:>8.0f}{r['failed']:>7}{r['load']:>6.1f}")
+        ratios = [r for r in rows if any(r.get(k) is not None for k in ("vs_none", "vs_ceiling", "vs_vllm_fs"))
+                  and r["config"] not in ("none", "ceiling")]
+        if ratios:
+            lines += ["", f"  {'ratios':<10}{size:>9}{'/none':>8}{'/ceiling':>10}{'fs/vllm-fs':>12}"]
+            for r in ratios:
+                f = [f"{r[k]:.2f}" if r.get(k) is not None else "-" for k in ("vs_none", "vs_ceiling", "vs_vllm_fs")]
+                lines.append(f"  {r['config']:<10}{r['prefixes']:>9}{f[0]:>8}{f[1]:>10}{f[2]:>12}")
         lines += ["", "  prompt tokens by source (computed / cached: device, host, disk, ...), tiers, lookups:"]
         for r in rows:
             pt = r["prompt_tokens"]

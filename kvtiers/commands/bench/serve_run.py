@@ -30,8 +30,11 @@ from ..vllm_engine import ENGINE_ENV, offload_config, prompt_family
 __all__ = ["BUILTIN", "Config", "ServeSettings", "VllmServer", "bench_cell", "configs_for", "greedy_outputs",
            "check_tier", "engine_error", "shm_regions", "tier_entry"]
 
-#: configurations that are not "host arena + one kvtiers tier"
-BUILTIN = ("none", "host", "vllm-fs")
+#: configurations that are not "host arena + one kvtiers tier"; ``ceiling``: no offloading, a
+#: device cache that holds the largest working set (:func:`ceiling_blocks`)
+BUILTIN = ("none", "host", "vllm-fs", "ceiling")
+#: tokens per block of vLLM's KV cache on CPU
+BLOCK_TOKENS = 128
 VLLM = [sys.executable, "-m", "kvtiers.commands", "vllm"]
 SHM_GLOB = "/dev/shm/vllm_offload_*"
 
@@ -73,7 +76,7 @@ class Config:
 
     @property
     def offloads(self) -> bool:
-        return self.name != "none"
+        return self.name not in ("none", "ceiling")
 
 
 def configs_for(names: Sequence[str]) -> list[Config]:
@@ -83,7 +86,7 @@ def configs_for(names: Sequence[str]) -> list[Config]:
         n = n.strip()
         if not n:
             continue
-        out.append(Config(n, None if n in ("none", "host") else n))
+        out.append(Config(n, None if n in ("none", "host", "ceiling") else n))
     if not out:
         raise ValueError("no configuration named")
     dup = {c.name for c in out if sum(d.name == c.name for d in out) > 1}
@@ -151,6 +154,14 @@ def tier_entry(name: str, workdir: str, stack: contextlib.ExitStack,
                 **extra}
     check_tier(name)
     return {"type": f"kvtiers_{name}", **extra}
+
+
+def ceiling_blocks(settings: ServeSettings, prefixes: int, concurrency: int, conversation_tokens: int = 0) -> int:
+    """Device blocks that hold ``prefixes`` prefixes (or ``conversation_tokens`` of multi-turn
+    context, if more) and ``concurrency`` requests' own tokens, a quarter to spare."""
+    per_req = -(-(settings.suffix_len + settings.output_len) // BLOCK_TOKENS) + 1
+    shared = max(prefixes * -(-settings.prefix_len // BLOCK_TOKENS), -(-conversation_tokens // BLOCK_TOKENS))
+    return max(settings.gpu_blocks, int((shared + concurrency * per_req) * 1.25) + 1)
 
 
 def shm_regions(log: str) -> set[str]:

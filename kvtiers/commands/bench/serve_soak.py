@@ -1,0 +1,315 @@
+"""``kvtiers bench serve --soak DURATION``: hours of serving, sampled every interval.
+
+One ``kvtiers vllm serve`` (``--servers 2``: two, on one fs root, sharing its bound) with
+``KvtiersOffloadingSpec``: a host arena (``--tier-cpu-bytes``) in front of kvtiers' fs tier
+bounded by ``max_bytes`` (``--fs-max-bytes``), so the tier evicts throughout. Each server gets
+vLLM's own client (``vllm bench serve``, prefix repetition, Poisson arrivals at ``--rate``
+requests/s, at most ``--max-concurrency`` in flight) for the whole duration, over a working
+set (``--prefixes`` prefixes of ``--prefix-len`` tokens) larger than the arena and the bound.
+
+Every ``--interval`` this samples, per server: requests finished per second and TTFT p50/p99
+of the interval (the server's ``vllm:request_success`` and ``vllm:time_to_first_token_seconds``
+histogram, quantiles interpolated within its buckets), the tier hit rate (chunk hits /
+queries of each tier, vLLM's tiering counters), RSS, open fds and threads of the API process,
+the engine core and its workers (``/proc``), and once: the bytes of the fs root's namespace
+directories against the bound, and ``/dev/shm``. And each interval each server answers two
+fixed greedy prompts, whose tokens must be those the first server answered at the start,
+computing them (the reference); later answers come through the arena or the tier.
+
+At the end: each client's own figures (completed, failed, TTFT), the ratios of the last
+interval's rates to the first full one's, how RSS, fds and threads grew, and the verdict:
+no failed request, every greedy answer the reference, no server died, nothing left in
+``/dev/shm``. Flat lines are the goal; ``--plot`` draws them (:mod:`.serve_soak_plot`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..vllm_engine import offload_config, prompt_family
+from . import serve_metrics as sm
+from . import serve_run as sr
+from .serve_soak_probes import histogram_quantile, process_tree, shm_usage
+from .soak_probes import fs_usage
+
+__all__ = ["SoakSettings", "run_serve_soak"]
+
+TTFT = "vllm:time_to_first_token_seconds"
+SUCCESS = "vllm:request_success_total"
+#: the greedy prompts checked every interval: two prompts sharing one 512-token prefix
+PROBE_PREFIX = 512
+
+
+@dataclass
+class SoakSettings:
+    """What a serving soak runs (see the module)."""
+
+    duration_s: float
+    interval_s: float = 60.0
+    rate: float = 1.0  # requests/s per server
+    max_concurrency: int = 16
+    prefixes: int = 48
+    servers: int = 1
+    fs_max_bytes: int = 256 << 20
+
+
+def _client(base_url: str, settings: sr.ServeSettings, soak: SoakSettings, seed: int, result: Path,
+            log: Path) -> subprocess.Popen:
+    """vLLM's client for the whole soak, at the steady rate; its results go to ``result``."""
+    per = max(1, math.ceil(soak.rate * soak.duration_s / soak.prefixes))
+    argv = [*sr.VLLM, "bench", "serve", "--base-url", base_url, "--model", settings.model,
+            "--dataset-name", "prefix_repetition",
+            "--prefix-repetition-prefix-len", str(settings.prefix_len),
+            "--prefix-repetition-suffix-len", str(settings.suffix_len),
+            "--prefix-repetition-num-prefixes", str(soak.prefixes),
+            "--prefix-repetition-output-len", str(settings.output_len),
+            "--num-prompts", str(per * soak.prefixes), "--request-rate", f"{soak.rate:g}",
+            "--max-concurrency", str(soak.max_concurrency), "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
+            "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99",
+            "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    with open(log, "ab") as f:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _probes(settings: sr.ServeSettings) -> list[list[int]]:
+    return prompt_family(PROBE_PREFIX, 2, settings.suffix_len, seed=7331)
+
+
+def _wait_for_requests(servers: list[Any], clients: list[Any], timeout: float) -> float:
+    """Wait until every server has requests from its client (a client takes tens of seconds to
+    start and make its prompts), so the soak's clock starts with the load; the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        flowing = 0
+        for srv in servers:
+            m = sm.scrape(srv.base_url)
+            flowing += any(v > 0 for k, v in m.items() if k.startswith(("vllm:num_requests_running",
+                                                                         "vllm:num_requests_waiting")))
+        if flowing == len(servers) or any(p.poll() is not None for p, _ in clients):
+            break
+        time.sleep(0.5)
+    return round(time.monotonic() - t0, 1)
+
+
+def _server_row(before: dict[str, float], after: dict[str, float], dt: float, tree: dict[str, Any],
+                probes: int = 0) -> dict[str, Any]:
+    """One server's sample; ``probes``: the greedy requests counted in this interval (left out)."""
+    d = sm.delta(before, after)
+    s = sm.summarize(d)
+    done = max(0.0, sum(v for k, v in d.items() if k.startswith(SUCCESS)) - probes)
+    hits = {t: (v.get("hits", 0.0) / v["queries"]) if v.get("queries") else None for t, v in s["tiers"].items()}
+    prompt = s["prompt_tokens"]
+    total = sum(prompt.values())
+    return {
+        "req_s": done / dt if dt > 0 else 0.0,
+        "ttft_p50_s": histogram_quantile(before, after, TTFT, 0.5),
+        "ttft_p99_s": histogram_quantile(before, after, TTFT, 0.99),
+        "hit_rate": hits,
+        "external_token_share": (prompt.get("external_kv_transfer", 0.0) / total) if total else None,
+        "api": tree["api"], "engine_core": tree["engine_core"], "workers": tree["workers"],
+    }
+
+
+def _ns_usage(root: Path) -> dict[str, Any]:
+    total = {"chunk_bytes": 0, "temp_bytes": 0, "disk_bytes": 0, "files": 0}
+    if root.is_dir():
+        u = fs_usage(str(root))
+        total = {k: u[k] for k in total}
+    return total
+
+
+def run_serve_soak(settings: sr.ServeSettings, soak: SoakSettings, *, workdir: str | None = None,
+                   say: Any = None) -> dict[str, Any]:
+    """Run the soak; the report (``intervals``: one row per interval; ``summary``; ``verdict``)."""
+    from ...integrations.vllm.shm_region import sweep_stale_regions
+
+    say = say or (lambda _msg: None)
+    own = workdir is None
+    wd = Path(tempfile.mkdtemp(prefix="kvtiers-serve-soak-") if own else workdir)
+    wd.mkdir(parents=True, exist_ok=True)
+    root = wd / "fs"
+    entry = {"type": "kvtiers_fs", "root_dir": str(root), "max_bytes": int(soak.fs_max_bytes)}
+    ktc = offload_config([entry], settings.tier_cpu_bytes)
+    report: dict[str, Any] = {"kind": "serve-soak", "model": settings.model, "soak": asdict(soak),
+                              "settings": {"prefix_len": settings.prefix_len, "suffix_len": settings.suffix_len,
+                                           "output_len": settings.output_len, "gpu_blocks": settings.gpu_blocks,
+                                           "cpu_bytes": settings.tier_cpu_bytes},
+                              "kv_transfer_config": ktc, "intervals": [], "errors": []}
+    probes = _probes(settings)
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for i in range(soak.servers):
+            srv = sr.VllmServer(settings, ktc, str(wd / f"server{i}.log"))
+            servers.append(srv)
+        t_start = time.monotonic()
+        for srv in servers:
+            srv.start(timeout=settings.start_timeout)
+            stack.callback(srv.stop)
+        for srv in servers:
+            sr.warm_up(srv.base_url, settings.model)
+        report["start_s"] = time.monotonic() - t_start
+        say(f"{len(servers)} server(s) up in {report['start_s']:.0f} s")
+        reference = sr.greedy_outputs(servers[0].base_url, settings.model, probes, settings.output_len)
+        report["reference"] = reference
+        clients = []
+        for i, srv in enumerate(servers):
+            res = wd / f"client{i}.json"
+            res.unlink(missing_ok=True)
+            clients.append((_client(srv.base_url, settings, soak, 2024, res, wd / f"client{i}.log"), res))
+            stack.callback(_stop, clients[-1][0])
+        report["client_start_s"] = _wait_for_requests(servers, clients, settings.start_timeout)
+        t0 = time.monotonic()
+        prev = [sm.scrape(s.base_url) for s in servers]
+        prev_t = t0
+        mismatches = 0
+        while True:
+            now = time.monotonic()
+            left = t0 + soak.duration_s - now
+            if left <= 0:
+                break
+            time.sleep(min(soak.interval_s, left))
+            t = time.monotonic()
+            row: dict[str, Any] = {"t": round(t - t0, 1), "servers": []}
+            for i, srv in enumerate(servers):
+                if not srv.alive():
+                    report["errors"].append(f"server {i} died: {sr.engine_error(srv.log) or 'see its log'}")
+                    row["servers"].append(None)
+                    continue
+                try:
+                    cur = sm.scrape(srv.base_url)
+                    r = _server_row(prev[i], cur, t - prev_t, process_tree(srv.pid),
+                                    len(probes) if report["intervals"] else 0)
+                    got = sr.greedy_outputs(srv.base_url, settings.model, probes, settings.output_len)
+                    r["greedy_ok"] = got == reference
+                    mismatches += not r["greedy_ok"]
+                    prev[i] = cur
+                except OSError as e:
+                    report["errors"].append(f"server {i} at {t - t0:.0f} s: {type(e).__name__}: {e}")
+                    row["servers"].append(None)
+                    continue
+                row["servers"].append(r)
+            row["fs"] = _ns_usage(root)
+            row["shm"] = shm_usage()
+            row["clients_running"] = sum(p.poll() is None for p, _ in clients)
+            prev_t = t
+            report["intervals"].append(row)
+            say(_line(row, soak))
+            if report["errors"] and not any(s.alive() for s in servers):
+                break
+        for i, (p, _) in enumerate(clients):  # sized for the duration: they end about now if the server keeps up
+            try:
+                p.wait(max(60.0, soak.interval_s))
+            except subprocess.TimeoutExpired:
+                report["errors"].append(f"client {i} still had requests to send or answers to wait for "
+                                        f"{max(60.0, soak.interval_s):.0f} s after the soak: the server fell behind "
+                                        f"{soak.rate:g} req/s")
+                _stop(p)
+        report["clients"] = []
+        for p, res in clients:
+            data = json.loads(res.read_text()) if res.exists() else {}
+            report["clients"].append({k: data.get(k) for k in ("completed", "failed", "request_throughput",
+                                                              "median_ttft_ms", "p99_ttft_ms", "duration")}
+                                     | {"exit": p.returncode})
+        logs = [s.log for s in servers]
+    left = set().union(*(sr.wait_gone(sr.shm_regions(str(lg))) for lg in logs))
+    report["shm_left"] = sorted(left)
+    for p in left:
+        sweep_stale_regions(pattern=p)
+    report["greedy_mismatches"] = mismatches
+    report["summary"] = summarize(report)
+    return report
+
+
+def _line(row: dict[str, Any], soak: SoakSettings) -> str:
+    parts = [f"t={row['t']:.0f}s"]
+    for i, s in enumerate(row["servers"]):
+        if s is None:
+            parts.append(f"s{i}: down")
+            continue
+        hit = next(iter(v for v in s["hit_rate"].values() if v is not None), None)
+        parts.append(f"s{i}: {s['req_s']:.2f} req/s, TTFT p50 {_ms(s['ttft_p50_s'])} p99 {_ms(s['ttft_p99_s'])}, "
+                     f"hit {'-' if hit is None else f'{hit:.2f}'}, RSS api {_mib(s['api'])} "
+                     f"core {_mib(s['engine_core'])}, greedy {'ok' if s['greedy_ok'] else 'DIFFERS'}")
+    parts.append(f"fs {row['fs']['chunk_bytes'] / (1 << 20):.0f}/{soak.fs_max_bytes / (1 << 20):.0f} MiB")
+    return "; ".join(parts)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f} ms"
+
+
+def _mib(p: dict[str, Any] | None) -> str:
+    return "-" if not p else f"{p['rss'] / (1 << 20):.0f} MiB"
+
+
+def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    """First and last interval (the first full one: the server's first interval includes the
+    cache filling), growth of RSS, fds and threads per process, totals, and the verdict."""
+    rows = [r for r in report["intervals"] if all(s is not None for s in r["servers"])]
+    out: dict[str, Any] = {"intervals": len(report["intervals"])}
+    if len(rows) >= 2:
+        first, last = rows[1] if len(rows) > 2 else rows[0], rows[-1]
+        per = []
+        for i, (a, b) in enumerate(zip(first["servers"], last["servers"], strict=True)):
+            grow = {}
+            for proc in ("api", "engine_core"):
+                if a.get(proc) and b.get(proc):
+                    grow[proc] = {k: [a[proc][k], b[proc][k]] for k in ("rss", "fds", "threads")}
+            per.append({"server": i, "req_s": [a["req_s"], b["req_s"]],
+                        "req_s_ratio": (b["req_s"] / a["req_s"]) if a["req_s"] else None,
+                        "ttft_p50_s": [a["ttft_p50_s"], b["ttft_p50_s"]], "processes": grow})
+        out["servers"] = per
+        out["fs_max_chunk_bytes"] = max(r["fs"]["chunk_bytes"] for r in report["intervals"])
+    failed = sum((c.get("failed") or 0) for c in report.get("clients", []))
+    completed = sum((c.get("completed") or 0) for c in report.get("clients", []))
+    out.update(failed=failed, completed=completed, greedy_mismatches=report.get("greedy_mismatches", 0),
+               errors=len(report["errors"]), shm_left=len(report.get("shm_left", [])))
+    out["ok"] = (not failed and completed > 0 and not out["greedy_mismatches"] and not report["errors"]
+                 and not report.get("shm_left"))
+    return out
+
+
+def render(report: dict[str, Any]) -> str:
+    """The soak as a table, one line per interval, and its summary."""
+    soak = SoakSettings(**report["soak"])
+    lines = [f"serve soak: {soak.servers} server(s), {soak.duration_s:g} s, {soak.rate:g} req/s each, "
+             f"{soak.prefixes} prefixes of {report['settings']['prefix_len']} tokens, arena "
+             f"{report['settings']['cpu_bytes'] >> 20} MiB, fs bound {soak.fs_max_bytes >> 20} MiB"]
+    lines += [_line(r, soak) for r in report["intervals"]]
+    s = report["summary"]
+    lines.append(f"completed {s['completed']}, failed {s['failed']}, greedy mismatches {s['greedy_mismatches']}, "
+                 f"errors {s['errors']}, /dev/shm regions left {s['shm_left']}: {'OK' if s['ok'] else 'NOT OK'}")
+    for e in report["errors"]:
+        lines.append(f"  error: {e}")
+    for p in s.get("servers", []):
+        ratio = p["req_s_ratio"]
+        growth = ", ".join(f"{proc} RSS {v['rss'][0] >> 20}->{v['rss'][1] >> 20} MiB fds {v['fds'][0]}->"
+                           f"{v['fds'][1]} threads {v['threads'][0]}->{v['threads'][1]}"
+                           for proc, v in p["processes"].items())
+        lines.append(f"  server {p['server']}: req/s last/first {'-' if ratio is None else f'{ratio:.2f}'}; {growth}")
+    return "\n".join(lines)
