@@ -1,0 +1,428 @@
+"""The kvtiers L2 adapter against LMCache's real classes (lmcache 0.5.6 in ``.venv-lmcache``).
+
+LMCache lives in its own environment, so the cases run in one process of it (this file,
+run as a script: ``python tests/test_lmcache_adapter.py OUT.json``), each through LMCache's
+own plugin factory (``create_l2_adapter`` with the documented ``--l2-adapter`` JSON), its
+``TensorMemoryObj`` objects in a torch buffer described by an ``L1MemoryDesc``, its eventfds
+and ``Bitmap``s, on real kvtiers tiers over real files; the tests here read what each case
+saw. LMCache's own check for L2 adapters (``lmcache.v1.basic_check --mode test_l2_adapter``,
+the only one it ships that runs on CPU) runs against the adapter too. The package's
+LMCache-free parts (params, keys, the missing-LMCache line) are tested in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LMCACHE_PY = Path(os.environ.get("KVTIERS_LMCACHE_PYTHON", ROOT / ".venv-lmcache" / "bin" / "python"))
+needs_lmcache = pytest.mark.skipif(
+    not (LMCACHE_PY.exists() and (LMCACHE_PY.parent.parent / ".installed").exists()),
+    reason=f"LMCache's environment {LMCACHE_PY.parent.parent} is not built: make .venv-lmcache/.installed "
+           f"(make test does)",
+)
+
+MODEL = "org/tiny-model"
+OBJ = 64 << 10  # bytes per object: 16 pages
+N = 8
+
+
+# --- the cases, run in LMCache's environment --------------------------------------------------
+
+def _plugin(params: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "plugin", "module_path": "kvtiers.integrations.lmcache", "class_name": "KvtiersL2Adapter",
+            "config_class_name": "KvtiersL2AdapterConfig", "adapter_params": params}
+
+
+class _Bench:
+    """An L1 buffer of 4 * N objects, LMCache's memory objects in it, and an adapter made
+    by LMCache's factory from the plugin JSON."""
+
+    def __init__(self, params: dict[str, Any], *, l1: bool = True, offset: int = 0) -> None:
+        import torch
+        from lmcache.v1.distributed.internal_api import L1MemoryDesc
+        from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+        from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase, get_l2_adapter_config_class
+
+        self.torch = torch
+        self.buf = torch.zeros(4 * N * OBJ + offset, dtype=torch.uint8)
+        # objects start ``offset`` bytes into the region: off its page grid unless 0
+        desc = L1MemoryDesc(ptr=self.buf.data_ptr(), size=4 * N * OBJ, align_bytes=4096) if l1 else None
+        spec = _plugin(params)
+        cfg: L2AdapterConfigBase = get_l2_adapter_config_class("plugin").from_dict(spec)
+        self.adapter = create_l2_adapter(cfg, l1_memory_desc=desc)
+        self.offset = offset
+
+    def obj(self, i: int, fill: int | None = None) -> Any:
+        """LMCache's memory object in slot ``i`` of the buffer (filled with a pattern of ``fill``)."""
+        from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+
+        torch = self.torch
+        raw = self.buf[self.offset + i * OBJ: self.offset + (i + 1) * OBJ]
+        if fill is not None:
+            raw.copy_((torch.arange(OBJ, dtype=torch.int64) * (fill + 1) + fill).to(torch.uint8))
+        view = raw.view(torch.bfloat16)
+        meta = MemoryObjMetadata(shape=torch.Size([2, OBJ // 4]), dtype=torch.bfloat16, address=raw.data_ptr(),
+                                 phy_size=OBJ, fmt=MemoryFormat.KV_2LTD, ref_count=1)
+        return TensorMemoryObj(view, meta, parent_allocator=None)
+
+    def wait(self, efd: int) -> None:
+        import select
+
+        from lmcache.v1.platform import consume_fd
+
+        p = select.poll()
+        p.register(efd, select.POLLIN)
+        if not p.poll(60_000):
+            raise TimeoutError("no event within 60 s")
+        consume_fd(efd)
+
+    def store(self, keys: list[Any], objs: list[Any]) -> Any:
+        a = self.adapter
+        tid = a.submit_store_task(keys, objs)
+        while True:
+            self.wait(a.get_store_event_fd())
+            done = a.pop_completed_store_tasks()
+            if tid in done:
+                return done[tid]
+
+    def lookup(self, keys: list[Any], layouts: dict | None = None) -> list[int]:
+        from lmcache.v1.distributed.api import MemoryLayoutDesc
+
+        a = self.adapter
+        descs = {0: MemoryLayoutDesc([self.torch.Size([2, OBJ // 4])], [self.torch.bfloat16])} if layouts is None \
+            else layouts
+        tid = a.submit_lookup_and_lock_task(keys, descs)
+        while True:
+            self.wait(a.get_lookup_and_lock_event_fd())
+            bm = a.query_lookup_and_lock_result(tid)
+            if bm is not None:
+                return [int(bm.test(i)) for i in range(len(keys))]
+
+    def load(self, keys: list[Any], objs: list[Any]) -> list[int]:
+        a = self.adapter
+        tid = a.submit_load_task(keys, objs)
+        while True:
+            self.wait(a.get_load_event_fd())
+            bm = a.query_load_result(tid)
+            if bm is not None:
+                return [int(bm.test(i)) for i in range(len(keys))]
+
+    def raw(self, i: int) -> Any:
+        return self.buf[self.offset + i * OBJ: self.offset + (i + 1) * OBJ]
+
+    def same(self, i: int, j: int) -> bool:
+        """Objects ``i`` and ``j`` hold the same bytes (and not all zeros)."""
+        return bool(self.torch.equal(self.raw(i), self.raw(j))) and bool(self.raw(i).any())
+
+
+def _keys(prefix: str, n: int = N, salt: str = "", model: str = MODEL, rank: int = 0) -> list[Any]:
+    import hashlib
+
+    from lmcache.v1.distributed.api import ObjectKey
+
+    return [ObjectKey(hashlib.sha256(f"{prefix}{i}".encode()).digest(), model, rank, 0, salt) for i in range(n)]
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.bin"))
+
+
+def case_roundtrip(tmp: Path) -> dict[str, Any]:
+    """Store, lookup-and-lock, load, unlock through LMCache's interface on a real fs tier."""
+    b = _Bench({"tier": {"type": "fs", "root_dir": str(tmp / "kv")}})
+    keys = _keys("chunk")
+    out: dict[str, Any] = {"absent": b.lookup(keys)}
+    res = b.store(keys, [b.obj(i, fill=i) for i in range(N)])
+    out.update(store_ok=res.is_successful(), store_bytes=res.bytes_transferred(), files=len(_files(tmp / "kv")))
+    out["lookup"] = b.lookup(keys)
+    out["locked"] = b.adapter.locked()
+    out["load"] = b.load(keys, [b.obj(N + i) for i in range(N)])
+    out["equal"] = [b.same(i, N + i) for i in range(N)]
+    b.adapter.submit_unlock(keys)
+    out["locked_after_unlock"] = b.adapter.locked()
+    mixed = [keys[0], *_keys("never", 2), keys[3]]
+    out["mixed_lookup"] = b.lookup(mixed)
+    out["mixed_load"] = b.load(mixed, [b.obj(2 * N + i) for i in range(4)])
+    out["other_rank"] = b.lookup(_keys("chunk", rank=0x1000100))
+    out["other_model"] = b.lookup(_keys("chunk", model="org/other-model"))
+    out["status"] = b.adapter.report_status()
+    out["usage"] = b.adapter.get_usage().total_bytes_used
+    b.adapter.close()
+    # a new adapter (a restarted server): knows nothing, finds everything on the medium
+    b2 = _Bench({"tier": {"type": "fs", "root_dir": str(tmp / "kv")}, "zero_copy": False})
+    out["reopen_lookup"] = b2.lookup(keys)
+    out["reopen_load"] = b2.load(keys, [b2.obj(N + i) for i in range(N)])
+    b2.obj(0, fill=0)
+    out["reopen_equal"] = [b2.same(0, N)]
+    out["reopen_status"] = b2.adapter.report_status()
+    b2.adapter.close()
+    return out
+
+
+def case_staged(tmp: Path) -> dict[str, Any]:
+    """No L1 region, or objects off its page grid with zero_copy false: staged, intact. Off
+    the grid with zero-copy on: refused (failed store, misses), never wrong bytes."""
+    out: dict[str, Any] = {}
+    for name, params, kw in (("no_l1", {}, {"l1": False}), ("off_grid", {"zero_copy": False}, {"offset": 64}),
+                             ("off_grid_zero_copy", {}, {"offset": 64})):
+        b = _Bench({"tier": {"type": "fs", "root_dir": str(tmp / name)}, "staging_slots": 3, **params}, **kw)
+        keys = _keys(name)
+        res = b.store(keys, [b.obj(i, fill=i + 3) for i in range(N)])  # 8 objects through 3 staging slots
+        out[name] = {"store_ok": res.is_successful(), "load": b.load(keys, [b.obj(N + i) for i in range(N)]),
+                     "equal": [b.same(i, N + i) for i in range(N)], "untouched": not b.raw(N).any(),
+                     "status": b.adapter.report_status()}
+        b.adapter.close()
+    return out
+
+
+def case_corrupt(tmp: Path) -> dict[str, Any]:
+    """A chunk damaged on disk (the fs tier's own conformance_corrupt) is a miss, the rest intact."""
+    from kvtiers_fs import FsTier
+
+    from kvtiers import Namespace
+    from kvtiers.integrations.lmcache import Layout, Space, tier_key_of
+
+    cfg = {"root_dir": str(tmp / "kv")}
+    b = _Bench({"tier": {"type": "fs", **cfg}})
+    keys = _keys("c")
+    assert b.store(keys, [b.obj(i, fill=i) for i in range(N)]).is_successful()
+    space = Space(MODEL, 0, 0, Layout.of([[2, OBJ // 4]], [b.torch.bfloat16]))
+    FsTier.conformance_corrupt(cfg, Namespace(space.fields()), tier_key_of(keys[2].chunk_hash, ""))
+    out = {"load": b.load(keys, [b.obj(N + i) for i in range(N)])}
+    out["equal"] = [b.same(i, N + i) for i in range(N)]
+    out["status"] = b.adapter.report_status()
+    b.adapter.close()
+    return out
+
+
+def case_encrypted(tmp: Path) -> dict[str, Any]:
+    """An encrypted fs tier with tenant keys: cache_salt is the tenant."""
+    for name in ("default", "alice"):
+        (tmp / f"{name}.key").write_bytes(os.urandom(32))
+    enc = {"key_file": str(tmp / "default.key"), "key_id": "dflt",
+           "tenants": {"alice": {"key_file": str(tmp / "alice.key"), "key_id": "alice-1"}}, "unknown_tenant": "skip"}
+    root = tmp / "kv"
+    b = _Bench({"tier": {"type": "fs", "root_dir": str(root), "encrypt": enc}})
+    plain, alice, bob = _keys("p", 2), _keys("a", 2, salt="alice"), _keys("b", 2, salt="bob")
+    out: dict[str, Any] = {
+        "store_plain": b.store(plain, [b.obj(0, fill=1), b.obj(1, fill=2)]).is_successful(),
+        "store_alice": b.store(alice, [b.obj(2, fill=3), b.obj(3, fill=4)]).is_successful(),
+        "store_bob": b.store(bob, [b.obj(4, fill=5), b.obj(5, fill=6)]).is_successful(),  # no key: not stored
+    }
+    out["lookup"] = b.lookup(plain + alice + bob)
+    out["load_alice"] = b.load(alice, [b.obj(N), b.obj(N + 1)])
+    out["equal_alice"] = [b.same(2, N), b.same(3, N + 1)]
+    out["load_plain"] = b.load(plain, [b.obj(N + 2), b.obj(N + 3)])
+    out["equal_plain"] = [b.same(0, N + 2), b.same(1, N + 3)]
+    # alice's chunk asked for as another tenant's (same hash, other salt): another key, a miss
+    stolen = _keys("a", 2, salt="mallory")
+    out["lookup_as_other"] = b.lookup(stolen)
+    pattern = bytes(b.raw(2)[:4096].numpy())
+    out["plaintext_on_disk"] = any(pattern in p.read_bytes() for p in _files(root))
+    out["files"] = len(_files(root))
+    b.adapter.close()
+    return out
+
+
+def case_sqlite(tmp: Path) -> dict[str, Any]:
+    """The third-party example tier (kvtiers-sqlite) behind the same adapter."""
+    b = _Bench({"tier": {"type": "sqlite", "path": str(tmp / "kv.db")}})
+    keys = _keys("s", 4)
+    out = {"store_ok": b.store(keys, [b.obj(i, fill=i + 7) for i in range(4)]).is_successful(),
+           "lookup": b.lookup(keys), "load": b.load(keys, [b.obj(N + i) for i in range(4)])}
+    out["equal"] = [b.same(i, N + i) for i in range(4)]
+    b.adapter.close()
+    return out
+
+
+def case_failures(tmp: Path) -> dict[str, Any]:
+    """A tier that cannot open, bad calls: misses and failed stores, no exception."""
+    (tmp / "a-file").write_text("not a directory")
+    b = _Bench({"tier": {"type": "fs", "root_dir": str(tmp / "a-file" / "kv")}})
+    keys = _keys("f", 2)
+    out: dict[str, Any] = {"store_ok": b.store(keys, [b.obj(0, fill=1), b.obj(1, fill=2)]).is_successful()}
+    out["lookup"] = b.lookup(keys)
+    out["load"] = b.load(keys, [b.obj(2), b.obj(3)])
+    out["mismatched_store"] = b.store(keys, [b.obj(0)]).is_successful()
+    out["unknown_layout_lookup"] = b.lookup(_keys("f", 2, model="org/never-stored"), layouts={})
+    out["status"] = b.adapter.report_status()
+    b.adapter.close()
+    from lmcache.v1.distributed.l2_adapters.config import get_l2_adapter_config_class
+
+    try:  # a bad tier entry: LMCache's config parsing fails with kvtiers' one line, at start-up
+        get_l2_adapter_config_class("plugin").from_dict(_plugin({"tier": {"type": "fs"}}))
+        from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+
+        create_l2_adapter(get_l2_adapter_config_class("plugin").from_dict(_plugin({"tier": {"type": "fs"}})))
+    except Exception as e:
+        out["bad_config"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def case_lmcache_check(tmp: Path) -> dict[str, Any]:
+    """LMCache's own L2 adapter check (``test_l2_adapter`` mode of ``lmcache.v1.basic_check``)."""
+    import asyncio
+    import contextlib
+    import io
+
+    from lmcache.v1.check import registry
+
+    spec = json.dumps(_plugin({"tier": {"type": "fs", "root_dir": str(tmp / "kv")}}))
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        asyncio.run(registry.get_mode("test_l2_adapter")(model=MODEL, l2_adapter=[spec], num_keys=8))
+    return {"output": text.getvalue()}
+
+
+CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
+
+
+def main(out_file: str, scratch: str) -> None:
+    import logging
+    import traceback
+
+    logging.disable(logging.WARNING)
+    results: dict[str, Any] = {}
+    for name, fn in CASES.items():
+        d = Path(scratch) / name
+        d.mkdir(parents=True)
+        try:
+            results[name] = {"ok": fn(d)}
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+    Path(out_file).write_text(json.dumps(results, default=str))
+
+
+# --- the tests ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("lmcache-adapter")
+    out = tmp / "out.json"
+    proc = subprocess.run([str(LMCACHE_PY), __file__, str(out), str(tmp / "scratch")], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if proc.returncode != 0 or not out.exists():
+        raise AssertionError(f"the LMCache cases exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def result(cases: dict[str, Any], name: str) -> dict[str, Any]:
+    r = cases[name]
+    assert "error" not in r, r.get("error")
+    return r["ok"]
+
+
+@needs_lmcache
+def test_roundtrip_through_lmcache_interface(cases):
+    r = result(cases, "roundtrip")
+    assert r["absent"] == [0] * N  # nothing stored yet
+    assert r["store_ok"] and r["store_bytes"] == N * OBJ and r["files"] == N
+    assert r["lookup"] == [1] * N and r["locked"] == N
+    assert r["load"] == [1] * N and all(r["equal"])
+    assert r["locked_after_unlock"] == 0
+    assert r["mixed_lookup"] == [1, 0, 0, 1] and r["mixed_load"] == [1, 0, 0, 1]
+    assert r["other_rank"] == [0] * N and r["other_model"] == [0] * N  # namespaces never mix
+    assert r["status"]["stored"] == N and r["status"]["loaded"] == N + 2
+    # one namespace per model and rank asked about, each on the page grid of L1
+    assert list(r["status"]["namespaces"].values()) == ["zero-copy"] * 3
+    assert r["usage"] == N * OBJ  # LMCache's byte accounting sees what was stored
+
+
+@needs_lmcache
+def test_new_adapter_finds_chunks_on_the_medium(cases):
+    r = result(cases, "roundtrip")
+    assert r["reopen_lookup"] == [1] * N and r["reopen_load"] == [1] * N and r["reopen_equal"] == [True]
+    assert list(r["reopen_status"]["namespaces"].values()) == ["staged"]  # zero_copy false: same chunks
+
+
+@needs_lmcache
+def test_staged_when_no_l1_or_off_grid(cases):
+    r = result(cases, "staged")
+    for name in ("no_l1", "off_grid"):
+        assert r[name]["store_ok"] and r[name]["load"] == [1] * N and all(r[name]["equal"]), name
+        assert list(r[name]["status"]["namespaces"].values()) == ["staged"], name
+    z = r["off_grid_zero_copy"]  # the grid's namespace, objects off it: refused, never wrong bytes
+    assert not z["store_ok"] and z["load"] == [0] * N and z["untouched"] and z["status"]["off_grid"] == 2 * N
+
+
+@needs_lmcache
+def test_corrupt_chunk_is_a_miss(cases):
+    r = result(cases, "corrupt")
+    assert r["load"] == [1, 1, 0, 1, 1, 1, 1, 1]
+    assert [e for i, e in enumerate(r["equal"]) if i != 2] == [True] * (N - 1)
+    assert r["status"]["failed_keys"] == 1
+
+
+@needs_lmcache
+def test_encrypted_tier_with_cache_salt_tenants(cases):
+    r = result(cases, "encrypted")
+    assert r["store_plain"] and r["store_alice"] and not r["store_bob"]  # bob has no key: not offloaded
+    assert r["lookup"] == [1, 1, 1, 1, 0, 0]
+    assert r["load_alice"] == [1, 1] and r["equal_alice"] == [True, True]
+    assert r["load_plain"] == [1, 1] and r["equal_plain"] == [True, True]
+    assert r["lookup_as_other"] == [0, 0]
+    assert r["files"] == 4 and not r["plaintext_on_disk"]
+
+
+@needs_lmcache
+def test_third_party_tier(cases):
+    r = result(cases, "sqlite")
+    assert r["store_ok"] and r["lookup"] == [1] * 4 and r["load"] == [1] * 4 and all(r["equal"])
+
+
+@needs_lmcache
+def test_failures_are_misses_never_exceptions(cases):
+    r = result(cases, "failures")
+    assert not r["store_ok"] and r["lookup"] == [0, 0] and r["load"] == [0, 0]
+    assert not r["mismatched_store"] and r["unknown_layout_lookup"] == [0, 0]
+    assert r["status"]["open_failed"] >= 1 and r["status"]["is_healthy"]
+    assert "missing required option 'root_dir'" in r["bad_config"]
+
+
+@needs_lmcache
+def test_lmcache_own_l2_adapter_check(cases):
+    out = result(cases, "lmcache_check")["output"]
+    assert "KvtiersL2Adapter" in out and "Test Failed" not in out, out
+    for line in ("8/8 correctly absent", "Batch store OK", "8/8 found", "Validation (loaded): 8/8",
+                 "Validation (content): 8/8"):
+        assert line in out, out
+
+
+def test_params_and_keys_without_lmcache():
+    from kvtiers.errors import ConfigError
+    from kvtiers.integrations.lmcache import parse_params, tier_key_of
+
+    p = parse_params({"tier": {"type": "fs", "root_dir": "/x", "encrypt": {"key_env": "K"}}, "zero_copy": False})
+    assert p.tier_type == "fs" and p.encrypted and p.zero_copy is False
+    for bad, says in (({"tier": {"type": "nope"}}, "unknown tier type 'nope'"),
+                      ({"tier": {"type": "fs", "root": "/x"}}, "unknown option 'root'"),
+                      ({"tier": {"type": "fs", "root_dir": "/x"}, "staging_slots": 0}, "staging_slots"),
+                      ({"tier": {"type": "fs", "root_dir": "/x"}, "extra": 1}, "unknown adapter_params key 'extra'"),
+                      ({}, "needs \"tier\"")):
+        with pytest.raises(ConfigError, match=says):
+            parse_params(bad)
+    h = b"\x01" * 32
+    assert tier_key_of(h, "") == h
+    assert len({tier_key_of(h, "a"), tier_key_of(h, "b"), tier_key_of(h, "")}) == 3
+
+
+def test_missing_lmcache_is_one_line():
+    code = ("import sys\nclass B:\n def find_spec(self, n, p=None, t=None):\n"
+            "  if n == 'lmcache' or n.startswith('lmcache.'): raise ModuleNotFoundError(n, name=n)\n"
+            "sys.meta_path.insert(0, B())\nimport kvtiers.integrations.lmcache as m\n"
+            "try:\n m.KvtiersL2Adapter\nexcept ImportError as e:\n print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.count("\n") == 1, out.stderr
+    assert "needs LMCache" in out.stdout and "pip install 'kvtiers[lmcache]'" in out.stdout
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
