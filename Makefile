@@ -29,7 +29,7 @@ IBVERBS = @if ! PATH="$$PATH:/sbin:/usr/sbin" ldconfig -p 2>/dev/null | grep -q 
 	{ apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null; }; \
 	else echo "note: the mooncake tier needs libibverbs.so.1: apt-get install --no-install-recommends libibverbs1"; fi; fi
 
-.PHONY: venv lmcache-venv demo demo-vllm test lint wheels clean soak bench-serve multi-turn-client
+.PHONY: venv lmcache-venv demo demo-vllm test lint wheels clean soak bench-serve bench-serve-soak bench-serve-soak2 multi-turn-client
 
 # what the demo needs: the core, the fs tier and torch (CPU build)
 $(BASE): pyproject.toml Makefile
@@ -113,11 +113,36 @@ $(MULTI_TURN_STAMP): $(VLLM_STAMP) Makefile
 multi-turn-client: $(MULTI_TURN) $(MULTI_TURN_STAMP)
 
 # vLLM's own load clients against real vllm serve servers, with and without offloading
-# (docs/vllm.md#serving-benchmark): prefix repetition (`vllm bench serve`) and multi-turn
-# conversations (vLLM's multi-turn client); the tables, and the figure in build/bench-serve.png
+# (docs/vllm.md#serving-benchmark) at a real model's shape (SmolLM2-135M's, made locally on
+# first use): prefix repetition (`vllm bench serve`) over working sets that fit the device
+# cache, the host arena, only the tier (2, 8, 24 prefixes of 1024 tokens), and multi-turn
+# conversations (vLLM's multi-turn client); none, host arena alone, arena + kvtiers fs, vLLM's
+# fs, and the all-in-device ceiling, interleaved, 3 repeats, 128 requests where it fits (about
+# an hour on a quiet 16-core machine); the report in build/bench-serve.json, the figure in
+# build/bench-serve.png
+BENCH_SERVE_MODEL ?= smollm2-135m
+BENCH_SERVE_ARGS ?= --configs none,host,fs,vllm-fs,ceiling --repeats 3 --fit-requests 128 --requests-per-prefix 4
 bench-serve: $(VLLM_STAMP) multi-turn-client
 	mkdir -p build
-	$(VLLM_VENV)/bin/kvtiers bench serve --workloads prefix,multi-turn --plot build/bench-serve.png
+	$(VLLM_VENV)/bin/kvtiers bench serve --model $(BENCH_SERVE_MODEL) --workloads prefix,multi-turn \
+	  $(BENCH_SERVE_ARGS) --json > build/bench-serve.json
+	$(VLLM_VENV)/bin/kvtiers bench serve --report build/bench-serve.json --plot build/bench-serve.png
+
+# an hour of serving (docs/bench.md#serving-soak): one kvtiers vllm serve, arena + fs bounded,
+# vLLM's client at a steady rate, sampled every minute; make bench-serve-soak2: two servers
+# on one fs root for 20 minutes. make test runs a one-minute one (tests/test_serve_soak.py)
+SERVE_SOAK ?= 1h
+SERVE_SOAK_ARGS ?= --rate 1 --soak-prefixes 48 --tier-cpu-bytes 134217728 --fs-max-bytes 268435456 --concurrency 8
+bench-serve-soak: $(VLLM_STAMP)
+	mkdir -p build
+	$(VLLM_VENV)/bin/kvtiers bench serve --soak $(SERVE_SOAK) --model $(BENCH_SERVE_MODEL) $(SERVE_SOAK_ARGS) \
+	  --json > build/serve-soak.json; rc=$$?; \
+	$(VLLM_VENV)/bin/kvtiers bench serve --report build/serve-soak.json --plot build/serve-soak.png; exit $$rc
+bench-serve-soak2: $(VLLM_STAMP)
+	mkdir -p build
+	$(VLLM_VENV)/bin/kvtiers bench serve --soak 20m --servers 2 --model $(BENCH_SERVE_MODEL) $(SERVE_SOAK_ARGS) \
+	  --json > build/serve-soak2.json; rc=$$?; \
+	$(VLLM_VENV)/bin/kvtiers bench serve --report build/serve-soak2.json --plot build/serve-soak2.png; exit $$rc
 
 demo: $(BASE)
 	$(BIN)/kvtiers demo
