@@ -77,10 +77,13 @@ def linear_kernels(model: nn.Module) -> dict[str, int]:
 
 
 def _rank() -> tuple[int, int]:
-    """This worker's rank in vLLM's world group, and the group's size."""
-    from vllm.distributed.parallel_state import get_world_group
+    """This worker's rank in vLLM's world group, and the group's size (0 of 1 outside an
+    engine, where no world group was made)."""
+    from vllm.distributed import parallel_state
 
-    group = get_world_group()
+    if getattr(parallel_state, "_WORLD", None) is None:
+        return 0, 1
+    group = parallel_state.get_world_group()
     return group.rank_in_group, group.world_size
 
 

