@@ -331,3 +331,95 @@ def test_a_corrupt_chunk_that_is_removed_is_reported_once(env, caplog):
     assert r.failed_keys == (keys[1],) and "corrupt chunk removed" in r.error
     assert not os.path.exists(path) and env.removed == [(keys[1], "corrupt")]
     assert len(_warnings_naming(caplog, path)) == 1
+
+
+# -- issue 44 item 14: a snapshot is a hint that never hides a directory from the bound ------------
+def _hiding_snapshot(nsdir: str) -> None:
+    """What a writer of the root can do: record every directory's current mtime (so that to
+    a reader none changed since) with a table that holds none of their files, and a valid
+    checksum."""
+    _table, dirs, written = snapshot.load(nsdir, FILE, TAG)
+    dirs[:] = 0
+    for h1 in os.scandir(nsdir):
+        if len(h1.name) == 2 and h1.is_dir(follow_symlinks=False):
+            n1 = int(h1.name, 16)
+            dirs[65536 + n1] = os.stat(h1.path).st_mtime_ns
+            for h2 in os.scandir(h1.path):
+                dirs[n1 * 256 + int(h2.name, 16)] = os.stat(h2.path).st_mtime_ns
+    assert (dirs[:65536] > 0).sum() > 10
+    empty = KeyTable()
+    snapshot.save(nsdir, empty.fp, empty.clock, dirs, FILE, TAG, written)
+
+
+def test_a_snapshot_hiding_every_directory_is_listed_through_by_the_cleaner_at_open(env):
+    first = _stored_root(env, 40)
+    _hiding_snapshot(first.nsdir)
+    t = env.open(max_bytes=16 * FILE, rescan_seconds=3600.0)  # no rescan within the test
+    assert t.scanned.wait(60) and t.is_cleaner and t.snapshot_loaded
+    wait_for(lambda: len(chunk_files(env.root)) <= 16, timeout=30, what="the hidden chunks counted and evicted")
+    assert sum(why == "evicted" for _, why in env.removed) == 24
+    assert t.walker.pending_verification == 0
+
+
+def test_a_snapshot_hiding_directories_is_listed_through_when_the_lease_passes(env, tmp_path):
+    """An instance that loaded the snapshot while another held the lease lists what it vouched
+    for at its first pass as the cleaner (one rescan_seconds after the lease is free)."""
+    import fcntl
+
+    first = _stored_root(env, 40)
+    _hiding_snapshot(first.nsdir)
+    holder = os.open(os.path.join(first.nsdir, "cleaner.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another cleaner (a process that will die)
+        t = env.open(max_bytes=16 * FILE, rescan_seconds=0.5)
+        assert t.scanned.wait(60) and not t.is_cleaner and t.snapshot_loaded
+        # not listed by an instance that does not count the bound
+        assert getattr(t.walker, "pending_verification", 1) > 0
+    finally:
+        os.close(holder)  # its lock goes with it
+    wait_for(lambda: t.is_cleaner, timeout=30, what="the lease to pass on")
+    wait_for(lambda: len(chunk_files(env.root)) <= 16, timeout=30, what="the hidden chunks counted and evicted")
+    assert t.walker.pending_verification == 0
+
+
+def test_a_snapshot_header_of_more_than_2_30_slots_is_refused_without_reading_it(env, caplog, tmp_path):
+    """A header that claims 2^30 + 1 slots, in a (sparse) file of exactly the size it implies:
+    refused by its slot count before anything is allocated or read (a 16 GiB read otherwise)."""
+    first = _stored_root(env, 3)
+    snap = snapshot.path(first.nsdir)
+    slots = snapshot.MAX_SLOTS + 1
+    with open(snap, "r+b") as f:
+        f.write(snapshot._HEAD.pack(snapshot.MAGIC, snapshot.VERSION, 0, FILE, slots, TAG, time.time()))
+        f.truncate(snapshot.size_of(slots))  # sparse: no disk, and no reader should touch it
+    caplog.set_level(logging.WARNING, logger="kvtiers.fs")
+    with _memory_cap(256 << 20):
+        assert _returns_within(lambda: snapshot.load(first.nsdir, FILE, TAG), 10) is None
+    said = _warnings_naming(caplog, snap)
+    assert len(said) == 1 and f"a table of {slots} slots (1 to {snapshot.MAX_SLOTS})" in said[0], said
+    t = env.open()  # the tier goes on: a full listing instead
+    assert t.scanned.wait(30) and not t.snapshot_loaded
+    assert resolve(t, [b"h-0", b"h-2"]) == [Lookup.HIT, Lookup.HIT]
+
+
+# -- issue 44 item 11: unequal max_bytes on one root ----------------------------------------------
+def test_unequal_max_bytes_on_one_root_warn_at_open_and_the_cleaners_bound_governs(env, caplog):
+    caplog.set_level(logging.WARNING, logger="kvtiers.fs")
+    a = env.open(max_bytes=64 * FILE, rescan_seconds=0.3)
+    assert a.scanned.wait(30) and a.is_cleaner
+    b = env.open(max_bytes=32 * FILE, rescan_seconds=0.3)
+    c = env.open(max_bytes=16 * FILE, rescan_seconds=0.3)
+    same = env.open(max_bytes=64 * FILE, rescan_seconds=0.3)
+    assert not (b.is_cleaner or c.is_cleaner or same.is_cleaner)
+    said = _warnings_naming(caplog, "the cleaner's bound governs")
+    assert len(said) == 2, said  # b and c, once each; not the instance that agrees
+    for mine in (32, 16):
+        assert [w for w in said if f"max_bytes={mine * FILE} here" in w and f"max_bytes={64 * FILE}:" in w], said
+    for i in range(40):
+        for t in (a, b, c):
+            assert env.store(t, [b"%s-%d" % (bytes([t is a and 97 or t is b and 98 or 99]), i)]).ok
+    # stores stopped: the cleaner's next pass settles the directory at its bound (64), not 16
+    wait_for(lambda: len(chunk_files(env.root)) <= 64, timeout=30, what="the cleaner's bound")
+    time.sleep(1.0)  # a few more passes: nothing else is removed
+    # the cleaner's own 40 chunks are never removed by the others: not settled at 16 or 32
+    assert 40 <= len(chunk_files(env.root)) <= 64
+    assert len(_warnings_naming(caplog, "the cleaner's bound governs")) == 2  # not again at every rescan

@@ -4,8 +4,10 @@ Among the bounded instances sharing a root, the one that holds an exclusive ``fl
 this file is the cleaner: it lists the directories that changed every ``rescan_seconds`` and
 evicts for everyone; the others store and read, and try to take the lease at each of their
 ``rescan_seconds``, so when the holder dies (the kernel, or the NFS lock manager, drops its
-lock) another one takes over within one period. The holder writes ``<pid>@<host>`` into the
-file for operators, and its pass numbers into ``cleaner.passes`` (:func:`write_passes`) at
+lock) another one takes over within one period. The holder writes ``<pid>@<host>
+max_bytes=<N>`` into the file, for operators and for the others: its bound is the one that
+governs the directory, and an instance whose own differs says so (:meth:`Lease.holder`);
+and it writes its pass numbers into ``cleaner.passes`` (:func:`write_passes`) at
 the start and at the end of each pass, which is how the others know what its view counts
 (:mod:`kvtiers_fs.share`). Where the file system has no locks, every bounded instance is a
 cleaner (each lists what changed and evicts from its own view, as before the lease existed).
@@ -35,8 +37,9 @@ _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, err
 class Lease:
     """Try-only, never blocking: :meth:`try_take` either gets the lease or returns False."""
 
-    def __init__(self, nsdir: str) -> None:
+    def __init__(self, nsdir: str, max_bytes: int | None = None) -> None:
         self.path = os.path.join(nsdir, NAME)
+        self.max_bytes = max_bytes  # recorded in the file while this instance holds the lease
         self._fd: int | None = None
         self.unsupported = False
 
@@ -69,11 +72,37 @@ class Lease:
             return False
         try:
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode(), 0)
+            bound = "" if self.max_bytes is None else f" max_bytes={self.max_bytes}"
+            os.pwrite(fd, f"{os.getpid()}@{socket.gethostname()}{bound}\n".encode(), 0)
         except OSError:
             pass
         self._fd = fd
         return True
+
+    def holder(self) -> tuple[str, int | None] | None:
+        """``(who, max_bytes)`` as the lease's holder recorded them (``<pid>@<host>``, its bound
+        or None), or None when the file holds no such record. Never blocks: ``O_NONBLOCK |
+        O_NOFOLLOW``, regular files only, at most 256 bytes read."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            raw = os.pread(fd, 256, 0)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        fields = raw.decode("ascii", "replace").split()
+        if not fields or "@" not in fields[0]:
+            return None
+        bound = None
+        for f in fields[1:]:
+            if f.startswith("max_bytes=") and f[10:].isdigit():
+                bound = int(f[10:])
+        return fields[0], bound
 
     def release(self) -> None:
         """Give the lease up (at close)."""

@@ -187,15 +187,16 @@ class FsTier:
         self._evicting = threading.Lock()
         self.walker = Walker(self.nsdir, self.index, self.file_bytes)
         # the cleaner's lease: one bounded instance at a time evicts and lists for everyone
-        self.lease = Lease(self.nsdir)
+        self.lease = Lease(self.nsdir, max_bytes)
+        self._bound_warned: set[tuple[str, int]] = set()
         if self._no_write is None:  # the walker reads the file system's clock off the lease file's mtime
             self.walker.clock_path = self.lease.path
         # while another instance is the cleaner: the bytes this one added that it has not counted yet
         self._share = (Share(budget_for(max_bytes, self.file_bytes), lambda: read_passes(self.nsdir))
                        if max_bytes is not None and self._no_write is None else None)
         self._passes: tuple[int, int] | None = None  # as the cleaner: (begun, completed) pass numbers
-        if max_bytes is not None and self._no_write is None:
-            self.lease.try_take()
+        if max_bytes is not None and self._no_write is None and not self.lease.try_take():
+            self._check_bound()
         self.stale_removed: list[str] = []
         self.scan_problems: list[str] = []  # entries the last scan skipped (unreadable, cannot remove)
         self.last_scan: tuple[float, float] | None = None  # wall-clock start and end of the last scan
@@ -255,7 +256,9 @@ class FsTier:
             self._writes.start()
             self._prober.start()
             self._load_snapshot()
-            self._scan_once(clean=self._no_write is None, full=not self.snapshot_loaded)
+            # the cleaner lists at once, besides what changed, every directory the snapshot
+            # vouched for (a snapshot is a hint: it must not hide files from the bound)
+            self._scan_once(clean=self._no_write is None, full=not self.snapshot_loaded, verify=self.is_cleaner)
         except ValueError:  # closed before this thread got going: the pools are shut down
             return
         finally:
@@ -266,8 +269,11 @@ class FsTier:
             return
         while not self._wake.wait(every):
             if not self.lease.try_take():
+                self._check_bound()
                 continue  # another instance cleans: this one only stores and reads
-            self._scan_once(clean=False, full=False)  # the directories that changed
+            # the directories that changed, and (once, after taking the lease over) those only
+            # the snapshot loaded at open vouched for
+            self._scan_once(clean=False, full=False, verify=True)
             if self.snapshot_seconds is not None and time.time() - self._snapshot_at >= self.snapshot_seconds:
                 self._write_snapshot()
 
@@ -313,13 +319,13 @@ class FsTier:
 
     _stopped_mid_scan = False
 
-    def _scan_once(self, *, clean: bool, full: bool = True) -> None:
+    def _scan_once(self, *, clean: bool, full: bool = True, verify: bool = False) -> None:
         t0 = time.time()
         begun = self._begin_pass()
         try:
             self.walker.removed = []
             self.walker.run(full=full, clean=clean, stale_after=self.stale_temp_seconds,
-                            stopping=lambda: self._stopping)
+                            stopping=lambda: self._stopping, verify=verify)
             self.scan_problems = self.walker.problems
             if self.walker.removed:
                 self.stale_removed = self.walker.removed
@@ -332,6 +338,21 @@ class FsTier:
                 self.last_scan = (t0, time.time())
         except Exception:
             log.exception("fs tier: scan of %s failed", self.nsdir)
+
+    def _check_bound(self) -> None:
+        """Not the cleaner: warn (once per cleaner and bound) when the cleaner's ``max_bytes``,
+        which governs the directory, is not this instance's (docs/fs.md, Sharing a bounded root)."""
+        got = self.lease.holder()
+        if got is None:
+            return
+        who, theirs = got
+        if theirs is None or theirs == self.max_bytes or (who, theirs) in self._bound_warned:
+            return
+        self._bound_warned.add((who, theirs))
+        log.warning("fs tier: max_bytes=%d here, but the cleaner of %s (%s) has max_bytes=%d: the cleaner's bound "
+                    "governs the directory while it holds the lease (this instance only keeps its own share of "
+                    "%d bytes); give every instance on one root the same max_bytes",
+                    self.max_bytes, self.nsdir, who, theirs, budget_for(self.max_bytes, self.file_bytes))
 
     def _evict_to_bound(self) -> None:
         if self.is_cleaner:

@@ -15,6 +15,15 @@ second is read as a FAT-like 2 s tick, a whole second as a 1 s tick; a file syst
 finer mtimes shows finer ones). ``full`` lists everything (the first pass without a
 snapshot).
 
+Mtimes restored from a snapshot (:meth:`Walker.restore`) are a hint, not a listing of this
+instance's: anyone who can write the root can record there the current mtime of a directory
+together with a table that lacks its files, which would keep that directory from ever being
+listed (its files never counted against the bound, never evicted). So they are marked
+unverified, and a pass with ``verify`` lists every unverified directory once, whatever its
+mtime; from then on only its own listings' mtimes decide. The cleaner runs such a pass
+right after the reconciling one (:class:`~kvtiers_fs.tier.FsTier`), and every pass it makes
+later verifies too, so a snapshot hides nothing from the bound for longer than one pass.
+
 It counts what it does (``listed``: directory entries read; ``stats``: directories
 ``stat``ed), for ``kvtiers bench fs --scale``.
 """
@@ -71,6 +80,9 @@ class Walker:
         self.file_bytes = file_bytes
         self.dir_mtime = np.zeros(65536, np.int64)  # ns at the last listing; UNKNOWN / AGAIN as above
         self.h1_mtime: dict[int, int] = {}
+        # mtimes a snapshot gave, not yet confirmed by a listing of this instance (see above)
+        self.unverified = np.zeros(65536, bool)
+        self.unverified_h1: set[int] = set()
         self.subdirs: dict[int, bytes] = {}  # h1 -> its h2 directories (as bytes 0-255: small)
         self.listed = 0
         self.stats = 0
@@ -86,7 +98,8 @@ class Walker:
         return np.concatenate([self.dir_mtime, h1])
 
     def restore(self, state: np.ndarray) -> None:
-        """Start from :meth:`state` as a snapshot saved it: the next pass lists only what changed."""
+        """Start from :meth:`state` as a snapshot saved it: the next pass lists only what
+        changed, and the next pass with ``verify`` every directory it vouched for."""
         self.dir_mtime = state[:65536].copy()
         known = self.dir_mtime.reshape(256, 256) != UNKNOWN
         self.h1_mtime, self.subdirs = {}, {}
@@ -94,6 +107,13 @@ class Walker:
             if state[65536 + n1] != UNKNOWN:
                 self.h1_mtime[n1] = int(state[65536 + n1])
                 self.subdirs[n1] = bytes(np.flatnonzero(known[n1]).tolist())
+        self.unverified = self.dir_mtime != UNKNOWN
+        self.unverified_h1 = set(self.h1_mtime)
+
+    @property
+    def pending_verification(self) -> int:
+        """Directories a snapshot vouched for that no listing of this instance confirmed yet."""
+        return int(self.unverified.sum()) + len(self.unverified_h1)
 
     def _skip(self, what: str, e: OSError) -> None:
         if len(self.problems) < 1000:
@@ -107,9 +127,10 @@ class Walker:
         return entries
 
     def run(self, *, full: bool, clean: bool = False, stale_after: float = 3600.0,
-            stopping: Callable[[], bool] = lambda: False) -> int:
+            stopping: Callable[[], bool] = lambda: False, verify: bool = False) -> int:
         """One pass (see the module docstring); returns how many known keys it found gone.
-        ``clean`` removes stale temporary files on the way. One bad entry never stops it."""
+        ``clean`` removes stale temporary files on the way; ``verify`` also lists the
+        directories whose mtimes only a snapshot gave. One bad entry never stops it."""
         self.problems = []
         forgotten = 0
         try:
@@ -132,12 +153,14 @@ class Walker:
                 st1 = os.stat(f"{self.nsdir}/{h1}")
                 self.stats += 1
                 level2 = self.subdirs.get(n1)
-                if full or level2 is None or self.h1_mtime.get(n1) != st1.st_mtime_ns:
-                    # its subdirectories were created or removed since (or never listed)
+                if (full or level2 is None or self.h1_mtime.get(n1) != st1.st_mtime_ns
+                        or (verify and n1 in self.unverified_h1)):
+                    # its subdirectories were created or removed since (or never listed by us)
                     level2 = bytes(sorted(int(e.name, 16) for e in self._scandir(f"{self.nsdir}/{h1}")
                                           if len(e.name) == 2 and _is_hex(e.name) and e.is_dir(follow_symlinks=False)))
                     self.subdirs[n1] = level2
                     self.h1_mtime[n1] = AGAIN if racy(now, st1.st_mtime_ns) else st1.st_mtime_ns
+                    self.unverified_h1.discard(n1)
             except ValueError:
                 continue
             except FileNotFoundError:
@@ -159,7 +182,7 @@ class Walker:
                 except OSError as e:
                     self._skip(path, e)
                     continue
-                if not full and st.st_mtime_ns == self.dir_mtime[d]:
+                if not full and st.st_mtime_ns == self.dir_mtime[d] and not (verify and self.unverified[d]):
                     continue
                 try:
                     entries = self._scandir(path)
@@ -171,6 +194,7 @@ class Walker:
                 again = racy(now, st.st_mtime_ns)
                 again |= self._collect(entries, fps, mtimes, clean, stale_after, now)
                 self.dir_mtime[d] = AGAIN if again else st.st_mtime_ns
+                self.unverified[d] = False
                 batch_dirs.append(d)
                 if len(batch_dirs) >= _BATCH:
                     forgotten += self._merge(batch_dirs, fps, mtimes, started)
