@@ -12,10 +12,13 @@ left behind); an engine that exits; and a worker's side that stays alive (the re
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -24,6 +27,7 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is installed by `make test`")
 
+from kvtiers.integrations.vllm import shm_region  # noqa: E402
 from kvtiers.integrations.vllm.shm_region import sweep_stale_regions  # noqa: E402
 
 ENGINE = r'''
@@ -152,3 +156,143 @@ def test_stale_regions_are_swept_at_start_and_live_ones_kept(engines) -> None:
     manager = ns["KvtiersOffloadingSpec"](ns["cfg"]).get_manager()
     manager.shutdown()
     assert leftovers(live) == []
+
+
+# -- a user who is not root (how vLLM usually runs) ------------------------------------------
+
+USER = "kvtiers-test"
+
+# Run as that user with one capability, to read the interpreter (under a home only root may
+# enter), dropped before anything is decided: from then on a plain user's view of /proc.
+DROP_CAPS = r'''
+import ctypes
+class _Hdr(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+class _Data(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+assert _libc.capset(ctypes.byref(_Hdr(0x20080522, 0)), (_Data * 2)()) == 0, ctypes.get_errno()
+assert all(int(line.split()[1], 16) == 0 for line in open("/proc/self/status") if line.startswith(("CapEff", "CapPrm")))
+'''
+
+# engines of that user: the worker's side of engine ``dead`` (killed) and of engine ``live``
+# (kvtiers' CPU worker watches it), forked from one process that sweeps when told, as the next
+# engine's start would
+NON_ROOT = r'''
+import json, os, sys, time
+from kvtiers.integrations.vllm.shm_region import sweep_stale_regions, watch_region
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+''' + DROP_CAPS + r'''
+dead, live, pattern = sys.argv[1:]
+
+
+def engine(eid, watch):
+    pid = os.fork()
+    if pid == 0:
+        region = SharedOffloadRegion(engine_id=eid, num_chunks=8, rank=0, kv_bytes_per_chunk=8192,
+                                     cpu_page_size=8192)
+        if watch:
+            watch_region(region)
+        print(eid, os.getpid(), flush=True)
+        time.sleep(300)
+        os._exit(0)
+    return pid
+
+
+engine(dead, False)
+engine(live, True)
+for line in sys.stdin:
+    print(json.dumps({"uid": os.getuid(), "removed": sweep_stale_regions(pattern)}), flush=True)
+'''
+
+# the next engine's start in another PID namespace sharing /dev/shm (a container): it sees none
+# of the engines above
+SWEEP_ELSEWHERE = r'''
+import importlib.util, json, os, sys
+spec = importlib.util.spec_from_file_location("shm_region", sys.argv[1])
+shm_region = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(shm_region)
+''' + DROP_CAPS + r'''
+print(json.dumps({"uid": os.getuid(), "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()),
+                  "removed": shm_region.sweep_stale_regions(sys.argv[2])}))
+'''
+
+
+def ended(pid: int) -> None:
+    """Wait until process ``pid`` (not ours to reap) is a zombie or gone."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still runs 60 s after SIGKILL")
+
+
+def as_user(home: Path) -> tuple[list[str], dict]:
+    """The command prefix that runs a process as a user who is not root, and its environment:
+    ``USER`` (made with useradd if absent) where this runs as root, else this user itself."""
+    env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}
+    if os.getuid() != 0:
+        return [], env
+    if subprocess.run(["id", USER], capture_output=True).returncode != 0:
+        made = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER],
+                              capture_output=True, text=True)
+        assert made.returncode == 0 or "already exists" in made.stderr, made.stderr
+    shutil.chown(home, USER, USER)
+    return ["setpriv", "--reuid", USER, "--regid", USER, "--clear-groups", "--inh-caps", "+dac_read_search",
+            "--ambient-caps", "+dac_read_search", "--"], env
+
+
+def test_a_user_who_is_not_root_sweeps_a_killed_engines_region_and_keeps_a_live_ones() -> None:
+    home = Path(tempfile.mkdtemp(prefix="kvtiers-test-home-"))  # pytest's tmp_path: root's alone
+    prefix, env = as_user(home)
+    tag = uuid.uuid4().hex[:12]
+    dead, live = f"kvtiers-shm-{tag}-dead", f"kvtiers-shm-{tag}-live"
+    pattern = f"/dev/shm/vllm_offload_kvtiers-shm-{tag}-*.mmap*"
+    proc = subprocess.Popen([*prefix, sys.executable, "-c", NON_ROOT, dead, live, pattern], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        pids = {}
+        for _ in range(2):
+            line = proc.stdout.readline().split()
+            assert len(line) == 2, proc.communicate(timeout=30)[1][-3000:]
+            pids[line[0]] = int(line[1])
+        os.kill(pids[dead], signal.SIGKILL)  # killed before anything unlinked its region
+        ended(pids[dead])
+        assert len(leftovers(dead)) == 1 and len(leftovers(live)) == 1
+        assert all(os.stat(p).st_uid != 0 for p in leftovers(dead) + leftovers(live))
+        past = time.time() - 120
+        for p in leftovers(dead) + leftovers(live):
+            os.utime(p, (past, past))
+
+        proc.stdin.write("sweep\n")
+        proc.stdin.flush()
+        result = json.loads(proc.stdout.readline())
+        assert result["uid"] != 0
+        assert leftovers(dead) == [] and any(dead in p for p in result["removed"])  # before: "not sweeping ..."
+        assert len(leftovers(live)) == 1  # its owner lives: kept
+
+        if prefix:  # root can make a PID namespace: an engine there sees none of these processes
+            other = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", *prefix, sys.executable, "-c",
+                                    SWEEP_ELSEWHERE, shm_region.__file__, pattern], env=env, capture_output=True,
+                                   text=True, timeout=120)
+            assert other.returncode == 0, other.stderr[-3000:]
+            seen = json.loads(other.stdout)
+            assert seen["uid"] != 0 and seen["pids"] == [1], seen  # itself only
+            assert seen["removed"] == [] and len(leftovers(live)) == 1  # kept by kvtiers' worker's flock
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+        for p in leftovers(dead) + leftovers(live):
+            os.unlink(p)
+        shutil.rmtree(home, ignore_errors=True)
+

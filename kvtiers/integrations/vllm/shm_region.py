@@ -14,13 +14,24 @@ Two measures, both in :class:`~.spec.KvtiersOffloadingSpec`:
   process holding one exits, however it exits. Where the mappings cannot all be seen (workers
   on other nodes), the file is left alone.
 - :func:`sweep_stale_regions`: at start-up, regions of this user, a minute old or more, that
-  no live process holds open or mapped (their owners were killed before the first measure
-  ran) are removed. Only processes visible here count: a container sharing ``/dev/shm`` with
-  another PID namespace would see another namespace's regions as unheld.
+  no live process holds (their owners were killed before the first measure ran) are removed.
+
+What decides "no live process holds it", for any user, root or not: the processes that can
+hold a region are the engine's own, which run as the region's owner (vLLM creates the file
+mode 0600, so no other user's process can open it, and only the owner's regions are swept).
+Those are the processes a user can inspect: their open files and mappings in ``/proc``.
+Processes of other users (root's included) are not counted, unless the file's mode lets
+them open it; a process of this user that cannot be inspected (made non-dumpable) stops the
+sweep. And a region someone holds a ``flock`` on is kept: kvtiers' CPU worker takes a shared
+one on its region for its life (:func:`watch_region`), and so does the scheduler where it
+leaves the file for vLLM's clean-up, so a kvtiers engine's region is kept even where its
+processes cannot be seen (another PID namespace sharing ``/dev/shm``). A plain vLLM engine in
+another PID namespace takes no lock: its region looks unheld from here.
 """
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import logging
 import os
@@ -55,8 +66,21 @@ def region_paths(region: Any) -> list[str]:
 
 
 def watch_region(region: Any) -> None:
-    """Remember a region this process opened, for :func:`unlink_when_mapped`."""
+    """Remember a region this process opened, for :func:`unlink_when_mapped`, and hold a shared
+    ``flock`` on its file for as long as the region keeps it open: the sign for any sweep that
+    it is in use."""
     _regions.add(region)
+    _lock_shared(region)
+
+
+def _lock_shared(region: Any) -> None:
+    fd = getattr(region, "fd", None)
+    if fd is None:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:  # a sweep then goes by the processes it can see
+        log.info("kvtiers: could not lock %s as in use: %s", getattr(region, "mmap_path", fd), e)
 
 
 def _pids() -> Iterator[str]:
@@ -92,6 +116,7 @@ def unlink_when_mapped(region: Any, mappers: int) -> bool:
     if seen < mappers:
         log.info("kvtiers: %s has %d of %d mappings here (workers on other nodes?): left for vLLM's clean-up",
                  path, seen, mappers)
+        _lock_shared(region)
         return False
     for p in region_paths(region):
         try:
@@ -106,13 +131,39 @@ def unlink_when_mapped(region: Any, mappers: int) -> bool:
     return True
 
 
-def _held() -> tuple[set[tuple[int, int]], bool]:
-    """``(device, inode)`` of every ``/dev/shm`` file a live process holds open or mapped, and
-    whether the open files of every process that could hold this user's files were readable
-    (vLLM keeps a region's file open as long as it maps it, so open files decide; mappings,
-    where readable, are counted too)."""
+def _uids(pid: str) -> set[int] | None:
+    """The real, effective, saved and file-system user ids of process ``pid`` (its ``status``
+    is readable by every user), or None if it exited."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return {int(x) for x in line.split()[1:]}
+    except FileNotFoundError:
+        return None
+    except OSError:
+        pass
+    return {-1}  # unreadable: anyone's
+
+
+def _zombie(pid: str) -> bool:
+    """Whether process ``pid`` has ended (a zombie its parent has not reaped yet, or gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False
+
+
+def _held() -> tuple[set[tuple[int, int]], bool, bool]:
+    """``(device, inode)`` of every ``/dev/shm`` file the processes this user can inspect hold
+    open or mapped; whether every process running as this user could be inspected; whether
+    every process could (vLLM keeps a region's file open as long as it maps it; segments are
+    held by mappings only)."""
     held: set[tuple[int, int]] = set()
-    complete = True
+    mine_seen = everyone_seen = True
     me = os.getuid()
     for pid in _pids():
         base = f"/proc/{pid}"
@@ -120,14 +171,15 @@ def _held() -> tuple[set[tuple[int, int]], bool]:
             fds = os.listdir(f"{base}/fd")
         except FileNotFoundError:
             continue  # exited meanwhile
-        except PermissionError:
-            try:
-                if os.stat(base).st_uid in (0, me):
-                    complete = False
-            except OSError:
-                pass
+        except OSError:  # another user's process, one of ours made non-dumpable, or a zombie
+            if _zombie(pid):
+                continue  # ended: holds no file, no mapping (its /proc entries are root's)
+            everyone_seen = False
+            uids = _uids(pid)
+            if uids is not None and (me in uids or -1 in uids):
+                mine_seen = False
             continue
-        for fd in fds:
+        for fd in fds:  # a link that cannot be read (a sandbox's agent, even to root) is passed over
             try:
                 if os.readlink(f"{base}/fd/{fd}").startswith("/dev/shm/"):
                     st = os.stat(f"{base}/fd/{fd}")
@@ -144,14 +196,35 @@ def _held() -> tuple[set[tuple[int, int]], bool]:
                             held.add((os.makedev(major, minor), int(parts[4])))
         except OSError:
             continue
-    return held, complete
+    return held, mine_seen, everyone_seen
+
+
+def _locked(path: str) -> bool:
+    """Whether some process holds a ``flock`` on ``path`` (True where that cannot be told)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # and with it the lock just taken
+    return False
 
 
 def sweep_stale_regions(pattern: str = PATTERN, grace_s: float = GRACE_S) -> list[str]:
     """Remove this user's vLLM offload regions that no live process holds; the paths removed.
 
-    A region is kept while any process has it open or mapped, while it is younger than
-    ``grace_s`` seconds, and whenever a process that could hold it cannot be inspected.
+    A region is kept while it is younger than ``grace_s`` seconds, while a process of this
+    user has it open or mapped, while anyone holds a ``flock`` on it, while another user's
+    process that its mode lets open it cannot be inspected, and whenever a process of this
+    user cannot be inspected (see the module).
     """
     me, now = os.getuid(), time.time()
     candidates = []
@@ -164,15 +237,16 @@ def sweep_stale_regions(pattern: str = PATTERN, grace_s: float = GRACE_S) -> lis
             candidates.append((p, st))
     if not candidates:
         return []
-    held, complete = _held()
-    if not complete:
-        log.info("kvtiers: not sweeping %d offload region(s) in /dev/shm: some processes cannot be inspected",
-                 len(candidates))
+    held, mine_seen, everyone_seen = _held()
+    if not mine_seen:
+        log.info("kvtiers: not sweeping %d offload region(s) in /dev/shm: a process of this user cannot be "
+                 "inspected", len(candidates))
         return []
-    held_paths = {p for p, st in candidates if (st.st_dev, st.st_ino) in held}
+    in_use = {p for p, st in candidates
+              if (st.st_dev, st.st_ino) in held or (st.st_mode & 0o077 and not everyone_seen) or _locked(p)}
     removed = []
     for p, _ in candidates:
-        if p in held_paths or re.sub(r"\.\d+$", "", p) in held_paths:  # a segment of a region in use
+        if p in in_use or re.sub(r"\.\d+$", "", p) in in_use:  # a segment of a region in use
             continue
         try:
             os.unlink(p)
