@@ -305,37 +305,46 @@ def test_forged_sealed_lengths_are_skipped_and_the_real_chunks_rewritten(tmp_pat
     assert _all_load(root, keys, {"key_file": rotated["key_file"], "key_id": "k-new"}) == []
 
 
+def _inodes(paths: list) -> dict:
+    out = {}
+    for p in paths:
+        try:
+            out[p] = os.stat(p).st_ino
+        except FileNotFoundError:
+            out[p] = None
+    return out
+
+
 def test_a_rewrite_killed_midway_loses_no_chunk(tmp_path):
-    """SIGKILL to a real `kvtiers encrypt rewrite` the moment chunks under the new key appear,
-    three times: after each kill every chunk still loads with its bytes (the new file is
-    written before the old one goes); a last run finishes the job and leaves no staging."""
-    slot = 64 << 10
+    """SIGKILL to a real `kvtiers encrypt rewrite` the moment it first changes a chunk's file
+    (replaced or removed), twice: after each kill every chunk still loads with its bytes
+    (the new file is written before the old one goes); a last run finishes the job and leaves
+    no staging directory behind."""
+    slot, n = 64 << 10, 96
     root = tmp_path / "kv"
-    config, keys, rotated, digest = _rotated(tmp_path, root, 160, slot=slot)
+    config, keys, rotated, digest = _rotated(tmp_path, root, n, slot=slot)
     nsdir = root / digest
-    both = {**rotated}
-    seen = 0
-    for _round in range(3):
+    paths = sorted(nsdir.rglob("*.bin"))
+    assert len(paths) == n
+    for _round in range(2):
+        before = _inodes(paths)
         child = subprocess.Popen([*KVTIERS, "encrypt", "rewrite", "fs", "--config", config],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + 120
-            while child.poll() is None and time.monotonic() < deadline:
-                if _key_ids(nsdir)["k-new"] > seen:
-                    break
-                time.sleep(0.002)
+            while child.poll() is None and time.monotonic() < deadline and _inodes(paths) == before:
+                time.sleep(0.001)
             child.send_signal(signal.SIGKILL)
         finally:
             child.wait(timeout=60)
-            child.stderr.close()
         assert child.returncode == -signal.SIGKILL, "the rewrite ended before it could be killed midway"
-        assert _all_load(root, keys, both, slot) == [], "chunks lost by a rewrite killed midway"
+        assert _all_load(root, keys, rotated, slot) == [], "chunks lost by a rewrite killed midway"
         seen = _key_ids(nsdir)["k-new"]
-        assert _key_ids(nsdir) == {"k-old": 160 - seen, "k-new": seen}
+        assert 0 < seen < n and _key_ids(nsdir) == {"k-old": n - seen, "k-new": seen}
     r = _run("encrypt", "rewrite", "fs", "--config", config, "--json")
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
-    assert rep["rewritten"] + rep["current"] == 160 and rep["current"] == seen
-    assert _key_ids(nsdir) == {"k-new": 160}
+    assert rep["rewritten"] + rep["current"] == n and rep["current"] == seen
+    assert _key_ids(nsdir) == {"k-new": n}
     assert not [p for p in root.iterdir() if p.name.startswith(".kvtiers-rewrite-")]  # the killed ones' too
     assert _all_load(root, keys, {"key_file": rotated["key_file"], "key_id": "k-new"}, slot) == []
