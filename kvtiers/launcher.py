@@ -101,6 +101,8 @@ class ChildProcess:
         """Spawn the process (unless it is running) and wait until it is ready."""
         if self.alive():
             return self
+        if self.proc is not None and not self._reaped:
+            self._reap()  # an exited run: its helpers, if any, go before the next one starts
         _reap()
         argv = self.command()
         out = self._open_log()

@@ -215,7 +215,7 @@ def test_a_child_that_exits_before_ready_leaves_no_helper_running(tmp_path):
     assert _gone(_helper(tmp_path)), "the helper outlived its server's failed start"
 
 
-@pytest.mark.parametrize("how", ["stop", "kill"])
+@pytest.mark.parametrize("how", ["stop", "kill", "start"])
 def test_a_child_that_crashes_after_ready_leaves_no_helper_running(tmp_path, how):
     child = ChildProcess(_helper_script(tmp_path, f"echo up > {tmp_path / 'ready'}; sleep 0.2; kill -9 $$"),
                          name="helper server", ready=file_text(tmp_path / "ready"), new_session=True).start()
@@ -225,6 +225,13 @@ def test_a_child_that_crashes_after_ready_leaves_no_helper_running(tmp_path, how
         time.sleep(0.02)
     assert child.returncode == -signal.SIGKILL  # the server crashed; its helper runs on
     assert not _gone(helper, 0.2)
+    if how == "start":  # started again: the crashed run's helper goes first
+        (tmp_path / "helper").unlink()
+        child.start()
+        assert _gone(helper), "the helper outlived its crashed server's restart"
+        child.stop()
+        assert _gone(_helper(tmp_path))
+        return
     assert getattr(child, how)() == -signal.SIGKILL
     assert _gone(helper), "the helper outlived its crashed server's stop"
 
