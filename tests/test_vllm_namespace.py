@@ -33,6 +33,12 @@ MODULE = "kvtiers.integrations.vllm"
 STEP = ScheduleEndContext((), ())
 
 
+@pytest.fixture(autouse=True)
+def own_digest_cache(tmp_path, monkeypatch):
+    """The weight digest cache (model identity) in this test's directory, not the user's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+
+
 def config(tier: dict | None, *, tp: int = 1, canonical: bool = False, model: str = "org/tiny-model", **extra):
     """What vLLM builds for a one-group full-attention model at TP=``tp`` (one node): each worker
     holds ROW/tp bytes of a block, and vLLM calls the layout parallelism-agnostic."""
