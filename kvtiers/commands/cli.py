@@ -88,6 +88,8 @@ def cli(verbose: int) -> None:
         "serve": ("kvtiers.commands.bench.serve:serve", "Offloading on a real vllm serve under vLLM's own client."),
         "tier": ("kvtiers.commands.bench.tier:tier",
                  "Any tier's GB/s, lookups and submit latency, against its baseline."),
+        "weights": ("kvtiers.commands.bench.weights:weights",
+                    "vLLM engine cold start: checkpoint against a fork of the weights from fs, obj, p2p."),
     },
 )
 def bench() -> None:
