@@ -13,7 +13,7 @@ import shutil
 import time
 
 import pytest
-from test_encryption import _key
+from test_encryption import _key, _wait
 from test_manager import blocks_of, chunk_blocks, kv_caches, make_manager, poison, settle
 
 from kvtiers import ConfigError
@@ -365,7 +365,7 @@ def test_a_failed_load_under_a_shared_key_leaves_no_plaintext_in_the_slot(tmp_pa
             ctx.arena[i][:] = _pattern(i, slot)
         with as_tenant(h, "alice"):
             h.submit_store(Job(1, tuple(ks), tuple(range(8))))
-        assert _wait_job(h, 1).ok
+        assert _wait(h, 1).ok
     finally:
         h.close()
     h = tier()
@@ -379,7 +379,7 @@ def test_a_failed_load_under_a_shared_key_leaves_no_plaintext_in_the_slot(tmp_pa
                 jid += 1
                 with as_tenant(h, tenant):
                     h.submit_load(Job(jid, tuple(part), slots))
-                res = _wait_job(h, jid)
+                res = _wait(h, jid)
                 assert set(res.failed_keys) == set(part), (tenant, res)
                 for s in slots:
                     assert bytes(ctx.arena[s]) == b"\xa5" * slot, (tenant, s)
@@ -391,20 +391,10 @@ def test_a_failed_load_under_a_shared_key_leaves_no_plaintext_in_the_slot(tmp_pa
     try:  # alice's own loads open, byte for byte
         with as_tenant(h, "alice"):
             h.submit_load(Job(99, tuple(ks), tuple(range(8, 16))))
-        assert _wait_job(h, 99).ok
+        assert _wait(h, 99).ok
         assert all(bytes(ctx.arena[8 + i]) == _pattern(i, slot) for i in range(8))
     finally:
         h.close()
-
-
-def _wait_job(h, jid: int, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for r in h.get_finished_jobs():
-            if r.job_id == jid:
-                return r
-        time.sleep(0.001)
-    raise AssertionError(f"job {jid} not reported within {timeout} s")
 
 
 def test_one_key_for_two_owners_under_any_ids_is_an_error_at_open(tmp_path, keys, monkeypatch):
