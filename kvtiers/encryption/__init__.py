@@ -5,9 +5,9 @@ Any tier's options accept ``"encrypt": {...}`` (docs/security.md).
 a :class:`Sealing` opens the tier on a *staging arena* of slots one page bigger than the caller's, and
 puts a :class:`SealedTier` in front of it. A store seals ``arena[slot]`` into a staging slot
 with AES-256-GCM and hands the staging slot to the tier; a load lets the tier fill a staging
-slot, then opens it there and copies the plaintext into ``arena[slot]`` only once the tag
-verified (a failed key's slot is left as it was). The tier stores and loads opaque slots,
-as always.
+slot, then decrypts it into ``arena[slot]``; a key whose tag fails has its slot zeroed before
+the job is reported (never another tenant's plaintext). The tier stores and loads opaque
+slots, as always.
 
 A sealed slot (``slot_bytes + 4096`` bytes)::
 
@@ -129,15 +129,15 @@ def read_header(buf: memoryview | bytes) -> tuple[str, bytes, int, str] | None:
 
 
 def open_into(keyring: Keyring, digest8: bytes, key: bytes, sealed: memoryview, out: memoryview,
-              tenant: str | None = None, *, in_place: bool = False) -> str:
+              tenant: str | None = None) -> str:
     """Check and decrypt the sealed copy of ``key`` (sealed for ``tenant``) into ``out``;
     return the key id it was sealed under. Raises :class:`OpenFailed`: a chunk sealed for
     another tenant, or for none, fails authentication.
 
-    ``out`` is written only once the GCM tag verified: a chunk that fails leaves it as it
-    was (never the plaintext of a chunk sealed for someone else under the same key).
-    ``in_place``: decrypt within ``sealed`` (writable scratch: the wrapper's staging slot,
-    whose payload is wiped if the tag fails) and copy; else into a new buffer."""
+    A chunk that fails leaves ``out`` zeroed, never holding the plaintext of a chunk sealed for
+    someone else under the same key: GCM decrypts before it checks the tag, so the bytes it
+    wrote are wiped before this raises. The caller's slot is the tier's until the job is
+    reported (rule 6), so nobody reads it in between, and a load that succeeds costs no copy."""
     n = len(out)
     h = HEADER.size
     head = bytes(sealed[:h])
@@ -162,25 +162,22 @@ def open_into(keyring: Keyring, digest8: bytes, key: bytes, sealed: memoryview, 
         raise OpenFailed("auth", "sealed chunk failed authentication (bytes after the tag)")
     aad = head + tenant_aad(tenant)
     try:
-        if in_place and hasattr(cipher, "decrypt_into") and _in_place_works():
-            plain = sealed[h:h + n]
+        if hasattr(cipher, "decrypt_into"):
             try:
-                cipher.decrypt_into(nonce, sealed[h:end], aad, plain)
+                cipher.decrypt_into(nonce, sealed[h:end], aad, out)
             except Exception:  # the cipher wrote plaintext before it checked the tag: gone
-                _wipe(plain)
+                _wipe(out)
                 raise
         else:  # decrypt() returns nothing unless the tag verifies
-            plain = memoryview(cipher.decrypt(nonce, sealed[h:end].tobytes(), aad))
+            _copy(out, memoryview(cipher.decrypt(nonce, sealed[h:end].tobytes(), aad)))
     except Exception as e:  # cryptography's InvalidTag
         raise OpenFailed("auth", f"sealed chunk failed authentication under key id {kid!r} "
                                  f"(tampered, another key under that id, or sealed for another tenant)") from e
-    _copy(out, plain)  # the tag verified: now the caller's slot gets the bytes
     return kid
 
 
 #: copies of at least this many bytes go through ``memmove`` with the GIL released
 _MEMMOVE_BYTES = 64 << 10
-_in_place: list[bool] = []
 
 
 def _address(buf: memoryview) -> int:
@@ -215,26 +212,6 @@ def _wipe(buf: memoryview) -> None:
         except (TypeError, ValueError, BufferError):
             pass
     buf[:] = bytes(len(buf))
-
-
-def _in_place_works() -> bool:
-    """Whether this ``cryptography`` decrypts a buffer onto itself (checked once per process:
-    OpenSSL allows it; a binding that refused or garbled it would fail every load)."""
-    if not _in_place:
-        from .keys import _aesgcm
-
-        try:
-            c = _aesgcm()(bytes(range(32)))
-            nonce, data = bytes(NONCE_BYTES), bytes(range(256)) * 257
-            buf = memoryview(bytearray(c.encrypt(nonce, data, b"aad")))
-            c.decrypt_into(nonce, buf, b"aad", buf[:len(data)])
-            ok = bytes(buf[:len(data)]) == data
-        except Exception:
-            ok = False
-        if not ok:
-            log.info("kvtiers encrypt: this cryptography does not decrypt in place; opening through a copy")
-        _in_place.append(ok)
-    return _in_place[0]
 
 
 # -- the wrapper ----------------------------------------------------------------------------
@@ -541,7 +518,7 @@ class SealedTier:
         for k, s, t in items:
             kr, tenant = sel.get(k, default) if sel else default
             try:
-                open_into(kr, d8, k, staging[t], arena[s], tenant, in_place=True)
+                open_into(kr, d8, k, staging[t], arena[s], tenant)
             except OpenFailed as e:
                 errs.append((k, e.reason, str(e)))
             except Exception as e:
