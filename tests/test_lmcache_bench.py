@@ -1,0 +1,34 @@
+"""``kvtiers bench lmcache`` without running it long: its adapter specs, where LMCache is
+missing, bad options. (A real run takes minutes: docs/lmcache.md#bench gives measured ones;
+``make demo-lmcache`` runs a short one.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from kvtiers.commands.bench.lmcache import adapter_spec
+from kvtiers.integrations.lmcache import parse_params
+
+KVTIERS = [sys.executable, "-m", "kvtiers.commands"]  # in .venv, where LMCache is not installed
+
+
+def test_both_sides_use_the_same_directory_kind(tmp_path: Path):
+    ours = adapter_spec("kvtiers", tmp_path / "a", {"direct": False})
+    assert ours["module_path"] == "kvtiers.integrations.lmcache" and ours["class_name"] == "KvtiersL2Adapter"
+    p = parse_params(ours["adapter_params"])  # what the server will check at start-up
+    assert p.tier_type == "fs" and p.tier_options == {"root_dir": str(tmp_path / "a"), "direct": False}
+    assert adapter_spec("lmcache", tmp_path / "b") == {"type": "fs", "base_path": str(tmp_path / "b")}
+
+
+def test_without_lmcache_one_line():
+    r = subprocess.run([*KVTIERS, "bench", "lmcache", "--rounds", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "LMCache is not installed here" in r.stderr and "kvtiers[lmcache]" in r.stderr
+
+
+def test_bad_tier_options_one_line():
+    r = subprocess.run([*KVTIERS, "bench", "lmcache", "--tier-options", "[1]"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "--tier-options" in r.stderr and "Traceback" not in r.stderr, r.stderr
