@@ -144,6 +144,10 @@ def case_roundtrip(tmp: Path) -> dict[str, Any]:
     out.update(store_ok=res.is_successful(), store_bytes=res.bytes_transferred(), files=len(_files(tmp / "kv")))
     out["lookup"] = b.lookup(keys)
     out["locked"] = b.adapter.locked()
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+
+    out["placeholder_lookup"] = b.lookup(keys[:2], layouts={0: MemoryLayoutDesc([], [])})  # LMCache's bench l2
+    b.adapter.submit_unlock(keys[:2])
     out["load"] = b.load(keys, [b.obj(N + i) for i in range(N)])
     out["equal"] = [b.same(i, N + i) for i in range(N)]
     b.adapter.submit_unlock(keys)
@@ -326,6 +330,7 @@ def test_roundtrip_through_lmcache_interface(cases):
     assert r["absent"] == [0] * N  # nothing stored yet
     assert r["store_ok"] and r["store_bytes"] == N * OBJ and r["files"] == N
     assert r["lookup"] == [1] * N and r["locked"] == N
+    assert r["placeholder_lookup"] == [1, 1]  # an empty layout hint: the layout this adapter stored with
     assert r["load"] == [1] * N and all(r["equal"])
     assert r["locked_after_unlock"] == 0
     assert r["mixed_lookup"] == [1, 0, 0, 1] and r["mixed_load"] == [1, 0, 0, 1]

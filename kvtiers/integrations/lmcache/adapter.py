@@ -154,8 +154,8 @@ class KvtiersL2Adapter(L2AdapterInterface):
         items = []
         for k in keys:
             desc = descs.get(k.object_group_id)
-            layout = (Layout.of(desc.shapes, desc.dtypes) if desc is not None
-                      else self._layouts.get((k.model_name, k.kv_rank, k.object_group_id)))
+            layout = (Layout.of(desc.shapes, desc.dtypes) if desc is not None and desc.shapes  # an empty one: a hint
+                      else self._layouts.get((k.model_name, k.kv_rank, k.object_group_id)))  # left out (bench l2)
             if layout is None:  # no layout known for this group yet: nothing of it can be stored
                 layout = _UNKNOWN
             items.append(Item(Space(k.model_name, k.kv_rank, k.object_group_id, layout),
