@@ -78,8 +78,8 @@ CHILD = textwrap.dedent('''
             return {"error": f"{type(e).__name__}: {e}"}, None
         return loader.last, net
 
-    def same(net, want):
-        return torch.equal(net.proj, want["proj"]) and torch.equal(net.norm, want["norm"])
+    def same(net, want):  # net is None where the load failed
+        return net is not None and torch.equal(net.proj, want["proj"]) and torch.equal(net.norm, want["norm"])
 
     def latest():
         cfg = {"host_bytes": 1 << 20, "tiers": [{"type": "fs", "root_dir": str(work / "fs")}]}
