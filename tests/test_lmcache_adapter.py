@@ -286,6 +286,17 @@ def case_lmcache_check(tmp: Path) -> dict[str, Any]:
     return {"output": text.getvalue()}
 
 
+def case_lmcache_bench_l2(tmp: Path) -> dict[str, Any]:
+    """LMCache's L2 adapter bench (``lmcache bench l2``), round-trip verification on, every
+    key looked up after it was stored."""
+    spec = json.dumps(_plugin({"tier": {"type": "fs", "root_dir": str(tmp / "kv")}}))
+    proc = subprocess.run([str(Path(sys.executable).with_name("lmcache")), "bench", "l2", "--l2-adapter", spec,
+                           "--rounds", "1", "--num-keys", "8", "--no-skip-verify", "--lookup-max-hit-rate", "1.0"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
+    return {"rc": proc.returncode, "output": proc.stdout}
+
+
 CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
 
 
@@ -399,6 +410,15 @@ def test_lmcache_own_l2_adapter_check(cases):
     for line in ("8/8 correctly absent", "Batch store OK", "8/8 found", "Validation (loaded): 8/8",
                  "Validation (content): 8/8"):
         assert line in out, out
+
+
+@needs_lmcache
+def test_lmcache_own_l2_adapter_bench_verifies(cases):
+    r = result(cases, "lmcache_bench_l2")
+    out = r["output"]
+    assert r["rc"] == 0 and "All 8 keys data verified OK" in out, out
+    successes = [line.split()[-1] for line in out.splitlines() if line.startswith("Total success:")]
+    assert successes == ["8", "8", "8"], out  # store, lookup, load
 
 
 def test_params_and_keys_without_lmcache():
