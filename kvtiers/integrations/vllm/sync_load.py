@@ -33,6 +33,11 @@ plan nothing: the wrapped ``update_state_after_alloc`` shows it those blocks unh
 0.33 does the same for the sync loads it makes itself, ``sync_load_budget_bytes``; on such a
 vLLM :func:`install` leaves vLLM's connector alone).
 
+Not for models with recurrent-state (Mamba/SSM) KV cache groups: there a sync load gave
+other greedy tokens than computing the prefix (the qwen3_next hybrid of
+tests/test_vllm_engine_ssm.py; why is not known yet), so such models keep vLLM's asynchronous
+loads (logged once).
+
 ``kvtiers_sync_load`` in ``kv_connector_extra_config``: ``true`` / ``false``; by default on
 where kvtiers' CPU worker copies (vLLM's CPU platform) and off where vLLM's own worker does
 (GPUs: not measured here).
@@ -77,6 +82,7 @@ class SyncLoads:
         self.jobs: set[int] = set()  # this pass: their load jobs
         self.counts: Counter[str] = Counter()  # "sync" / "async" load jobs, since the last take
         self.total: Counter[str] = Counter()
+        self.state_groups: bool | None = None  # the model has recurrent-state groups (then: off); None: not known yet
 
     def count(self, sync: int, other: int) -> None:
         self.counts["sync"] += sync
@@ -119,7 +125,30 @@ def _tokens_per_block(config: Any, group_idx: int) -> int:
 
 
 def _book(scheduler: Any) -> SyncLoads | None:
-    return getattr(getattr(scheduler, "manager", None), MANAGER_ATTR, None)
+    """The scheduler's book, or None where sync loads are off for it (not kvtiers' spec, the
+    option off, or a model with state groups)."""
+    book = getattr(getattr(scheduler, "manager", None), MANAGER_ATTR, None)
+    if book is None:
+        return None
+    if book.state_groups is None:
+        book.state_groups = _has_state_groups(scheduler)
+        if book.state_groups:
+            log.info("kvtiers: this model has recurrent-state (Mamba/SSM) KV cache groups: loads stay asynchronous")
+    return None if book.state_groups else book
+
+
+def _has_state_groups(scheduler: Any) -> bool:
+    """Whether any offloaded KV cache group holds recurrent state (vLLM's ``MambaSpec``): a sync
+    load of such a group gave other greedy tokens than computing it (tests/test_vllm_engine_ssm.py),
+    so those models keep vLLM's asynchronous loads."""
+    try:
+        from vllm.v1.kv_cache_interface import MambaSpec
+    except ImportError:
+        return True
+    groups = getattr(getattr(scheduler, "config", None), "kv_group_configs", None)
+    if groups is None:
+        return True
+    return any(isinstance(getattr(g, "kv_cache_spec", None), MambaSpec) for g in groups)
 
 
 def install() -> bool:
