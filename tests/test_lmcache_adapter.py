@@ -446,7 +446,7 @@ def test_missing_lmcache_is_one_line():
             "try:\n m.KvtiersL2Adapter\nexcept ImportError as e:\n print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.count("\n") == 1, out.stderr
-    assert "needs LMCache" in out.stdout and "pip install 'kvtiers[lmcache]'" in out.stdout
+    assert "needs LMCache" in out.stdout and "pip install lmcache==0.5.6" in out.stdout
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def lmcache_bin() -> str:
     found = str(here) if here.exists() else shutil.which("lmcache")
     if not found:
         raise click.ClickException("LMCache is not installed here: run this in .venv-lmcache "
-                                   "(make .venv-lmcache/.installed) or pip install 'kvtiers[lmcache]' 'torch==2.13.0'")
+                                   "(make .venv-lmcache/.installed) or pip install lmcache==0.5.6 'torch==2.13.0'")
     return found
 
 

@@ -23,7 +23,7 @@ __all__ = ["AdapterParams", "KvtiersL2Adapter", "KvtiersL2AdapterConfig", "Layou
            "tier_key_of"]
 
 #: what installs LMCache next to kvtiers (torch pinned beside it: docs/lmcache.md)
-INSTALL = "pip install 'kvtiers[lmcache]' 'torch==2.13.0' (make .venv-lmcache/.installed builds such an environment)"
+INSTALL = "pip install lmcache==0.5.6 'torch==2.13.0' (make .venv-lmcache/.installed builds such an environment)"
 _LAZY = ("KvtiersL2Adapter", "KvtiersL2AdapterConfig")
 
 
