@@ -35,7 +35,7 @@ log = logging.getLogger("kvtiers.integrations.lmcache")
 #: how long a namespace whose tier did not open is left failed before it is tried again
 REOPEN_S = 30.0
 _POLL_MIN_S = 0.0001
-_POLL_MAX_S = 0.002
+_POLL_MAX_S = 0.0005  # a finished load waits at most this long to be noticed
 
 
 @dataclass
