@@ -51,7 +51,7 @@ def test_a_cleaner_whose_clock_steps_back_an_hour_still_keeps_the_bound(tmp_path
         wait_for(lambda: len(chunk_files(root)) <= 8, timeout=60, what="the cleaner to evict to its bound")
         open(step, "w").close()  # the cleaner's wall clock goes back an hour
         time.sleep(0.5)  # (a few passes on the stepped clock)
-        left = len(chunk_files(root))
+        left = _settled_count(root)  # a pass may still be evicting: count once the files stop changing
         r = w.store(tw, keys)  # the evicted keys are stored again (the ones left are kept as they are)
         assert r.ok and r.nbytes == (30 - left) * SLOT
         wait_for(lambda: len(chunk_files(root)) <= 8, timeout=60,
@@ -65,6 +65,19 @@ def test_a_cleaner_whose_clock_steps_back_an_hour_still_keeps_the_bound(tmp_path
             p.wait()
         w.close()
     assert p.returncode == 0, p.stderr.read()
+
+
+def _settled_count(root: str, samples: int = 4, every: float = 0.2, timeout: float = 30.0) -> int:
+    """The number of chunk files once it has stayed the same over ``samples`` looks ``every``
+    seconds apart (a count taken mid-pass raced the cleaner's last eviction: 1 run in 15)."""
+    seen: list[int] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen = (seen + [len(chunk_files(root))])[-samples:]
+        if len(seen) == samples and len(set(seen)) == 1:
+            return seen[0]
+        time.sleep(every)
+    raise AssertionError(f"the chunk files never settled: {seen}")
 
 
 def _pairs(n: int) -> list[tuple[bytes, bytes]]:
