@@ -227,6 +227,7 @@ def test_a_child_that_crashes_after_ready_leaves_no_helper_running(tmp_path, how
     assert not _gone(helper, 0.2)
     if how == "start":  # started again: the crashed run's helper goes first
         (tmp_path / "helper").unlink()
+        (tmp_path / "ready").unlink()  # else the new run is "ready" before it wrote its helper's PID
         child.start()
         assert _gone(helper), "the helper outlived its crashed server's restart"
         child.stop()
