@@ -112,30 +112,37 @@ _CHECKS: dict[str, tuple[Any, str]] = {
 
 
 def _tier(i: int, entry: Any) -> TierConfig:
-    where = f"tiers[{i}]"
+    return parse_tier_entry(entry, f"tiers[{i}]")
+
+
+def parse_tier_entry(entry: Any, where: str, what: str = "config") -> TierConfig:
+    """Check one tier entry (ours or vLLM's: ``module_path``/``class_name``, aliased option
+    names) and split it into type, options and display name; a :class:`ConfigError` starting
+    ``"{what}: {where}"`` names what is wrong. Options are checked against the tier's
+    signature later, when it is opened."""
     if not isinstance(entry, dict):
-        raise ConfigError(f"config: {where} expects an object with a 'type', got {type(entry).__name__}")
+        raise ConfigError(f"{what}: {where} expects an object with a 'type', got {type(entry).__name__}")
     entry = dict(entry)
     if "module_path" in entry:  # vLLM: load an external tier class from a module
         mod = entry.pop("module_path")
         cls = entry.pop("class_name", None) or entry.pop("type", None)
         if not isinstance(mod, str) or not isinstance(cls, str):
-            raise ConfigError(f"config: {where}: 'module_path' needs a 'class_name' (or 'type') naming the class")
+            raise ConfigError(f"{what}: {where}: 'module_path' needs a 'class_name' (or 'type') naming the class")
         entry["type"] = f"{mod}:{cls}"
     t = entry.pop("type", None)
     if not isinstance(t, str) or not t:
-        raise ConfigError(f"config: {where} needs a 'type' (a registered tier name or 'pkg.module:Class')")
+        raise ConfigError(f"{what}: {where} needs a 'type' (a registered tier name or 'pkg.module:Class')")
     for old, new in VLLM_TIER_ALIASES.items():
         if old in entry:
             if new in entry:
-                raise ConfigError(f"config: {where}: both {old!r} and its alias target {new!r} given")
+                raise ConfigError(f"{what}: {where}: both {old!r} and its alias target {new!r} given")
             entry[new] = entry.pop(old)
     for k in VLLM_TIER_IGNORED & entry.keys():
         entry.pop(k)
         log.info("kvtiers config: %s: vLLM key %r has no meaning here; ignored", where, k)
     name = entry.pop("name", None)
     if name is not None and (not isinstance(name, str) or not name or name == "host"):
-        raise ConfigError(f"config: {where}: 'name' expects a non-empty string other than 'host', got {name!r}")
+        raise ConfigError(f"{what}: {where}: 'name' expects a non-empty string other than 'host', got {name!r}")
     return TierConfig(t, entry, name)
 
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...config import parse_tier_entry
 from ...errors import ConfigError
 from ...options import check_options
 from ...registry import get_registry
@@ -65,18 +66,9 @@ def parse_params(d: Any) -> AdapterParams:
     if not isinstance(entry, Mapping):
         raise ConfigError(f"{WHAT}: adapter_params needs \"tier\": a tier entry such as "
                           f"{{\"type\": \"fs\", \"root_dir\": \"/mnt/kv\"}}")
-    entry = dict(entry)
-    if "module_path" in entry:  # the form vLLM's configs use: {"module_path": ..., "class_name": ...}
-        mod, cls = entry.pop("module_path"), entry.pop("class_name", None) or entry.pop("type", None)
-        if not isinstance(mod, str) or not isinstance(cls, str):
-            raise ConfigError(f"{WHAT}: tier: 'module_path' needs a 'class_name' naming the class")
-        entry["type"] = f"{mod}:{cls}"
-    tier_type = entry.pop("type", None)
-    if not isinstance(tier_type, str) or not tier_type:
-        raise ConfigError(f"{WHAT}: tier needs a 'type' (a registered tier name or 'pkg.module:Class')")
-    entry.pop("name", None)  # a tier's display name elsewhere; nothing here
-    info = get_registry().tier_info(tier_type)  # an unknown tier: one line now, not at the first chunk
-    options = dict(entry)
+    tier = parse_tier_entry(dict(entry), "tier", WHAT)  # the same entry as in any kvtiers config
+    info = get_registry().tier_info(tier.type)  # an unknown tier: one line now, not at the first chunk
+    options = dict(tier.options)
     encrypt = options.pop("encrypt", None)
     check_options(info.name, info.cls, options)
     if encrypt is not None:
@@ -93,4 +85,4 @@ def parse_params(d: Any) -> AdapterParams:
     wait = d.get("lookup_wait_ms", 2000.0)
     if isinstance(wait, bool) or not isinstance(wait, int | float) or wait < 0:
         raise ConfigError(f"{WHAT}: \"lookup_wait_ms\" must be a number >= 0, got {wait!r}")
-    return AdapterParams(tier_type, options, dict(ns), zc, slots, float(wait))
+    return AdapterParams(tier.type, options, dict(ns), zc, slots, float(wait))
