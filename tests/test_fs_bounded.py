@@ -110,6 +110,7 @@ def test_unlink_by_another_instance_while_reading_is_safe(tmp_path, monkeypatch)
     a, b = Env(str(tmp_path)), Env(str(tmp_path))
     try:
         ta = a.open()
+        assert ta.scanned.wait(30)  # (a listing after b's eviction would forget "shared" unreported)
         assert a.store(ta, [b"shared"]).ok
         tb = b.open(max_bytes=FILE)  # its scan finds "shared": b knows its age and may evict it
         assert tb.scanned.wait(30)
