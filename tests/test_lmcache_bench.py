@@ -32,3 +32,31 @@ def test_bad_tier_options_one_line():
     r = subprocess.run([*KVTIERS, "bench", "lmcache", "--tier-options", "[1]"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "--tier-options" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_cold_drops_both_sides_files_from_the_page_cache(tmp_path: Path):
+    """``--cold``: every file under a trial directory is written back and leaves the page
+    cache (a read that must not wait for the device, RWF_NOWAIT, then finds nothing)."""
+    import os
+
+    from kvtiers.commands.bench.lmcache import drop_page_cache
+
+    sub = tmp_path / "ab" / "cd"
+    sub.mkdir(parents=True)
+    paths = [sub / "x.bin", tmp_path / "y.data"]
+    for p in paths:
+        p.write_bytes(os.urandom(1 << 20))  # buffered and dirty: in the page cache
+
+    def cached(p: Path) -> bool:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            return os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT) == 4096
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+
+    assert all(cached(p) for p in paths)
+    assert drop_page_cache(tmp_path) == 2
+    assert not any(cached(p) for p in paths)
+    assert all(p.stat().st_size == 1 << 20 for p in paths)  # written back, not lost

@@ -9,11 +9,15 @@ adapter (kvtiers: ``{"type": "fs", "root_dir": DIR}`` through the plugin seam; L
 ``--requests`` sequences of ``--num-tokens`` tokens (the store pass: L1, then every chunk to
 L2); once L2 holds them all, ``lmcache kvcache clear`` empties L1 and the same bench runs
 again (the load pass: every chunk comes back from L2, checksums compared by LMCache's
-bench). Store and load GB/s are LMCache's own measure, its ``lmcache_mp.l2_store_throughput``
-and ``l2_load_throughput`` histograms (bytes over submit-to-complete time of each L2 task),
-averaged over the tasks of a trial; the table gives each trial, the median per adapter and
-kvtiers' ratio to LMCache's. Integrity: the kvtiers fs tier checks each chunk's xxh3 trailer;
-LMCache's bench compares checksums, and a trial with any mismatch fails the run.
+bench). ``--cold`` first writes back and drops from the page cache every file under both
+directories (``posix_fadvise(DONTNEED)``), so both load passes read from the device: without
+it LMCache's buffered adapter reads the files it has just written from memory, while the fs
+tier's default O_DIRECT reads always go to the device. Store and load GB/s are LMCache's own
+measure, its ``lmcache_mp.l2_store_throughput`` and ``l2_load_throughput`` histograms
+(bytes over submit-to-complete time of each L2 task), averaged over the tasks of a trial; the
+table gives each trial, the median per adapter and kvtiers' ratio to LMCache's. Integrity:
+the kvtiers fs tier checks each chunk's xxh3 trailer; LMCache's bench compares checksums, and
+a trial with any mismatch fails the run.
 """
 
 from __future__ import annotations
@@ -104,6 +108,26 @@ def _bench(exe: str, srv: _Server, args: list[str], out: Path, timeout: float) -
     return json.loads(out.read_text())
 
 
+def drop_page_cache(root: Path) -> int:
+    """Write back and drop from the page cache every regular file under ``root`` (the
+    caller's own files only: no root needed, nothing else evicted); returns how many."""
+    n = 0
+    for p in root.rglob("*"):
+        if not p.is_file() or p.is_symlink():
+            continue
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue  # removed meanwhile (an eviction, a temporary file published)
+        try:
+            os.fdatasync(fd)  # dirty pages are not dropped: write them back first
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            n += 1
+        finally:
+            os.close(fd)
+    return n
+
+
 def _results(report: dict[str, Any]) -> dict[str, Any]:
     """The ``results`` section of LMCache's JSON report, whatever its nesting."""
     if "results" in report and isinstance(report["results"], dict):
@@ -117,8 +141,9 @@ def _results(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def trial(exe: str, kind: str, root: Path, *, requests: int, num_tokens: int, l1_gb: float, shape: str | None,
-          tier_options: dict[str, Any] | None = None, timeout: float = 600.0) -> dict[str, Any]:
-    """One adapter's store pass and load pass on a fresh ``root``; LMCache's GB/s and checks."""
+          tier_options: dict[str, Any] | None = None, cold: bool = False, timeout: float = 600.0) -> dict[str, Any]:
+    """One adapter's store pass and load pass on a fresh ``root``; LMCache's GB/s and checks
+    (``cold``: the files dropped from the page cache between the passes)."""
     root.mkdir(parents=True)
     srv = _Server(exe, adapter_spec(kind, root, tier_options), l1_gb, root.parent / f"{root.name}.log")
     args = ["--start", "0", "--end", str(requests), "--num-tokens", str(num_tokens)]
@@ -135,6 +160,8 @@ def trial(exe: str, kind: str, root: Path, *, requests: int, num_tokens: int, l1
         store_gbps, store_tasks = srv.histogram_mean("lmcache_mp_l2_store_throughput")
         subprocess.run([exe, "kvcache", "clear", "--url", f"http://127.0.0.1:{srv.http}"], capture_output=True,
                        timeout=120, check=True, env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
+        if cold:
+            drop_page_cache(root)
         load = _results(_bench(exe, srv, args, root.parent / f"{root.name}-load.json", timeout))
         load_gbps, load_tasks = srv.histogram_mean("lmcache_mp_l2_load_throughput")
     finally:
@@ -148,7 +175,7 @@ def trial(exe: str, kind: str, root: Path, *, requests: int, num_tokens: int, l1
 
 
 def run_bench_lmcache(*, dir: str | None, rounds: int, requests: int, num_tokens: int, l1_gb: float,
-                      shape: str | None, tier_options: dict[str, Any] | None = None,
+                      shape: str | None, tier_options: dict[str, Any] | None = None, cold: bool = False,
                       echo: Any = click.echo) -> dict[str, Any]:
     """Interleaved trials (kvtiers, LMCache's fs, ...) and their summary."""
     exe = lmcache_bin()
@@ -158,7 +185,7 @@ def run_bench_lmcache(*, dir: str | None, rounds: int, requests: int, num_tokens
         for r in range(rounds):
             for kind in ADAPTERS:
                 t = trial(exe, kind, base / f"{kind}-{r}", requests=requests, num_tokens=num_tokens, l1_gb=l1_gb,
-                          shape=shape, tier_options=tier_options)
+                          shape=shape, tier_options=tier_options, cold=cold)
                 trials.append(t)
                 echo(f"round {r} {kind:8s} store {t['store_gbps']:.3f} GB/s ({t['store_tasks']} tasks)  "
                      f"load {t['load_gbps']:.3f} GB/s ({t['load_tasks']} tasks)  files {t['files']}  "
@@ -194,9 +221,11 @@ def run_bench_lmcache(*, dir: str | None, rounds: int, requests: int, num_tokens
               help="LMCache's KV shape spec (default: its bench default, (2,1024,16,8,128):float16:32).")
 @click.option("--tier-options", default=None,
               help='More options of the kvtiers fs tier, as JSON (e.g. \'{"direct": false}\': buffered I/O).')
+@click.option("--cold", is_flag=True,
+              help="Drop both sides' files from the page cache before the load pass (loads from the device).")
 @click.option("--json", "json_out", default=None, help="Also write the trials and summary to this file.")
 def lmcache(dir_: str | None, rounds: int, requests: int, num_tokens: int, l1_size_gb: float, shape: str | None,
-            tier_options: str | None, json_out: str | None) -> None:
+            tier_options: str | None, cold: bool, json_out: str | None) -> None:
     """LMCache's server bench through the kvtiers fs adapter vs LMCache's fs L2 adapter."""
     opts = None
     if tier_options:
@@ -207,6 +236,6 @@ def lmcache(dir_: str | None, rounds: int, requests: int, num_tokens: int, l1_si
         if not isinstance(opts, dict):
             raise click.BadParameter("expected a JSON object", param_hint="--tier-options")
     summary = run_bench_lmcache(dir=dir_, rounds=rounds, requests=requests, num_tokens=num_tokens,
-                                l1_gb=l1_size_gb, shape=shape, tier_options=opts)
+                                l1_gb=l1_size_gb, shape=shape, tier_options=opts, cold=cold)
     if json_out:
         Path(json_out).write_text(json.dumps(summary, indent=1))
