@@ -111,7 +111,7 @@ class ChildProcess:
             self.proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=self.env,
                 close_fds=True, start_new_session=self.new_session,
-                preexec_fn=_die_with_parent if self.die_with_parent and main else None,
+                preexec_fn=die_with_parent if self.die_with_parent and main else None,
             )  # fmt: skip
         except OSError as e:
             self._close_log()
@@ -394,7 +394,9 @@ def _reap() -> None:
             child._reap()
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """A ``preexec_fn`` for processes that must not outlive this one (Linux: SIGKILL when
+    the thread that started them exits; elsewhere nothing). Runs between fork and exec."""
     try:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except Exception:

@@ -31,15 +31,18 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ...launcher import die_with_parent
 from ..vllm_engine import offload_config, prompt_family
 from . import serve_metrics as sm
 from . import serve_run as sr
 from .serve_soak_probes import histogram_quantile, process_tree, shm_usage
+from .soak import terminated_is_interrupt
 from .soak_probes import fs_usage
 
 __all__ = ["SoakSettings", "run_serve_soak"]
@@ -79,8 +82,10 @@ def _client(base_url: str, settings: sr.ServeSettings, soak: SoakSettings, seed:
             "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     with open(log, "ab") as f:
+        # its own session (stopped by process group), but never left running if this process dies
+        main = threading.current_thread() is threading.main_thread()
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=die_with_parent if main else None)
 
 
 def _stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
@@ -161,7 +166,7 @@ def run_serve_soak(settings: sr.ServeSettings, soak: SoakSettings, *, workdir: s
                                            "cpu_bytes": settings.tier_cpu_bytes},
                               "kv_transfer_config": ktc, "intervals": [], "errors": []}
     probes = _probes(settings)
-    with contextlib.ExitStack() as stack:
+    with terminated_is_interrupt(), contextlib.ExitStack() as stack:
         servers = []
         for i in range(soak.servers):
             srv = sr.VllmServer(settings, ktc, str(wd / f"server{i}.log"))
@@ -187,41 +192,49 @@ def run_serve_soak(settings: sr.ServeSettings, soak: SoakSettings, *, workdir: s
         prev = [sm.scrape(s.base_url) for s in servers]
         prev_t = t0
         mismatches = 0
-        while True:
-            now = time.monotonic()
-            left = t0 + soak.duration_s - now
-            if left <= 0:
-                break
-            time.sleep(min(soak.interval_s, left))
-            t = time.monotonic()
-            row: dict[str, Any] = {"t": round(t - t0, 1), "servers": []}
-            for i, srv in enumerate(servers):
-                if not srv.alive():
-                    report["errors"].append(f"server {i} died: {sr.engine_error(srv.log) or 'see its log'}")
-                    row["servers"].append(None)
-                    continue
-                try:
-                    cur = sm.scrape(srv.base_url)
-                    r = _server_row(prev[i], cur, t - prev_t, process_tree(srv.pid),
-                                    len(probes) if report["intervals"] else 0)
-                    got = sr.greedy_outputs(srv.base_url, settings.model, probes, settings.output_len)
-                    r["greedy_ok"] = got == reference
-                    mismatches += not r["greedy_ok"]
-                    prev[i] = cur
-                except OSError as e:
-                    report["errors"].append(f"server {i} at {t - t0:.0f} s: {type(e).__name__}: {e}")
-                    row["servers"].append(None)
-                    continue
-                row["servers"].append(r)
-            row["fs"] = _ns_usage(root)
-            row["shm"] = shm_usage()
-            row["clients_running"] = sum(p.poll() is None for p, _ in clients)
-            prev_t = t
-            report["intervals"].append(row)
-            say(_line(row, soak))
-            if report["errors"] and not any(s.alive() for s in servers):
-                break
+        ended_early = None
+        try:
+            while True:
+                now = time.monotonic()
+                left = t0 + soak.duration_s - now
+                if left <= 0:
+                    break
+                time.sleep(min(soak.interval_s, left))
+                t = time.monotonic()
+                row: dict[str, Any] = {"t": round(t - t0, 1), "servers": []}
+                for i, srv in enumerate(servers):
+                    if not srv.alive():
+                        report["errors"].append(f"server {i} died: {sr.engine_error(srv.log) or 'see its log'}")
+                        row["servers"].append(None)
+                        continue
+                    try:
+                        cur = sm.scrape(srv.base_url)
+                        r = _server_row(prev[i], cur, t - prev_t, process_tree(srv.pid),
+                                        len(probes) if report["intervals"] else 0)
+                        got = sr.greedy_outputs(srv.base_url, settings.model, probes, settings.output_len)
+                        r["greedy_ok"] = got == reference
+                        mismatches += not r["greedy_ok"]
+                        prev[i] = cur
+                    except OSError as e:
+                        report["errors"].append(f"server {i} at {t - t0:.0f} s: {type(e).__name__}: {e}")
+                        row["servers"].append(None)
+                        continue
+                    row["servers"].append(r)
+                row["fs"] = _ns_usage(root)
+                row["shm"] = shm_usage()
+                row["clients_running"] = sum(p.poll() is None for p, _ in clients)
+                prev_t = t
+                report["intervals"].append(row)
+                say(_line(row, soak))
+                if report["errors"] and not any(s.alive() for s in servers):
+                    break
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop now, keep what was sampled, say so
+            ended_early = round(time.monotonic() - t0, 1)
+            report["errors"].append(f"ended early by a signal {ended_early:.0f} s into the soak")
         for i, (p, _) in enumerate(clients):  # sized for the duration: they end about now if the server keeps up
+            if ended_early is not None:
+                _stop(p)
+                continue
             try:
                 p.wait(max(60.0, soak.interval_s))
             except subprocess.TimeoutExpired:

@@ -18,6 +18,7 @@ every removal, as the memory tier does), with the tier's ``backlog``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -29,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ...errors import ConfigError, TierError
@@ -182,52 +183,63 @@ def _terminated(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
+def terminated_is_interrupt() -> Iterator[None]:
+    """While inside: a SIGTERM of this process raises KeyboardInterrupt, as Ctrl-C does, so a
+    soak ends early through its own cleanup (in the main thread; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def _run_workers(spec: dict[str, Any], processes: int, n: int, interval: float, report: dict[str, Any],
                  on_row: Callable[[dict[str, Any]], None] | None) -> None:
     """Start the processes, add up their rows as they come, stop them whatever happens (a
     SIGTERM of this process too: they close their tiers)."""
     lines: queue.Queue = queue.Queue()
     workers: list[_Worker] = []
-    main = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGTERM, _terminated) if main else None
-    try:
-        for i in range(processes):
-            workers.append(_Worker(i, spec, lines))
-        ready: dict[int, dict[str, Any]] = {}
-        while len(ready) < processes:
-            idx, msg = _next(lines, READY_TIMEOUT_S, workers, "to open the tier")
-            ready[idx] = msg or {}
-        start = time.time() + 0.2
-        for w in workers:
-            w.send({"start": start})
-        pending: dict[int, dict[int, dict[str, Any]]] = {}
-        done: dict[int, dict[str, Any]] = {}
-        emitted = 0
-        while len(done) < processes:
-            idx, msg = _next(lines, max(120.0, 6 * interval), workers, "for an interval's report", done)
-            if msg is None:  # the end of the output of a process that said it was done
-                continue
-            if msg.get("done"):
-                done[idx] = msg
-                continue
-            pending.setdefault(msg["i"], {})[idx] = msg
-            while len(pending.get(emitted, {})) == processes:
-                row = combine(emitted, pending.pop(emitted), report)
-                report["intervals"].append(row)
-                if on_row is not None:
-                    on_row(row)
-                emitted += 1
-        for w in workers:
-            if w.proc.wait(60) != 0:
-                raise TierError(f"soak process {w.index} exited with {w.proc.returncode}: {w.stderr_tail()}")
-        report["processes_end"] = [{k: done[i].get(k) for k in ("close_s", "errors", "rss", "fds", "threads")}
-                                   for i in range(processes)]
-        report["errors"] = [f"process {i}: {e}" for i in range(processes) for e in done[i].get("errors") or []]
-    finally:
-        for w in workers:
-            w.stop()
-        if main:
-            signal.signal(signal.SIGTERM, old)
+    with terminated_is_interrupt():
+        try:
+            for i in range(processes):
+                workers.append(_Worker(i, spec, lines))
+            ready: dict[int, dict[str, Any]] = {}
+            while len(ready) < processes:
+                idx, msg = _next(lines, READY_TIMEOUT_S, workers, "to open the tier")
+                ready[idx] = msg or {}
+            start = time.time() + 0.2
+            for w in workers:
+                w.send({"start": start})
+            pending: dict[int, dict[int, dict[str, Any]]] = {}
+            done: dict[int, dict[str, Any]] = {}
+            emitted = 0
+            while len(done) < processes:
+                idx, msg = _next(lines, max(120.0, 6 * interval), workers, "for an interval's report", done)
+                if msg is None:  # the end of the output of a process that said it was done
+                    continue
+                if msg.get("done"):
+                    done[idx] = msg
+                    continue
+                pending.setdefault(msg["i"], {})[idx] = msg
+                while len(pending.get(emitted, {})) == processes:
+                    row = combine(emitted, pending.pop(emitted), report)
+                    report["intervals"].append(row)
+                    if on_row is not None:
+                        on_row(row)
+                    emitted += 1
+            for w in workers:
+                if w.proc.wait(60) != 0:
+                    raise TierError(f"soak process {w.index} exited with {w.proc.returncode}: {w.stderr_tail()}")
+            report["processes_end"] = [{k: done[i].get(k) for k in ("close_s", "errors", "rss", "fds", "threads")}
+                                       for i in range(processes)]
+            report["errors"] = [f"process {i}: {e}" for i in range(processes) for e in done[i].get("errors") or []]
+        finally:
+            for w in workers:
+                w.stop()
 
 
 def _next(lines: queue.Queue, timeout: float, workers: list[_Worker], what: str,
