@@ -61,11 +61,16 @@ def bare_copy(model: Path, dest: Path) -> Path:
 
 
 def loader_job(model: Path, mode: str, root: Path, tp: int = 1, env: dict | None = None) -> dict:
+    """A job for ``kvtiers.commands.vllm_engine``; the publishers then sleep and wake their weights
+    (``weights_sleep``: collective_rpc of kvtiers' functions, hence vLLM's insecure serialization)."""
     extra = {"mode": mode, "name": "loader-test", "revision": "r1",
              "tiers": [{"type": "fs", "root_dir": str(root)}]}
+    env = {**(env or {}), **({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {})}
+    if mode == "publish":
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     return {"model": str(model), "prompts": PROMPTS, "max_tokens": 8, "kv_transfer_config": None,
             "load_format": "kvtiers", "model_loader_extra_config": extra, "tensor_parallel_size": tp,
-            "env": {**(env or {}), **({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {})}, "settle_s": 1}
+            "env": env, "settle_s": 1, "weights_sleep": mode == "publish"}
 
 
 def run_engines(workdir: Path) -> dict:
@@ -121,6 +126,28 @@ def test_every_linear_layer_is_onednn_in_both_engines(runs):
     for key in ("a", "b"):
         ((_pid, _mode, per_kernel, _amx),) = kernels(runs["logs"][key])
         assert per_kernel == {"onednn": ONEDNN}, (key, per_kernel)
+
+
+def woken(run: dict) -> tuple[list, list]:
+    """The greedy tokens before the sleep (round 0) and after the wake (the round after)."""
+    last = max(r["round"] for r in run["requests"])
+    return ([r["tokens"] for r in run["requests"] if r["round"] == 0],
+            [r["tokens"] for r in run["requests"] if r["round"] == last])
+
+
+@pytest.mark.parametrize(("key", "world"), [("a", 1), ("a2", 2)])
+def test_an_engine_whose_layers_onednn_packed_sleeps_and_wakes_in_place(runs, key, world):
+    run = runs[key]
+    before, after = woken(run)
+    assert after == before and len(after) == 2, describe(run)
+    slept, woke = run["weights"]["sleep"], run["weights"]["wake"]
+    assert sorted(s["rank"] for s in slept) == list(range(world))
+    for s, w in zip(slept, woke, strict=True):
+        assert s["layers_unpacked"] == ONEDNN and w["layers_packed"] == ONEDNN
+        assert w["kernels"] == {"onednn": ONEDNN}  # packed again by vLLM's own code
+        assert w["sources"] == {"fs": -(-w["nbytes"] // (4 << 20))}  # every chunk from the tier
+        # the packed copies and the tensors went: most of the rank's share of the ~80 MB
+        assert s["rss_before"] - s["rss_after"] > 0.5 * w["nbytes"], (s, w["nbytes"])
 
 
 def test_tp2_on_a_cpu_without_amx_forks_each_rank(runs):

@@ -14,7 +14,10 @@ with the options in ``"tiny_model"`` (e.g. ``{"layer_types": [...], "sliding_win
 at a time (default: every prompt once); ``"reset"`` between rounds drops vLLM's device prefix
 cache, so the next round's prefixes must come from the offload tiers. ``cache_salts`` (optional):
 ``{"prompt index": salt}``, each such prompt's requests sent with that ``cache_salt``. ``load_format`` and
-``model_loader_extra_config`` (optional) go to vLLM as given (e.g. ``"kvtiers"``). One engine per process:
+``model_loader_extra_config`` (optional) go to vLLM as given (e.g. ``"kvtiers"``); with ``"weights_sleep":
+true`` (that load format only) the engine's weights are then put to sleep and woken in every worker
+(:mod:`kvtiers.integrations.vllm.weights_sleep`; ``OUT.json``'s ``weights`` says what each did) and the
+first round is served again, as round ``len(runs)``. One engine per process:
 vLLM's CPU platform binds OpenMP threads at start-up, and a second engine in one process
 does not get its own.
 
@@ -176,11 +179,11 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rounds = job.get("runs") or [list(range(len(prompts)))]
-    requests = []
+    requests: list[dict[str, Any]] = []
     before = _offload_counters(llm)
-    for r, indices in enumerate(rounds):
-        if r and job.get("reset", True):
-            llm.reset_prefix_cache()
+
+    def serve(r: int, indices: list[int]) -> None:
+        nonlocal before
         for i in indices:
             w0 = time.perf_counter()
             salt = (job.get("cache_salts") or {}).get(str(i))  # {"prompt index": salt}: vLLM's per-request cache_salt
@@ -198,8 +201,21 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             requests.append({"round": r, "prompt": i, "prompt_tokens": len(prompts[i]),
                              "tokens": list(out.outputs[0].token_ids), "ttft_s": ttft, "prefill_s": prefill,
                              "wall_s": wall, "cached_tokens": out.num_cached_tokens, "offload": offload})
+
+    for r, indices in enumerate(rounds):
+        if r and job.get("reset", True):
+            llm.reset_prefix_cache()
+        serve(r, indices)
+    weights: dict[str, Any] = {}
+    if job.get("weights_sleep"):  # the kvtiers load format's sleep and wake, then the first round again
+        from ..integrations.vllm.weights_sleep import sleep_weights, wake_weights
+
+        weights = {"sleep": llm.collective_rpc(sleep_weights), "wake": llm.collective_rpc(wake_weights)}
+        llm.reset_prefix_cache()
+        serve(len(rounds), rounds[0])
     metrics = _settled(llm, params, float(job.get("settle_s", 60.0)))
-    return {"engine_start_s": started, "requests": requests, "metrics": metrics}
+    out = {"engine_start_s": started, "requests": requests, "metrics": metrics}
+    return {**out, "weights": weights} if weights else out
 
 
 def main(argv: list[str] | None = None) -> int:

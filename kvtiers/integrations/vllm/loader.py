@@ -21,6 +21,10 @@ the same bytes:
   the bytes' digest checked after). A miss, a damaged record or a mismatch falls back to the
   checkpoint when the model has one, else the engine stops with one line naming the identity.
 
+Either way the model remembers the identity and each tensor's layout before packing
+(:func:`.weights_sleep.remember_load`), so that :mod:`.weights_sleep` can free the running
+engine's weights and bring them back in place, packed again by vLLM, on every CPU.
+
 The identity: the configured ``name`` with vLLM's layout version (vLLM's major.minor and the
 model class, e.g. ``my-model [vllm-0.32/LlamaForCausalLM]``), ``revision``, the rank in vLLM's
 world group and its size, the chunk size, and the content digest.
@@ -43,6 +47,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from ...engine.weights import ModelWeights, WeightsIdentity
 from .loader_config import LoaderConfig, parse_loader_config
 from .weights_heads import Heads
+from .weights_sleep import remember_load
 
 __all__ = ["KvtiersModelLoader", "layout_version", "linear_kernels"]
 
@@ -142,7 +147,7 @@ class KvtiersModelLoader(BaseModelLoader):
             with ModelWeights(model, cfg, name=name, revision=revision, rank=rank, world_size=world,
                               chunk_bytes=self.config.chunk_bytes, timeout=self.config.timeout) as w:
                 ident = w.publish()
-                nbytes = w.plan.total_bytes
+                nbytes, tensors = w.plan.total_bytes, w.plan.tensors
             with Heads(cfg, name=name, revision=revision, rank=rank, world_size=world,
                        timeout=self.config.timeout) as heads:
                 heads.append(ident, nbytes, layout)
@@ -151,6 +156,7 @@ class KvtiersModelLoader(BaseModelLoader):
                         "without: %s", name, revision, rank, world, e)
             self.last = {"mode": "publish", "error": str(e)}
             return
+        remember_load(model, ident, cfg, tensors, self.config.timeout)
         seconds = time.perf_counter() - t0
         self.last = {"mode": "publish", "identity": ident.to_dict(), "nbytes": nbytes, "seconds": seconds}
         log.info("kvtiers: published %s (%d bytes) in %.2f s", ident, nbytes, seconds)
@@ -166,7 +172,7 @@ class KvtiersModelLoader(BaseModelLoader):
                 head = heads.latest()
             ident = head.identity
             with ModelWeights.fork(model, cfg, ident, timeout=self.config.timeout) as w:
-                step = w.last_step
+                step, tensors = w.last_step, w.plan.tensors
         except (LookupError, ValueError, RuntimeError, TimeoutError, OSError) as e:
             reason = " ".join(str(e).split())  # one line
             if not self._has_checkpoint(model_config):
@@ -177,6 +183,7 @@ class KvtiersModelLoader(BaseModelLoader):
             self._checkpoint.load_weights(model, model_config)
             self.last = {"mode": "fork", "fallback": reason}
             return
+        remember_load(model, ident, cfg, tensors, self.config.timeout)
         seconds = time.perf_counter() - t0
         self.last = {"mode": "fork", "identity": ident.to_dict(), "nbytes": step.nbytes, "sources": step.sources,
                      "seconds": seconds}
