@@ -175,6 +175,13 @@ def shm_regions(log: str) -> set[str]:
     return {p for i in ids for p in glob.glob(SHM_GLOB.replace("*", glob.escape(i) + ".mmap*"))}
 
 
+#: the server's HTTP keep-alive: longer than that of vLLM's bench client (60 s). vLLM's default of
+#: 5 s closes an idle connection just as the client, which still counts it alive, sends the next
+#: request on it: a failed request ("Can not write request body") at low rates, seen once in a
+#: 20-minute soak at 0.35 req/s. A server that outlasts the client leaves the closing to it.
+KEEP_ALIVE_S = 75
+
+
 class VllmServer(ChildProcess):
     """``vllm serve`` (through kvtiers' passthrough) on 127.0.0.1, ready when /health answers."""
 
@@ -190,7 +197,7 @@ class VllmServer(ChildProcess):
         if ktc is not None:
             argv += ["--kv-transfer-config", json.dumps(ktc)]
         env = dict(os.environ)
-        for k, v in ENGINE_ENV.items():
+        for k, v in {**ENGINE_ENV, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(KEEP_ALIVE_S)}.items():
             env.setdefault(k, v)
         super().__init__(argv, name="vllm serve", ready=http_answers(self.base_url + "/health"), env=env, log=log,
                          new_session=True, die_with_parent=True)
