@@ -261,6 +261,7 @@ def _identity(report: dict[str, Any]) -> None:
 def _soak_out(rep: dict[str, Any], plot_file: str | None, as_json: bool) -> None:
     from . import serve_soak
 
+    rep["summary"] = serve_soak.summarize(rep)  # from the intervals (a saved report: by this version's rules)
     if plot_file:
         from .serve_soak_plot import plot_serve_soak
 

@@ -280,10 +280,20 @@ def _mib(p: dict[str, Any] | None) -> str:
     return "-" if not p else f"{p['rss'] / (1 << 20):.0f} MiB"
 
 
+def full_intervals(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The sampled intervals, less a last one the soak's end cut to under half an interval
+    (a few seconds of tail: its rates say nothing)."""
+    rows = list(report["intervals"])
+    if len(rows) > 2 and rows[-1]["t"] - rows[-2]["t"] < report["soak"]["interval_s"] / 2:
+        rows.pop()
+    return rows
+
+
 def summarize(report: dict[str, Any]) -> dict[str, Any]:
-    """First and last interval (the first full one: the server's first interval includes the
-    cache filling), growth of RSS, fds and threads per process, totals, and the verdict."""
-    rows = [r for r in report["intervals"] if all(s is not None for s in r["servers"])]
+    """First and last full interval (the server's first interval includes the cache filling,
+    and a last one the soak's end cut to under half an interval is left out), growth of RSS,
+    fds and threads per process, totals, and the verdict."""
+    rows = [r for r in full_intervals(report) if all(s is not None for s in r["servers"])]
     out: dict[str, Any] = {"intervals": len(report["intervals"])}
     if len(rows) >= 2:
         first, last = rows[1] if len(rows) > 2 else rows[0], rows[-1]

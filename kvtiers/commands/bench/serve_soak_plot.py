@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..plot import _pyplot
+from .serve_soak import full_intervals
 
 __all__ = ["plot_serve_soak"]
 
@@ -25,7 +26,7 @@ def plot_serve_soak(report: dict[str, Any], path: str) -> None:
     API process, engine core and workers (fds and threads on their own axis); bytes of the fs
     root against its bound, and /dev/shm."""
     plt = _pyplot()
-    rows = report["intervals"]
+    rows = full_intervals(report)
     soak = report["soak"]
     t = [r["t"] / 60 for r in rows]
     n = soak["servers"]
