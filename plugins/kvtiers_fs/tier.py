@@ -810,9 +810,8 @@ class FsTier:
 
     def _read(self, fd: int, key: bytes, data: memoryview, trailer: memoryview) -> None:
         step = self.read_extent_bytes
-        got = None  # the data's checksum, when the split read took it on the way
         if step and len(data) > step:
-            got = _read_extents(self._extents, fd, data, trailer, step)
+            _read_extents(self._extents, fd, data, trailer, step)
         else:
             n = os.preadv(fd, [data, trailer], 0)
             if n != len(data) + len(trailer):
@@ -823,7 +822,7 @@ class FsTier:
             raise
         except ValueError as e:
             raise Corrupt(str(e)) from None
-        if (got if got is not None else layout.data_digest(data)) != digest:
+        if layout.data_digest(data) != digest:
             raise Corrupt("checksum mismatch")
 
     def _discard_corrupt(self, path: str, fd: int, key: bytes, why: str) -> str:
@@ -852,53 +851,53 @@ class FsTier:
         return "removed"
 
 
-def _read_extents(pool: Pool, fd: int, data: memoryview, trailer: memoryview, step: int) -> bytes:
-    """Read ``data`` (then ``trailer``) from ``fd`` at offset 0 as extents of ``step`` bytes and
-    return the checksum of ``data`` (:func:`layout.data_digest`): this thread reads the first
-    extent, ``pool`` the others (the last with the trailer; its tasks only read, so they never
-    wait on this one), and this thread hashes each extent in order as it arrives, so the hash
-    overlaps the reads. Returns once every extent is done, so ``fd`` and ``data`` may go;
-    :class:`Corrupt` for a short file, the first ``OSError`` otherwise."""
+def _read_extents(pool: Pool, fd: int, data: memoryview, trailer: memoryview, step: int) -> None:
+    """Read ``data`` (then ``trailer``) from ``fd`` at offset 0 as extents of ``step`` bytes: the
+    last extent and the trailer on this thread, the others on ``pool`` (whose tasks only read,
+    so they never wait on this one). Returns once every extent is done, so ``fd`` and ``data``
+    may go; :class:`Corrupt` for a short file, the first ``OSError`` otherwise."""
     want = len(data) + len(trailer)
     starts = range(0, len(data), step)
-    done = [threading.Event() for _ in starts]
-    result: list[int | BaseException] = [0] * len(starts)
+    lock, done = threading.Lock(), threading.Event()
+    left = [len(starts) - 1]
+    errors: list[BaseException] = []
+    shortest = [want]  # the file's length, as the first short extent shows it
 
-    def extent(i: int) -> None:
-        off = starts[i]
-        views = [data[off:off + step]] + ([trailer] if i == len(starts) - 1 else [])
+    def finish(off: int, n: int, size: int, err: BaseException | None) -> None:
+        with lock:
+            if err is not None:
+                errors.append(err)
+            elif n != size:
+                shortest[0] = min(shortest[0], off + n)
+
+    def extent(off: int) -> None:
+        view = data[off:off + step]
         try:
-            result[i] = os.preadv(fd, views, off)
-        except BaseException as e:  # noqa: BLE001 - reported by the reading thread
-            result[i] = e
+            finish(off, os.preadv(fd, [view], off), len(view), None)
+        except BaseException as e:  # noqa: BLE001 - reported by the waiting thread
+            finish(off, 0, len(view), e)
         finally:
-            done[i].set()
+            with lock:
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
 
-    tasks = [lambda _page, i=i: extent(i) for i in range(1, len(starts))]
+    tasks = [lambda _page, off=off: extent(off) for off in starts[:-1]]
     try:
         pool.submit_many(tasks)
     except ValueError:  # the pool is shut down (a close that gave up on this load): read them here
         for task in tasks:
             task(None)
-    extent(0)
-    hasher = layout.data_hasher()
-    failed: BaseException | None = None
-    length = want  # the file's length, as the first short extent shows it
-    for i, off in enumerate(starts):
-        done[i].wait()
-        r = result[i]
-        size = min(step, len(data) - off) + (len(trailer) if i == len(starts) - 1 else 0)
-        if isinstance(r, BaseException):
-            failed = failed or r
-        elif r != size:
-            length = min(length, off + r)
-        elif failed is None and length == want:
-            hasher.update(data[off:off + step])
-    if failed is not None:
-        raise failed
-    if length != want:
-        raise Corrupt(f"file is {length} bytes long, expected {want}")
-    return hasher.digest()
+    last = starts[-1]
+    try:
+        finish(last, os.preadv(fd, [data[last:], trailer], last), want - last, None)
+    except OSError as e:
+        finish(last, 0, want - last, e)
+    done.wait()
+    if errors:
+        raise errors[0]
+    if shortest[0] != want:
+        raise Corrupt(f"file is {shortest[0]} bytes long, expected {want}")
 
 
 def _other_geometry(size: int) -> bool:
