@@ -8,9 +8,8 @@ The hooks only validate and enqueue: each key of a job is one task on the read p
 (loads) or the write pool (stores), so loads never wait behind stores and a large job is
 spread over every thread. A store writes ``[slot, trailer]`` with one ``pwritev`` into a
 unique temporary file and renames it into place (an existing chunk file means success);
-a load reads both with one ``preadv`` straight into the arena slot (a chunk larger than
-``read_extent_bytes`` as concurrent extents, so that one load keeps several requests in flight
-on the device) and checks the trailer and the xxh3-128 of the bytes before reporting success.
+a load reads both with one ``preadv`` straight into the arena slot and checks the trailer
+and the xxh3-128 of the bytes before reporting success.
 
 Nothing at a chunk's path can block or mislead a load: files are opened ``O_NONBLOCK |
 O_NOFOLLOW`` and anything but a regular file (a FIFO, directory, device, symbolic link) is a
@@ -45,9 +44,6 @@ from .walker import Walker
 log = logging.getLogger("kvtiers.fs")
 
 _HIT, _MISS, _RETRY = Lookup.HIT, Lookup.MISS, Lookup.RETRY
-
-#: the default ``read_extent_bytes``
-DEFAULT_READ_EXTENT_BYTES = 8 << 20
 
 
 class _JobState:
@@ -84,11 +80,6 @@ class FsTier:
             ``rescan_seconds``; each of the others keeps what it stored that the cleaner has
             not counted yet within a share of the bound (:mod:`kvtiers_fs.share`).
         n_read_threads / n_write_threads: sizes of the load and store pools.
-        read_extent_bytes: a chunk larger than this is read as extents of this size (a
-            multiple of 4096) in parallel, by the load's own thread and a pool of
-            ``n_read_threads`` more; one read per chunk sends the device one request at a
-            time, and a disk (or a network file system) reads faster with several in flight.
-            ``None`` or 0: one read per chunk.
         fsync: fsync each chunk file (and its directory) before publishing it.
         direct: O_DIRECT: ``None`` probes and falls back to buffered I/O, ``True`` requires
             it, ``False`` never uses it.
@@ -119,7 +110,6 @@ class FsTier:
         max_bytes: int | None = None,
         n_read_threads: int = 8,
         n_write_threads: int = 8,
-        read_extent_bytes: int | None = DEFAULT_READ_EXTENT_BYTES,
         fsync: bool = False,
         direct: bool | None = None,
         negative_ttl: float = 1.0,
@@ -135,10 +125,6 @@ class FsTier:
             raise ValueError("n_read_threads and n_write_threads must be >= 1")
         if not root_dir:
             raise ValueError("root_dir must be a non-empty path")
-        extent = read_extent_bytes
-        if extent is not None and (type(extent) is not int or extent < 0 or extent % _direct.ALIGN):
-            raise ValueError(f"read_extent_bytes must be 0, null or a positive multiple of {_direct.ALIGN}, "
-                             f"got {read_extent_bytes!r}")
         if read_only and max_bytes is not None:
             raise ValueError("read_only and max_bytes exclude each other: a read-only tier deletes nothing")
         if rescan_seconds is not None and rescan_seconds <= 0:
@@ -184,8 +170,6 @@ class FsTier:
         tag = ctx.namespace.digest[:6]
         self._reads = Pool(f"kvtiers-fs-read-{tag}", n_read_threads)
         self._writes = Pool(f"kvtiers-fs-write-{tag}", n_write_threads)
-        self.read_extent_bytes = read_extent_bytes or 0
-        self._extents = Pool(f"kvtiers-fs-extent-{tag}", n_read_threads)  # started by the first split read
         self._prober = Prober(self.index, self.path, f"kvtiers-fs-probe-{tag}", self.file_bytes)
         self._finished: deque[JobResult] = deque()
         self._lock = threading.Lock()
@@ -598,7 +582,7 @@ class FsTier:
         self._scanner.join(left())
         if self._scanner.is_alive():
             behind.append(self._scanner)
-        behind += self._reads.shutdown(left()) + self._extents.shutdown(left()) + self._writes.shutdown(left())
+        behind += self._reads.shutdown(left()) + self._writes.shutdown(left())
         if not behind and self._snapshot_due_at_close():
             self._write_snapshot()
         self.lease.release()
@@ -809,13 +793,9 @@ class FsTier:
                              "(another slot size)")
 
     def _read(self, fd: int, key: bytes, data: memoryview, trailer: memoryview) -> None:
-        step = self.read_extent_bytes
-        if step and len(data) > step:
-            _read_extents(self._extents, fd, data, trailer, step)
-        else:
-            n = os.preadv(fd, [data, trailer], 0)
-            if n != len(data) + len(trailer):
-                raise Corrupt(f"file is {n} bytes long, expected {len(data) + len(trailer)}")
+        n = os.preadv(fd, [data, trailer], 0)
+        if n != len(data) + len(trailer):
+            raise Corrupt(f"file is {n} bytes long, expected {len(data) + len(trailer)}")
         try:
             digest = layout.check_trailer(trailer, key, len(data), self._ns)
         except layout.NotOurs:
@@ -849,55 +829,6 @@ class FsTier:
         log.warning("fs tier: removed corrupt chunk %s: %s", path, why)
         self.ctx.removed([key], "corrupt")
         return "removed"
-
-
-def _read_extents(pool: Pool, fd: int, data: memoryview, trailer: memoryview, step: int) -> None:
-    """Read ``data`` (then ``trailer``) from ``fd`` at offset 0 as extents of ``step`` bytes: the
-    last extent and the trailer on this thread, the others on ``pool`` (whose tasks only read,
-    so they never wait on this one). Returns once every extent is done, so ``fd`` and ``data``
-    may go; :class:`Corrupt` for a short file, the first ``OSError`` otherwise."""
-    want = len(data) + len(trailer)
-    starts = range(0, len(data), step)
-    lock, done = threading.Lock(), threading.Event()
-    left = [len(starts) - 1]
-    errors: list[BaseException] = []
-    shortest = [want]  # the file's length, as the first short extent shows it
-
-    def finish(off: int, n: int, size: int, err: BaseException | None) -> None:
-        with lock:
-            if err is not None:
-                errors.append(err)
-            elif n != size:
-                shortest[0] = min(shortest[0], off + n)
-
-    def extent(off: int) -> None:
-        view = data[off:off + step]
-        try:
-            finish(off, os.preadv(fd, [view], off), len(view), None)
-        except BaseException as e:  # noqa: BLE001 - reported by the waiting thread
-            finish(off, 0, len(view), e)
-        finally:
-            with lock:
-                left[0] -= 1
-                if not left[0]:
-                    done.set()
-
-    tasks = [lambda _page, off=off: extent(off) for off in starts[:-1]]
-    try:
-        pool.submit_many(tasks)
-    except ValueError:  # the pool is shut down (a close that gave up on this load): read them here
-        for task in tasks:
-            task(None)
-    last = starts[-1]
-    try:
-        finish(last, os.preadv(fd, [data[last:], trailer], last), want - last, None)
-    except OSError as e:
-        finish(last, 0, want - last, e)
-    done.wait()
-    if errors:
-        raise errors[0]
-    if shortest[0] != want:
-        raise Corrupt(f"file is {shortest[0]} bytes long, expected {want}")
 
 
 def _other_geometry(size: int) -> bool:
