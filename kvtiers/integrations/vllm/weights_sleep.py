@@ -32,6 +32,7 @@ stays asleep (restart it, with the checkpoint or ``mode: fork`` from another cop
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,16 @@ def _has_kernel_copy(module: Any) -> bool:
     return fn is not None and fn is not _asleep_linear and bool(getattr(fn, "__closure__", None))
 
 
+def _storages(tensors: Iterable[Any]) -> list[StorageEntry]:
+    """The storages with bytes under ``tensors``, each once, with the tensors on it."""
+    by_ptr: dict[int, StorageEntry] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes():
+            by_ptr.setdefault(st.data_ptr(), StorageEntry(st.nbytes(), 0, str(t.device))).tensors.append(t)
+    return list(by_ptr.values())
+
+
 def _owner(model: Any, name: str) -> tuple[Any, str]:
     path, _, attr = name.rpartition(".")
     return (model.get_submodule(path) if path else model), attr
@@ -108,14 +119,7 @@ def sleep_weights(worker: Any) -> dict[str, Any]:
     state.packed = [n for n, m in model.named_modules() if _has_kernel_copy(m)]
     for n in state.packed:
         model.get_submodule(n).cpu_linear = _asleep_linear  # the packed copy goes with its closure
-    by_ptr: dict[int, StorageEntry] = {}
-    for e in state.layout:
-        owner, attr = _owner(model, e.name)
-        t = getattr(owner, attr)
-        st = t.untyped_storage()
-        if st.nbytes():
-            by_ptr.setdefault(st.data_ptr(), StorageEntry(st.nbytes(), 0, str(t.device))).tensors.append(t)
-    state.freed = list(by_ptr.values())
+    state.freed = _storages(getattr(*_owner(model, e.name)) for e in state.layout)
     free_storages(state.freed)
     give_back_memory({"cpu"})
     state.asleep = True
@@ -157,12 +161,7 @@ def wake_weights(worker: Any) -> dict[str, Any]:
         with ModelWeights.fork(tensors, state.config, state.identity, timeout=state.timeout) as w:
             step = w.last_step
     except BaseException:  # still asleep: give the memory back again, so a later wake can retry
-        by_ptr: dict[int, StorageEntry] = {}
-        for t in tensors.values():
-            st = t.untyped_storage()
-            if st.nbytes():
-                by_ptr.setdefault(st.data_ptr(), StorageEntry(st.nbytes(), 0, str(t.device))).tensors.append(t)
-        state.freed = list(by_ptr.values())
+        state.freed = _storages(tensors.values())
         free_storages(state.freed)
         raise
     for n in state.packed:
