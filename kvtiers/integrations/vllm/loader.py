@@ -45,6 +45,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from ...engine.weights import ModelWeights, WeightsIdentity
+from .kernels import linear_kernels
 from .loader_config import LoaderConfig, parse_loader_config
 from .weights_heads import Heads
 from .weights_sleep import remember_load
@@ -63,22 +64,6 @@ def layout_version(model: nn.Module) -> str:
 
     major_minor = ".".join(str(vllm.__version__).split("+")[0].split(".")[:2])
     return f"vllm-{major_minor}/{type(model).__name__}"
-
-
-def linear_kernels(model: nn.Module) -> dict[str, int]:
-    """How many of ``model``'s layers compute with each of vLLM CPU's linear kernels, by what
-    their ``cpu_linear`` holds: ``onednn`` (a oneDNN handle), ``sgl`` (the SGL kernel's packed
-    weight), ``zentorch``, ``torch`` (torch's own linear on the parameter)."""
-    out: dict[str, int] = {}
-    for mod in model.modules():
-        fn = getattr(mod, "cpu_linear", None)
-        if fn is None:
-            continue
-        held = set(getattr(getattr(fn, "__code__", None), "co_freevars", ()))
-        kind = ("onednn" if "handler" in held else "sgl" if "packed_weight" in held
-                else "zentorch" if "zen_weight" in held else "torch")
-        out[kind] = out.get(kind, 0) + 1
-    return dict(sorted(out.items()))
 
 
 def _rank() -> tuple[int, int]:

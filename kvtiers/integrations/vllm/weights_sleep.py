@@ -39,6 +39,7 @@ from typing import Any
 from ...engine.weights import ModelWeights, WeightsIdentity, rss_bytes
 from ...engine.weights_chunks import StorageEntry, TensorEntry
 from ...engine.weights_memory import free_storages, restore_storages
+from .kernels import linear_kernels
 
 __all__ = ["LoadedWeights", "remember_load", "sleep_weights", "wake_weights"]
 
@@ -108,8 +109,6 @@ def sleep_weights(worker: Any) -> dict[str, Any]:
     every layer's packed copy and empty every tensor the loader moved. Returns the bytes freed
     (RSS before and after) and the number of layers whose kernel copy was dropped."""
     from ...engine.weights_memory import give_back_memory
-    from .loader import linear_kernels
-
     model = worker.model_runner.model
     state = _loaded(model, "put to sleep")
     if state.asleep:
@@ -133,8 +132,6 @@ def wake_weights(worker: Any) -> dict[str, Any]:
     tier, and the linear layers per kernel (those of the load, or a ``RuntimeError`` saying
     which differ)."""
     import torch
-
-    from .loader import linear_kernels
 
     model = worker.model_runner.model
     state = _loaded(model, "wake")
