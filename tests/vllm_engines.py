@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import subprocess
 import tempfile
 import threading
 import uuid
@@ -46,6 +47,14 @@ CHUNK_TOKENS = 128
 PROMPTS = prompt_family(PREFIX, 2, seed=1) + prompt_family(PREFIX, 1, seed=2) + prompt_family(PREFIX, 1, seed=3)
 X0, X1, Y0, Z0 = 0, 1, 2, 3
 MAX_TOKENS = 8
+
+
+def child_json(script: str, work: Path, timeout: float = 500) -> Any:
+    """Run ``script`` (Python source) in vLLM's environment with ``work`` as its argument, and
+    return the JSON it printed last; a failure shows the end of its stderr."""
+    proc = subprocess.run([str(VLLM_PY), "-c", script, str(work)], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def job(kv_transfer_config: dict | None, runs: list[list[int]] | None = None, **extra: Any) -> dict[str, Any]:
