@@ -2,7 +2,9 @@
 each checked with a real ``kvtiers p2p serve`` process: an attacker storing a 4 KiB chunk in
 each of 64 namespaces, or in namespaces of 8 distinct chunk sizes, leaves a well-behaved
 client able to store in a new namespace; one connection saying HELLO for namespace after
-namespace, and sessions held from two addresses (the server's tables and sessions full)."""
+namespace, and sessions held from two addresses (the server's tables and sessions full).
+A namespace another peer has a session in is never reclaimed: not by the peer it is charged
+to at its cap, nor for a newcomer to a full table; its user keeps its session and chunks."""
 
 from __future__ import annotations
 
@@ -14,9 +16,13 @@ zmq = pytest.importorskip("zmq")
 
 from kvtiers_p2p import protocol as P  # noqa: E402
 from kvtiers_p2p.store import SLAB_BYTES  # noqa: E402
-from test_p2p_attacks import BOUND_S, Good  # noqa: E402
+from test_p2p_attacks import BOUND_S, GOOD_NS, Good  # noqa: E402
 from test_p2p_lockout import dealer, hello, served  # noqa: E402
+from tier_helpers import resolve_lookup as resolve  # noqa: E402
 from tier_helpers import server_stats  # noqa: E402
+from tier_helpers import wait_job as wait  # noqa: E402
+
+from kvtiers import Job, Lookup  # noqa: E402
 
 KiB = 1 << 10
 SIZES_CAPACITY = 9 * SLAB_BYTES  #: a slab for each of 8 chunk sizes and the good client's
@@ -81,3 +87,79 @@ def test_one_client_cannot_exhaust_the_chunk_sizes(tmp_path, hold):
         for _ in range(2):
             assert good[0].round() < BOUND_S
     assert server_stats(log)["reclaimed"] >= 1
+
+
+# -- a namespace another peer is using is never reclaimed ----------------------------------
+
+
+def made_by(src: str, ctx, port: int) -> None:
+    """GOOD_NS made (so charged to ``src``) with a chunk in it, so the server keeps it after
+    ``src`` leaves (a namespace with no chunk and no session is forgotten)."""
+    answers, socks = attack(ctx, port, src, [(GOOD_NS.digest, 64 * KiB)], hold=True)
+    assert answers[0][0] == P.OK, answers[0]
+    socks[0].send(P.pack(P.BYE, 3))
+
+
+class User:
+    """A real p2p tier (from 127.0.0.1) in a namespace another peer is charged with: it
+    stores one chunk, and later checks the chunk loads back with the same bytes."""
+
+    def __init__(self, port: int) -> None:
+        self.good = Good(port)
+
+    def store(self) -> None:
+        h = self.good.h
+        h.submit_store(Job(1, (b"kept",), (0,)))
+        assert wait(h, 1).ok
+        assert resolve(h, [b"kept"]) == [Lookup.HIT]
+
+    def still_holds(self) -> None:
+        """The chunk stored before loads back whole, on the same session."""
+        h, arena = self.good.h, self.good.arena
+        arena[1][:] = bytes(arena.slot_bytes)
+        h.submit_load(Job(2, (b"kept",), (1,)))
+        r = wait(h, 2)
+        assert r.ok and bytes(arena[1]) == bytes(arena[0]), f"the in-use namespace lost its chunk: {r.error}"
+
+
+def test_a_peer_at_its_cap_never_reclaims_a_namespace_another_peer_uses(tmp_path):
+    """127.0.0.2 made GOOD_NS (charged to it) and a real tier from 127.0.0.1 uses it; at its
+    cap of 2, 127.0.0.2's HELLO for a third namespace finds GOOD_NS in use by the tier and
+    its other one by its own session, so none may go: it is refused (``full``), and the tier
+    keeps its session and its chunk."""
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
+    with served(["--max-namespaces-per-peer", "2"], log=log) as (srv, ctx, good):
+        made_by("127.0.0.2", ctx, srv.port)
+        user = User(srv.port)  # ... and 127.0.0.1 uses it
+        good.append(user.good)
+        user.store()
+        answers, _socks = attack(ctx, srv.port, "127.0.0.2", [(n, 64 * KiB) for n in names("127.0.0.2", 2)],
+                                 hold=True)  # its second namespace (session held), then a third
+        assert answers[0][0] == P.OK, answers[0]
+        assert answers[1][0] == P.ERR and "maximum of 2 namespaces from 127.0.0.2" in answers[1][3], answers[1]
+        user.still_holds()
+    stats = server_stats(log)
+    assert (stats["reclaimed"], stats["reaped"]) == (0, 0), stats
+
+
+def test_a_full_table_never_reclaims_a_namespace_another_peer_uses_for_a_newcomer(tmp_path):
+    """127.0.0.2 holds the whole table (64 namespaces, each with a session: its own, or, for
+    GOOD_NS, the least recently used, a real tier's from 127.0.0.1). A newcomer from
+    127.0.0.3 gets one of 127.0.0.2's own namespaces, never GOOD_NS: the tier keeps its
+    session and its chunk."""
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
+    extra = ["--max-namespaces-per-peer", "64", "--max-sessions-per-peer", "64", "--max-clients", "80"]
+    with served(extra, log=log) as (srv, ctx, good):
+        made_by("127.0.0.2", ctx, srv.port)
+        user = User(srv.port)
+        good.append(user.good)
+        user.store()
+        answers, _socks = attack(ctx, srv.port, "127.0.0.2", [(n, 64 * KiB) for n in names("127.0.0.2", 63)],
+                                 hold=True)
+        assert all(a[0] == P.OK for a in answers), [a for a in answers if a[0] != P.OK][:1]
+        answers, _new = attack(ctx, srv.port, "127.0.0.3", [(n, 64 * KiB) for n in names("127.0.0.3", 1)],
+                               hold=True)
+        assert answers[0][0] == P.OK, answers[0]  # served: one of 127.0.0.2's namespaces was reclaimed
+        user.still_holds()
+    stats = server_stats(log)
+    assert (stats["reclaimed"], stats["reaped"]) == (1, 1), stats  # 127.0.0.2's session in the one reclaimed
