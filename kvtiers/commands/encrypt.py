@@ -10,6 +10,11 @@ through a second instance of the tier opened on a staging directory beside the c
 file over the old one: at every moment the chunk's path holds one whole chunk, old or new,
 so a rewrite killed at any point loses nothing. No key material is printed.
 
+The staging directory is made with ``mkdtemp`` (a fresh name nobody can have planted, mode
+0700, this user's), held open, and handed to the tier through that descriptor
+(``/proc/self/fd/N``): a link or directory another user put inside the root, at any name, is
+never written through, and its removal goes through the descriptor too (``O_NOFOLLOW``).
+
 Anyone who can write the medium can put anything under it, so both read it as hostile: only
 regular files are opened (``lstat`` first, then ``O_NONBLOCK | O_NOFOLLOW`` and ``fstat``:
 a FIFO, device, socket or link is skipped, never waited on), and a header's length, which
@@ -21,9 +26,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import stat
+import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,8 +45,13 @@ BATCH = 16
 #: the most chunk bytes one load/store job of a rewrite holds (fewer keys per job for bigger
 #: chunks; one chunk per job when a single one is bigger)
 BATCH_BYTES = 256 << 20
-#: a rewrite's staging directory, beside the chunks: this prefix, then ``<pid>@<host>``
+#: a rewrite's staging directory, beside the chunks: this prefix, 8 random characters
+#: (``mkdtemp``), then ``-<pid>@<host>``
 STAGING_PREFIX = ".kvtiers-rewrite-"
+#: what follows :data:`STAGING_PREFIX` in a staging directory's name: pid and host (the
+#: random part is absent in the names of rewrites before it had one)
+_STAGING_TAIL = re.compile(r"(?:[a-z0-9_]{8}-)?([0-9]+)@(.+)\Z")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: the largest ``config.json`` either command reads
 CONFIG_LIMIT = 1 << 20
 #: skipped files named on stderr; the rest are counted
@@ -337,30 +349,95 @@ def rewrite(tier_type: str, config_text: str | None, config_file: str | None, as
         raise SystemExit(1)
 
 
-def _staging_name() -> str:
-    return f"{STAGING_PREFIX}{os.getpid()}@{socket.gethostname()}"
-
-
 def _remove_stale_staging(root: str) -> None:
     """Remove the staging directories under ``root`` that rewrites of this host killed before
     their end left behind (their pid is no longer alive here). What they hold are copies: every
-    chunk's own path kept a whole chunk."""
+    chunk's own path kept a whole chunk. Only real directories owned by this user are removed
+    (never through a link; another user's directory of that name is left alone)."""
     try:
         entries = [e for e in os.scandir(root) if e.name.startswith(STAGING_PREFIX)]
     except OSError:
         return
     for e in entries:
-        pid, _, host = e.name[len(STAGING_PREFIX):].partition("@")
-        if host != socket.gethostname() or not pid.isdigit() or not e.is_dir(follow_symlinks=False):
+        m = _STAGING_TAIL.match(e.name[len(STAGING_PREFIX):])
+        if m is None or m[2] != socket.gethostname():
             continue
         try:
-            os.kill(int(pid), 0)
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        try:
+            os.kill(int(m[1]), 0)
             continue  # alive: another rewrite's
         except ProcessLookupError:
             pass
-        except PermissionError:
+        except (PermissionError, OverflowError):
             continue
-        shutil.rmtree(e.path, ignore_errors=True)
+        try:
+            shutil.rmtree(e.path)  # fd-based: never follows a link swapped in underneath
+        except OSError as err:
+            click.echo(f"could not remove the stale staging directory {e.path}: {err}", err=True)
+
+
+class _Staging:
+    """A rewrite's staging directory inside ``root``: created exclusively by ``mkdtemp``
+    (fresh random name, 0700, this user's), held open as :attr:`fd`, and named to the tier as
+    :attr:`where`, the descriptor's ``/proc/self/fd/N`` where there is one: if the directory
+    is renamed away and a link put in its place, the tier still writes into this directory."""
+
+    def __init__(self, root: str) -> None:
+        self.path = tempfile.mkdtemp(prefix=STAGING_PREFIX, suffix=f"-{os.getpid()}@{socket.gethostname()}",
+                                     dir=root)
+        self.root, self.name = root, os.path.basename(self.path)
+        self.fd = os.open(self.path, _DIR_FLAGS)  # a link swapped in since mkdtemp: ELOOP
+        st = os.fstat(self.fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            os.close(self.fd)
+            raise OSError(f"the staging directory {self.path} was replaced by someone else's (owner uid "
+                          f"{st.st_uid}, mode {stat.filemode(st.st_mode)})")
+        self.ident = (st.st_dev, st.st_ino)
+        pinned = f"/proc/self/fd/{self.fd}"
+        try:
+            pst = os.stat(pinned)
+            same = (pst.st_dev, pst.st_ino) == self.ident
+        except OSError:
+            same = False  # no /proc: the path, created fresh and only this user's to write in
+        self.where = pinned if same else self.path
+
+    def remove(self) -> None:
+        """Empty the directory through its descriptor, then remove its name from ``root`` if
+        the name is still this directory; what could not be removed is said on stderr."""
+        try:
+            _clear(self.fd)
+            rfd = os.open(self.root, _DIR_FLAGS)
+            try:
+                st = os.stat(self.name, dir_fd=rfd, follow_symlinks=False)
+                if (st.st_dev, st.st_ino) != self.ident:
+                    raise OSError(f"{self.path} is no longer the staging directory (moved away); its contents "
+                                  "were removed, the directory left")
+                os.rmdir(self.name, dir_fd=rfd)
+            finally:
+                os.close(rfd)
+        except OSError as e:
+            click.echo(f"could not remove the staging directory {self.path}: {e}", err=True)
+        finally:
+            os.close(self.fd)
+
+
+def _clear(dfd: int) -> None:
+    """Remove everything under the open directory ``dfd`` (no link followed)."""
+    for e in list(os.scandir(dfd)):
+        if e.is_dir(follow_symlinks=False):
+            sub = os.open(e.name, _DIR_FLAGS, dir_fd=dfd)
+            try:
+                _clear(sub)
+            finally:
+                os.close(sub)
+            os.rmdir(e.name, dir_fd=dfd)
+        else:
+            os.unlink(e.name, dir_fd=dfd)
 
 
 def _rewrite(tier_type: str, options: dict[str, Any], fields: dict[str, Any], slot_bytes: int,
@@ -397,11 +474,12 @@ class _Rewriter:
         self.batch = max(1, min(BATCH, BATCH_BYTES // slot_bytes))
         arena, ns = Arena.allocate(self.batch, slot_bytes), Namespace(fields)
         self.dirs = _dir_options(options)
-        self.staging = {k: os.path.join(v, _staging_name()) for k, v in self.dirs.items()}
+        self.aside: dict[str, _Staging] = {}
         self.src = self.dst = None
         try:
-            for d in self.staging.values():
-                os.makedirs(d, exist_ok=True)
+            for k, v in self.dirs.items():
+                self.aside[k] = _Staging(v)
+            self.staging = {k: a.where for k, a in self.aside.items()}
             self.src = BlockingTier(open_tier(tier_type, options, TierContext(arena, ns)))
             # the staging instance holds one batch at a time: no bound of its own to evict it by
             aside = {k: v for k, v in options.items() if k != "max_bytes"} | self.staging
@@ -421,8 +499,9 @@ class _Rewriter:
             if t is not None:
                 t.close()
         self.src = self.dst = None
-        for d in self.staging.values():
-            shutil.rmtree(d, ignore_errors=True)
+        for a in self.aside.values():
+            a.remove()
+        self.aside = {}
 
     def rewrite(self, part: list[SealedFile], report: Counter[str]) -> None:
         """One batch: load, store aside, rename each new file over its old one."""
