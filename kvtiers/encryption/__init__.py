@@ -46,6 +46,7 @@ from ..errors import ConfigError
 from ..hookspecs import hookimpl
 from ..types import PAGE, Arena, Job, JobResult, Lookup, TierContext, accept_job, drain
 from .keys import EXTRA_HINT, KEY_BYTES, MAX_KEY_ID, Keyring, KeySpec, key_fingerprint
+from .scope import TenantScope
 from .tenants import CONFLICT, MIN_BOOK_KEYS, TenantBook, TenantKeys, check_tenant, tenant_aad, tenant_label
 
 __all__ = [
@@ -278,8 +279,8 @@ class SealedTier:
         self.stats: collections.Counter[str] = collections.Counter()
         self.tenant_stats: collections.Counter[tuple[str, str]] = collections.Counter()
         self._labels: dict[str, str] = {}
-        #: the tenant of this thread's calls inside :meth:`tenant_scope`: ``(tenant,)``
-        self._scope = threading.local()
+        #: the tenant of the calls inside :meth:`tenant_scope`, per thread and asyncio task
+        self._scope = TenantScope()
         from ..metrics import tier_metrics
 
         m = tier_metrics(ctx)
@@ -299,23 +300,20 @@ class SealedTier:
 
     @contextlib.contextmanager
     def tenant_scope(self, tenant: str | None) -> Iterator[None]:
-        """Inside the block, this thread's lookups and submitted jobs are ``tenant``'s (None:
-        no tenant's), whatever was noted: the tenant travels with the call, so a job's keys
-        are sealed or opened for it however long ago they were noted. The keys are noted for
-        ``tenant`` too, and a key noted for another tenant is a conflict (offloaded for
-        neither), as with :meth:`note_tenant`."""
+        """Inside the block, the lookups and submitted jobs of this thread or asyncio task
+        (and of callbacks it schedules there: :mod:`kvtiers.encryption.scope`) are
+        ``tenant``'s (None: no tenant's), whatever was noted: the tenant travels with the
+        call, so a job's keys are sealed or opened for it however long ago they were noted.
+        The keys are noted for ``tenant`` too, and a key noted for another tenant is a
+        conflict (offloaded for neither), as with :meth:`note_tenant`."""
         check_tenant(tenant)
-        prev = getattr(self._scope, "tenant", None)
-        self._scope.tenant = (tenant,)
-        try:
+        with self._scope.enter(tenant):
             yield
-        finally:
-            self._scope.tenant = prev
 
     def _selector(self, keys: Sequence[bytes]) -> Callable[[bytes], tuple[Keyring, str | None] | str] | None:
         """How this call picks each key's keys and tenant (see :meth:`_select`), or None:
         every key under the default keys with no tenant."""
-        scoped = getattr(self._scope, "tenant", None)
+        scoped = self._scope.current()
         if scoped is None:  # no tenant given with the call: the book's
             return None if self._plain() else self._select
         tenant = scoped[0]

@@ -213,7 +213,9 @@ def as_tenant(handle: Any, tenant: str | None) -> Iterator[None]:
     """Inside the block, the lookups and jobs the caller makes on the tier behind ``handle``
     (a :class:`kvtiers.registry.TierHandle`) are ``tenant``'s (None: no tenant's): an
     encrypted tier seals and opens them for that tenant, whatever its book remembers. How the
-    engine passes each job's tenant with the job; a no-op for a tier that is not encrypted."""
+    engine passes each job's tenant with the job; a no-op for a tier that is not encrypted.
+    The scope is per thread and per asyncio task, and callbacks scheduled inside the block
+    inherit it; threads started inside do not (:mod:`kvtiers.encryption.scope`)."""
     check_tenant(tenant)
     scope = getattr(getattr(handle, "hooks", None), "tenant_scope", None)
     if scope is None:
