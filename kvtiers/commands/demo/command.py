@@ -82,9 +82,9 @@ def demo(turns: int, conversations: int, directory: str | None, keep: bool, conf
                                     as_json=as_json)
     if scenario == "pd" and pd_tier == "mooncake":  # both processes on one Mooncake pool (docs/mooncake.md)
         require("kvtiers demo --scenario pd --tier mooncake", "torch")
-        from .pd_mooncake import pd_mooncake_command
+        from .pd import pd_command
 
-        return pd_mooncake_command(prompts=conversations, seed=seed, device=device, as_json=as_json)
+        return pd_command(prompts=conversations, seed=seed, device=device, as_json=as_json, tier="mooncake")
     if scenario == "weights":  # model weights through the tiers (docs/engine.md, Weights)
         require("kvtiers demo --scenario weights", "torch", "transformers", "safetensors")
         from .weights import weights_command
