@@ -152,6 +152,51 @@ def test_a_key_noted_for_two_tenants_is_offloaded_for_neither(tmp_path, keys):
     assert not list(root.rglob("*.bin"))
 
 
+def test_a_key_noted_for_a_tenant_and_then_asked_with_none_is_a_conflict(tmp_path, keys):
+    """docs/security.md#tenants: a key noted for alice and then asked for with no tenant
+    (``as_tenant(tier, None)``, as the manager passes ``tenant=None``), with a default key
+    that could seal it for nobody, is offloaded for neither: the lookup misses without asking
+    the medium, the store fails and leaves alice's chunk as it was, the load fails as a
+    conflict without opening anything and leaves the slot untouched."""
+    from test_encryption import _pattern
+
+    from kvtiers import Arena, Job, Lookup, Namespace, TierContext, open_tier
+    from kvtiers.encryption.tenants import as_tenant
+
+    root = tmp_path / "kv"
+    enc = _tenants(keys, key_file=keys["default"], key_id="d-1")
+    slot = 64 << 10
+    ctx = TierContext(Arena.allocate(4, slot), Namespace({"model": "m"}))
+    for i in range(2):
+        ctx.arena[i][:] = _pattern(i, slot)
+    k = b"unsalted-chunk"
+    h = open_tier("fs", {"root_dir": str(root), "encrypt": enc}, ctx)
+    try:
+        with as_tenant(h, "alice"):
+            h.submit_store(Job(1, (k,), (0,)))
+        assert _wait(h, 1).ok
+        alice_file = _file(root, k).read_bytes()
+        assert _kids(root) == {"alice-1": 1}
+        with as_tenant(h, None):
+            assert h.lookup([k]) == [Lookup.MISS]
+            h.submit_store(Job(2, (k,), (1,)))
+        assert _wait(h, 2).failed_keys == (k,)
+        assert _file(root, k).read_bytes() == alice_file
+        ctx.arena[2][:] = b"\xa5" * slot
+        with as_tenant(h, None):
+            h.submit_load(Job(3, (k,), (2,)))
+        assert _wait(h, 3).failed_keys == (k,)
+        assert bytes(ctx.arena[2]) == b"\xa5" * slot
+        stats = h.hooks.stats
+        assert (stats["tenant_conflict_store"], stats["tenant_conflict_load"]) == (1, 1), stats
+        assert not any(n.startswith("open_failed") for n in stats) and stats["sealed"] == 1, stats
+        with as_tenant(h, "alice"):  # alice's own calls still reach her chunk
+            h.submit_load(Job(4, (k,), (3,)))
+        assert _wait(h, 4).ok and bytes(ctx.arena[3]) == _pattern(0, slot)
+    finally:
+        h.close()
+
+
 def test_the_manager_checks_the_tenant_argument(tmp_path, keys):
     mgr, _kv, _ = _manager(tmp_path / "kv", _tenants(keys))
     try:
