@@ -275,6 +275,8 @@ class PeerClient:
                 nearest = min(nearest, r.deadline)
             if peer.queue:
                 nearest = min(nearest, peer.queue[0].deadline)
+            if peer.error is not None and peer.hello_rid is None and peer.retry_at > now:
+                nearest = min(nearest, peer.retry_at)  # refused: its next HELLO on time, not up to 0.1 s late
         return max(0, int((nearest - now) * 1000) + 1)
 
     # -- peers ---------------------------------------------------------------------------
@@ -628,6 +630,7 @@ class PeerClient:
                 log.warning("p2p: %s", error)
             peer.error = error
             peer.retry_at = time.monotonic() + peer.backoff  # a full server may have room by then
+            log.debug("p2p: peer %s refused the handshake: HELLO again in %.2f s", peer.url, peer.backoff)
             peer.backoff = min(peer.backoff * 2, HELLO_RETRY_S[1])
             self._fail_peer(peer, error, queued=True)
             return
