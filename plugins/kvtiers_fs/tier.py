@@ -2,7 +2,8 @@
 
 For local NVMe and for shared file systems (NFS, Lustre, CephFS, 3FS) that many instances
 mount at once. See :mod:`kvtiers_fs.layout` for the files, :mod:`kvtiers_fs.index` for the
-non-blocking lookup and the LRU bound, :mod:`kvtiers_fs.direct` for O_DIRECT.
+non-blocking lookup and the LRU bound, :mod:`kvtiers_fs.bound` for eviction under ``max_bytes``,
+:mod:`kvtiers_fs.chunkio` for the store and load of one key, :mod:`kvtiers_fs.direct` for O_DIRECT.
 
 The hooks only validate and enqueue: each key of a job is one task on the read pool
 (loads) or the write pool (stores), so loads never wait behind stores and a large job is
@@ -19,10 +20,8 @@ then are reported failed as abandoned and their threads left behind.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import stat as _stat
 import threading
 import time
 from collections import deque
@@ -34,9 +33,11 @@ from kvtiers.types import accept_job, check_keys, drain, plain_bytes
 from . import direct as _direct
 from . import layout
 from . import snapshot as _snapshot
+from .bound import BoundMixin
+from .chunkio import ChunkIO
 from .index import HOT_BATCH, HOT_KEYS, Index, Prober
-from .keytable import dir_of, fingerprint, fingerprints
-from .lease import Lease, read_passes, write_passes
+from .keytable import fingerprints
+from .lease import Lease, read_passes
 from .pool import Pool
 from .share import Share, budget_for
 from .walker import Walker
@@ -61,15 +62,7 @@ class _JobState:
         self.abandoned = False  # reported failed by a close that timed out: nothing more to do
 
 
-class Corrupt(Exception):
-    """A chunk file that is not a valid copy of its key."""
-
-
-class Refused(Exception):
-    """Something at a chunk's path that is not a regular file: never read, never deleted."""
-
-
-class FsTier:
+class FsTier(BoundMixin, ChunkIO):
     """Chunks as files under ``root_dir/<namespace digest>/``.
 
     Options:
@@ -339,133 +332,6 @@ class FsTier:
         except Exception:
             log.exception("fs tier: scan of %s failed", self.nsdir)
 
-    def _check_bound(self) -> None:
-        """Not the cleaner: warn (once per cleaner and bound) when the cleaner's ``max_bytes``,
-        which governs the directory, is not this instance's (docs/fs.md, Sharing a bounded root)."""
-        got = self.lease.holder()
-        if got is None:
-            return
-        who, theirs = got
-        if theirs is None or theirs == self.max_bytes or (who, theirs) in self._bound_warned:
-            return
-        self._bound_warned.add((who, theirs))
-        log.warning("fs tier: max_bytes=%d here, but the cleaner of %s (%s) has max_bytes=%d: the cleaner's bound "
-                    "governs the directory while it holds the lease (this instance only keeps its own share of "
-                    "%d bytes); give every instance on one root the same max_bytes",
-                    self.max_bytes, self.nsdir, who, theirs, budget_for(self.max_bytes, self.file_bytes))
-
-    def _evict_to_bound(self) -> None:
-        if self.is_cleaner:
-            self._make_room()
-
-    def _begin_pass(self) -> int | None:
-        """As the lease holder: record that a pass begins (its number), before it lists
-        anything (see :mod:`kvtiers_fs.share`). None when this instance is not the cleaner,
-        or every bounded instance cleans (no locks)."""
-        if not self.is_cleaner or self.lease.unsupported:
-            return None
-        if self._passes is None:  # (taking over: go on from the last holder's numbers)
-            self._passes = read_passes(self.nsdir) or (0, 0)
-        begun = self._passes[0] + 1
-        self._passes = (begun, self._passes[1])
-        self.walker.deferred = 0
-        write_passes(self.nsdir, *self._passes)
-        return begun
-
-    def _end_pass(self, begun: int | None) -> None:
-        """Record that pass ``begun`` has completed: its view counts every chunk published
-        before it began and is within ``max_bytes``. A pass that left directories to list
-        again, or could not evict down to the bound, completes nothing."""
-        if begun is None or self.walker.deferred or self.index.used > self.max_bytes:
-            return
-        self._passes = (begun, begun)
-        write_passes(self.nsdir, begun, begun)
-
-    def _evict_share(self) -> None:
-        """Not the cleaner, and over its share of the bound: remove this instance's own
-        oldest chunks that the cleaner has not counted yet until it is back within its
-        share (see :mod:`kvtiers_fs.share`); chunks being read or written here stay."""
-        share, index = self._share, self.index
-
-        def busy(key: bytes) -> bool:
-            return fingerprint(key) in index.reading or key in index.writing
-
-        gone = []
-        for key, n in share.take(share.excess(), skip=busy):
-            try:
-                os.unlink(self.path(key))
-            except FileNotFoundError:
-                pass  # removed already (the cleaner, gc): gone all the same
-            except OSError as e:
-                log.warning("fs tier: could not remove %s: %s", self.path(key), e)
-                share.give_back(key, n)
-                continue
-            index.drop(key)
-            gone.append(key)
-        if gone:
-            self.ctx.removed(gone, "evicted")
-
-    def _make_room(self) -> None:
-        """Evict least recently used chunks until the view is within ``max_bytes``. The
-        index knows keys by fingerprint: the victims' names come from listing their
-        directories (one listing per directory, a cost that grows with the evictions).
-        Keys whose fingerprints collide are one entry: their files are kept or deleted
-        together, each deletion reported. Never raises: a store that called it still
-        finishes and releases its reservation."""
-        removed: list[tuple[float, bytes]] = []
-        try:
-            with self._evicting:
-                self._evict(removed)
-        except Exception:
-            log.exception("fs tier: eviction under %s failed", self.nsdir)
-        if removed:
-            keys = [k for _, k in sorted(removed)]  # reported least recently used first
-            # a store of the same key may have found the old file and re-added it meanwhile
-            for k in keys:
-                if k in self.index and not os.path.exists(self.path(k)):
-                    self.index.drop(k)
-            self.ctx.removed(keys, "evicted")
-
-    def _evict(self, removed: list[tuple[float, bytes]]) -> None:
-        """:meth:`_make_room`'s passes (under ``_evicting``); adds ``(clock, key)`` to
-        ``removed`` for each file deleted."""
-        fb = self.file_bytes
-        for _ in range(64):
-            excess = self.index.excess(self.max_bytes)
-            if excess <= 0:
-                break
-            victims = self.index.victims(-(-excess // fb))
-            if not victims:
-                break
-            by_dir: dict[int, dict[int, float]] = {}
-            for fp, clock in victims:
-                by_dir.setdefault(dir_of(fp), {})[fp] = clock
-            for d, wanted in by_dir.items():
-                files: dict[int, list[tuple[bytes, str, float]]] = {}
-                for fp, key, path, mtime in self.walker.find_in_dir(d, wanted):
-                    files.setdefault(fp, []).append((key, path, mtime))
-                for fp, same in files.items():  # (more than one: keys whose fingerprints collide)
-                    clock = wanted.pop(fp)
-                    newest = max(mtime for _, _, mtime in same)
-                    if newest > clock + 0.05:  # used by another instance since: not old after all
-                        self.index.refresh(fp, clock, newest)
-                        continue
-                    if not self.index.evicted(fp, clock, same[0][0]):
-                        continue  # used, read or stored here meanwhile
-                    for key, _, _ in same[1:]:
-                        self.index.drop(key)  # (its entry went with the first: forget the key itself)
-                    for key, path, _ in same:
-                        try:
-                            os.unlink(path)
-                        except FileNotFoundError:
-                            pass  # another instance removed it first
-                        except OSError as e:
-                            log.warning("fs tier: could not remove %s: %s", path, e)
-                            continue
-                        removed.append((clock, key))
-                for fp, clock in wanted.items():  # not there any more: removed by someone else
-                    self.index.forget(fp, clock)
-
     # -- hooks -------------------------------------------------------------------------------
     @hookimpl
     def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
@@ -635,216 +501,6 @@ class FsTier:
             if not self._pending:
                 self._idle.notify_all()
 
-    # -- one key -----------------------------------------------------------------------------
-    def _store_key(self, js: _JobState, key: bytes, slot: int, scratch: memoryview) -> None:
-        if self._no_write is not None:
-            self._key_done(js, key, 0, f"{key.hex()}: not stored: {self._no_write}")
-            return
-        final = self.path(key)
-        try:
-            st = os.lstat(final)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            self._key_done(js, key, 0, f"{key.hex()}: stat: {e.strerror or e}")
-            return
-        else:
-            if _stat.S_ISREG(st.st_mode):
-                if st.st_size == self.file_bytes:  # content-addressed: an existing chunk means success
-                    self.index.add(key, st.st_size)
-                    _utime(final)
-                    self._key_done(js, key, 0, None)
-                    return
-                if _other_geometry(st.st_size):
-                    self._key_done(js, key, 0, f"{key.hex()}: holds a chunk of {st.st_size - layout.TRAILER_BYTES} "
-                                               f"bytes (another slot size), left alone")
-                    return
-            elif _stat.S_ISDIR(st.st_mode):
-                self._key_done(js, key, 0, f"{key.hex()}: a directory is in the way at {final}")
-                return
-            # a torn file, a FIFO, a device node or a link: the rename below replaces the name
-        nbytes = self.file_bytes
-        if self.max_bytes is not None and nbytes > self.max_bytes:
-            self._key_done(js, key, 0, f"chunk file of {nbytes} bytes exceeds max_bytes={self.max_bytes}")
-            return
-        shared = self._share is not None and not self.is_cleaner
-        if self.index.reserve(nbytes, self.max_bytes, key) > 0 and self.is_cleaner:
-            self._make_room()
-        elif shared and self._share.reserve(nbytes) > 0:
-            self._evict_share()
-        try:
-            self._write(key, final, self.arena[slot], scratch)
-        except BaseException as e:
-            self.index.unreserve(nbytes, key)
-            if shared:
-                self._share.unreserve(nbytes)
-            if not isinstance(e, OSError):
-                raise
-            self._key_done(js, key, 0, f"{key.hex()}: {_oserror(e)}")
-            return
-        self.index.commit(key, nbytes)
-        if shared:
-            self._share.published(key, nbytes)
-        self._key_done(js, key, self.slot_bytes, None)
-
-    def _write(self, key: bytes, final: str, data: memoryview, trailer: memoryview) -> None:
-        layout.pack_trailer(trailer, key, len(data), layout.data_digest(data), self._ns)
-        tmp, fd = self._locked_temp(final)
-        try:
-            try:
-                n = os.pwritev(fd, [data, trailer], 0)
-                if n != len(data) + len(trailer):
-                    raise OSError(errno.ENOSPC, f"short write ({n} of {len(data) + len(trailer)} bytes)")
-                if self.fsync:
-                    os.fsync(fd)
-                os.rename(tmp, final)
-            finally:
-                os.close(fd)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        if self.fsync:
-            _fsync_dir(os.path.dirname(final))
-
-    def _locked_temp(self, final: str) -> tuple[str, int]:
-        """Create a temporary file next to ``final``, locked before any cleaner can see it
-        (:func:`layout.create_locked_temp`); the lock is held until the file is published,
-        so cleaners in any PID namespace see a live writer."""
-        try:
-            tmp, fd, self._anon_temps = layout.create_locked_temp(final, self._wflags, self._anon_temps)
-        except FileNotFoundError:  # first chunk in this directory, or gc removed it
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            tmp, fd, self._anon_temps = layout.create_locked_temp(final, self._wflags, self._anon_temps)
-        return tmp, fd
-
-    _anon_temps = True  # O_TMPFILE works here (False once it did not)
-
-    def _load_key(self, js: _JobState, key: bytes, slot: int, scratch: memoryview) -> None:
-        path = self.path(key)
-        self.index.pin(key)
-        try:
-            try:
-                fd = os.open(path, self._rflags)
-            except FileNotFoundError:
-                if self.index.drop(key):
-                    self.ctx.removed([key], "missing")
-                self._key_done(js, key, 0, f"{key.hex()}: not stored")
-                return
-            except OSError as e:
-                kind = _not_regular(path)  # ELOOP (a link), EINVAL (O_DIRECT on a FIFO), ...
-                if kind is not None:
-                    self._refuse(js, key, path, kind)
-                else:
-                    self._key_done(js, key, 0, f"{key.hex()}: open: {_oserror(e)}")
-                return
-            try:
-                st = os.fstat(fd)
-                if not _stat.S_ISREG(st.st_mode):
-                    raise Refused(layout.file_kind(st.st_mode))
-                if st.st_size != self.file_bytes:
-                    self._check_other(fd, st.st_size, key, scratch)
-                self._read(fd, key, self.arena[slot], scratch)
-            except Refused as e:
-                self._refuse(js, key, path, str(e))
-                return
-            except layout.NotOurs as e:
-                self.index.drop(key)
-                self._key_done(js, key, 0, f"{key.hex()}: not loaded, file left alone: {e}")
-                return
-            except Corrupt as e:
-                what = self._discard_corrupt(path, fd, key, str(e))
-                self._key_done(js, key, 0, f"{key.hex()}: corrupt chunk {what}: {e}")
-                return
-            except OSError as e:
-                self._key_done(js, key, 0, f"{key.hex()}: read: {_oserror(e)}")
-                return
-            finally:
-                os.close(fd)
-        finally:
-            self.index.unpin(key)
-        self.index.add_found(key, self.file_bytes)
-        if self._no_write is None:
-            _utime(path)
-        self._key_done(js, key, self.slot_bytes, None)
-
-    def _refuse(self, js: _JobState, key: bytes, path: str, kind: str) -> None:
-        if self.index.drop(key):
-            self.ctx.removed([key], "corrupt")
-        log.warning("fs tier: %s is %s, not a chunk file; left alone", path, kind)
-        self._key_done(js, key, 0, f"{key.hex()}: not a chunk file: {kind} at {path}, left alone")
-
-    def _check_other(self, fd: int, size: int, key: bytes, page: memoryview) -> None:
-        """A file of the wrong size: raise :class:`layout.NotOurs` if it is a valid chunk of
-        ``key`` with another slot size (its trailer says so), :class:`Corrupt` otherwise."""
-        if not _other_geometry(size):
-            raise Corrupt(f"file is {size} bytes long, expected {self.file_bytes}")
-        if os.preadv(fd, [page], size - layout.TRAILER_BYTES) != layout.TRAILER_BYTES:
-            raise Corrupt(f"file is {size} bytes long, expected {self.file_bytes}")
-        try:
-            layout.check_trailer(page, key, size - layout.TRAILER_BYTES, self._ns)
-        except layout.NotOurs:
-            raise
-        except ValueError as e:
-            raise Corrupt(f"file is {size} bytes long, expected {self.file_bytes} ({e})") from None
-        raise layout.NotOurs(f"chunk holds {size - layout.TRAILER_BYTES} bytes, slot is {self.slot_bytes} "
-                             "(another slot size)")
-
-    def _read(self, fd: int, key: bytes, data: memoryview, trailer: memoryview) -> None:
-        n = os.preadv(fd, [data, trailer], 0)
-        if n != len(data) + len(trailer):
-            raise Corrupt(f"file is {n} bytes long, expected {len(data) + len(trailer)}")
-        try:
-            digest = layout.check_trailer(trailer, key, len(data), self._ns)
-        except layout.NotOurs:
-            raise
-        except ValueError as e:
-            raise Corrupt(str(e)) from None
-        if layout.data_digest(data) != digest:
-            raise Corrupt("checksum mismatch")
-
-    def _discard_corrupt(self, path: str, fd: int, key: bytes, why: str) -> str:
-        """Delete corrupt chunk ``path`` (open as ``fd``) if it is still the file that was
-        read, and say what happened. Only a file that really went is reported removed
-        (``ctx.removed``, ``"corrupt"``); one that stays (a read-only root, an unlink that
-        failed) is logged as left in place, and its key is forgotten like a probed miss (a
-        later probe may find it again; each load of it fails, never with wrong bytes)."""
-        kept = self._no_write
-        if kept is None:
-            try:  # only the file we read: another instance may have published a good copy since
-                if os.stat(path).st_ino != os.fstat(fd).st_ino:
-                    log.info("fs tier: corrupt chunk %s was replaced meanwhile; the new file is kept", path)
-                    return "replaced meanwhile"
-                os.unlink(path)
-            except FileNotFoundError:
-                pass  # removed by someone else: gone all the same
-            except OSError as e:
-                kept = f"could not remove it: {_oserror(e)}"
-        self.index.drop(key)
-        if kept is not None:
-            log.warning("fs tier: corrupt chunk %s left in place (%s): %s", path, kept, why)
-            return f"left in place ({kept})"
-        log.warning("fs tier: removed corrupt chunk %s: %s", path, why)
-        self.ctx.removed([key], "corrupt")
-        return "removed"
-
-
-def _other_geometry(size: int) -> bool:
-    """Whether a file of ``size`` bytes could be a chunk file (of some slot size)."""
-    return size >= 2 * layout.TRAILER_BYTES and size % _direct.ALIGN == 0
-
-
-def _not_regular(path: str) -> str | None:
-    """What is at ``path`` if it exists and is not a regular file (without following a link)."""
-    try:
-        mode = os.lstat(path).st_mode
-    except OSError:
-        return None
-    return None if _stat.S_ISREG(mode) else layout.file_kind(mode)
-
-
 def _mounted_read_only(path: str) -> bool:
     """Whether ``path`` (or its nearest existing parent) is on a read-only mount."""
     while True:
@@ -865,23 +521,3 @@ def _bind(fn, js: _JobState, key: bytes, slot: int):
             fn(js, key, slot, scratch)
 
     return task
-
-
-def _utime(path: str) -> None:
-    try:
-        os.utime(path)
-    except OSError:
-        pass
-
-
-def _fsync_dir(d: str) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _oserror(e: OSError) -> str:
-    name = errno.errorcode.get(e.errno or 0, "")
-    return f"{name} {e.strerror or e}".strip()
