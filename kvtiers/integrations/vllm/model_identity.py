@@ -12,8 +12,11 @@ other's KV and answer wrong tokens). :func:`model_identity` covers every byte:
   its size and a digest of all its bytes. In a Hugging Face cache, where a snapshot's file is a
   link to ``../../blobs/<sha256 of its content>``, that is the blob's name (nothing read);
   elsewhere one xxh3-128 pass over the file, remembered in a small cache file
-  (:func:`digest_cache_path`) under the file's device, inode, size, mtime and ctime, so the next
-  engine start reads nothing again until the file changes.
+  (:func:`digest_cache_path`, trusted only if this user alone can have written it: see
+  :mod:`kvtiers.integrations.weight_digests`) under the file's device, inode, size, mtime and ctime, so the next
+  engine start reads nothing again until one of them changes. A write through a shared mapping
+  can leave all five as they were: ``kvtiers_weight_digest_cache: false``
+  (:func:`digest_cache_enabled`) or ``kvtiers digest-cache drop PATH`` forces a fresh pass.
 
 A Hugging Face repository id is resolved through the local Hugging Face cache (vLLM has
 downloaded it there before any tier starts), when the cache holds exactly one snapshot of it.
@@ -28,21 +31,27 @@ import json
 import logging
 import os
 import re
-import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
+from ...errors import ConfigError
+from ..weight_digests import DigestCache, digest_cache_path, stamp
+
 log = logging.getLogger("kvtiers.integrations.vllm")
 
-__all__ = ["digest_cache_path", "file_digest", "model_identity", "resolve_model_dir"]
+__all__ = ["WEIGHT_DIGEST_CACHE", "digest_cache_enabled", "digest_cache_path", "file_digest", "model_identity",
+           "resolve_model_dir", "weight_files"]
+
+#: the ``kv_connector_extra_config`` key that turns the weight digest cache's answers off
+WEIGHT_DIGEST_CACHE = "kvtiers_weight_digest_cache"
 
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _NOT_IDENTITY = ("_name_or_path", "_commit_hash", "transformers_version")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _READ = 16 << 20  # bytes per read of the xxh3 pass
-_CACHE_ENTRIES = 4096  # digests the cache file keeps (the newest)
-_CACHE_VERSION = 1
 
 
 def resolve_model_dir(name: str) -> Path | None:
@@ -65,19 +74,6 @@ def resolve_model_dir(name: str) -> Path | None:
     return found[0].resolve() if len(found) == 1 else None
 
 
-def digest_cache_path() -> Path:
-    """The file that remembers weight files' xxh3 digests: ``$XDG_CACHE_HOME/kvtiers/weight-digests.json``
-    (``~/.cache`` without ``XDG_CACHE_HOME``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvtiers" / "weight-digests.json"
-
-
-def _stamp(st: os.stat_result) -> str:
-    """What must not change for a remembered digest to hold: device, inode, size, mtime and
-    ctime (ctime too: a rewrite that puts the old mtime back still moves it)."""
-    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
-
-
 def _hf_blob(path: Path) -> str | None:
     """The sha256 a Hugging Face cache names ``path``'s content by, if ``path`` is a snapshot's
     link ``<repo>/snapshots/<rev>/<file> -> <repo>/blobs/<sha256>``; else None."""
@@ -91,57 +87,14 @@ def _hf_blob(path: Path) -> str | None:
     return None
 
 
-class _DigestCache:
-    """The cache file's ``{stamp: xxh3 digest}``, read once per identity and written back
-    (whole, by rename) when it gained entries; a damaged or unreadable file counts as empty,
-    and one that cannot be written only costs the next start a pass."""
-
-    def __init__(self) -> None:
-        self.path = digest_cache_path()
-        self.entries: dict[str, str] = {}
-        self.added = False
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return
-        if isinstance(data, dict) and data.get("version") == _CACHE_VERSION and isinstance(data.get("files"), dict):
-            self.entries = {k: v for k, v in data["files"].items() if isinstance(k, str) and isinstance(v, str)}
-
-    def get(self, stamp: str) -> str | None:
-        return self.entries.get(stamp)
-
-    def put(self, stamp: str, digest: str) -> None:
-        self.entries.pop(stamp, None)
-        self.entries[stamp] = digest
-        self.added = True
-
-    def save(self) -> None:
-        if not self.added:
-            return
-        keep = dict(list(self.entries.items())[-_CACHE_ENTRIES:])
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".weight-digests-")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump({"version": _CACHE_VERSION, "files": keep}, f)
-                os.replace(tmp, self.path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
-        except OSError as e:
-            log.info("kvtiers: could not write the weight digest cache %s (%s): the next start reads the weights again",
-                     self.path, e)
-
-
-def file_digest(path: Path, cache: _DigestCache | None = None) -> str:
+def file_digest(path: Path, cache: DigestCache | None = None) -> str:
     """A digest of every byte of file ``path``: ``sha256:<hex>`` from a Hugging Face cache's
     blob name, else ``xxh3:<hex>`` from one pass over it (remembered in ``cache``)."""
     blob = _hf_blob(path)
     if blob is not None:
         return f"sha256:{blob}"
     with open(path, "rb", buffering=0) as f:
-        before = _stamp(os.fstat(f.fileno()))
+        before = stamp(os.fstat(f.fileno()))
         if cache is not None and (known := cache.get(before)) is not None:
             return known
         h = xxhash.xxh3_128()
@@ -150,16 +103,22 @@ def file_digest(path: Path, cache: _DigestCache | None = None) -> str:
         while n := f.readinto(buf):
             h.update(view[:n])
         digest = f"xxh3:{h.hexdigest()}"
-        if cache is not None and _stamp(os.fstat(f.fileno())) == before:  # not written to meanwhile
-            cache.put(before, digest)
+        if cache is not None and stamp(os.fstat(f.fileno())) == before:  # not written to meanwhile
+            cache.put(before, digest, path)
     return digest
 
 
-def _identity(p: Path, cache: _DigestCache) -> str | None:
-    h = hashlib.sha256(b"kvtiers-model-identity-2\0")
+def weight_files(p: Path) -> list[Path]:
+    """The weight files the identity covers: ``p`` itself (a single weight file), else every
+    weight file directly in directory ``p``, by name."""
     if p.is_file():
-        weights = [p]
-    else:
+        return [p]
+    return sorted(q for q in p.iterdir() if q.suffix in _WEIGHTS and q.is_file())
+
+
+def _identity(p: Path, cache: DigestCache) -> str | None:
+    h = hashlib.sha256(b"kvtiers-model-identity-2\0")
+    if not p.is_file():
         cfg_file = p / "config.json"
         if not cfg_file.is_file():
             return None
@@ -169,21 +128,23 @@ def _identity(p: Path, cache: _DigestCache) -> str | None:
         for k in _NOT_IDENTITY:
             cfg.pop(k, None)
         h.update(json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode())
-        weights = sorted(q for q in p.iterdir() if q.suffix in _WEIGHTS and q.is_file())
-        if not weights:
-            return None
+    weights = weight_files(p)
+    if not weights:
+        return None
     for q in weights:
         h.update(f"{q.name}\0{q.stat().st_size}\0{file_digest(q, cache)}\0".encode())
     return h.hexdigest()[:32]
 
 
-def model_identity(name: str) -> str | None:
+def model_identity(name: str, use_cache: bool = True) -> str | None:
     """``sha256:<32 hex digits>`` of model ``name``'s config and every byte of its weights (see
-    the module), or None where they cannot be read here (then the namespace keeps ``name``)."""
+    the module), or None where they cannot be read here (then the namespace keeps ``name``).
+    ``use_cache=False``: no remembered digest is believed, every weight file is read, and the
+    digests found replace the remembered ones."""
     where = resolve_model_dir(name)
     if where is None:
         return None
-    cache = _DigestCache()
+    cache = DigestCache(read=use_cache)
     try:
         digest = _identity(where, cache)
     except (OSError, ValueError) as e:
@@ -192,3 +153,12 @@ def model_identity(name: str) -> str | None:
     finally:
         cache.save()
     return None if digest is None else f"sha256:{digest}"
+
+
+def digest_cache_enabled(extra_config: Mapping[str, Any] | None) -> bool:
+    """``kvtiers_weight_digest_cache`` of ``kv_connector_extra_config`` (default true)."""
+    value = (extra_config or {}).get(WEIGHT_DIGEST_CACHE, True)
+    if not isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config: {WEIGHT_DIGEST_CACHE!r} expects true or false, "
+                          f"got {type(value).__name__} {value!r}")
+    return value

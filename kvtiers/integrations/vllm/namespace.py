@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...errors import ConfigError
-from .model_identity import model_identity
+from .model_identity import digest_cache_enabled, model_identity
 
 log = logging.getLogger("kvtiers.integrations.vllm")
 
@@ -42,7 +42,7 @@ def namespace_fields(offloading_spec: Any, chunk_bytes: int, extra: Mapping[str,
     not pass to tiers, such as the prefix-caching hash seed.
     """
     cfg = offloading_spec.config
-    identity = model_identity(cfg.model.name)
+    identity = model_identity(cfg.model.name, use_cache=digest_cache_enabled(offloading_spec.extra_config))
     if identity is None:
         log.info("kvtiers: model %r: no local config and weights to identify it by; the namespace keeps the name",
                  cfg.model.name)
