@@ -12,15 +12,26 @@ import errno
 import logging
 import os
 import stat as _stat
-from typing import TYPE_CHECKING
 
 from . import direct as _direct
 from . import layout
 
-if TYPE_CHECKING:
-    from .tier import _JobState
-
 log = logging.getLogger("kvtiers.fs")
+
+
+class _JobState:
+    __slots__ = ("job_id", "keys", "done", "remaining", "failed", "errors", "nbytes", "t0", "abandoned")
+
+    def __init__(self, job_id: int, keys: tuple[bytes, ...], t0: float) -> None:
+        self.job_id = job_id
+        self.keys = keys
+        self.done: set[bytes] = set()  # keys reported, failed or not
+        self.remaining = len(keys)
+        self.failed: list[bytes] = []
+        self.errors: list[str] = []
+        self.nbytes = 0
+        self.t0 = t0
+        self.abandoned = False  # reported failed by a close that timed out: nothing more to do
 
 
 class Corrupt(Exception):

@@ -34,7 +34,7 @@ from . import direct as _direct
 from . import layout
 from . import snapshot as _snapshot
 from .bound import BoundMixin
-from .chunkio import ChunkIO
+from .chunkio import ChunkIO, _JobState
 from .index import HOT_BATCH, HOT_KEYS, Index, Prober
 from .keytable import fingerprints
 from .lease import Lease, read_passes
@@ -45,21 +45,6 @@ from .walker import Walker
 log = logging.getLogger("kvtiers.fs")
 
 _HIT, _MISS, _RETRY = Lookup.HIT, Lookup.MISS, Lookup.RETRY
-
-
-class _JobState:
-    __slots__ = ("job_id", "keys", "done", "remaining", "failed", "errors", "nbytes", "t0", "abandoned")
-
-    def __init__(self, job_id: int, keys: tuple[bytes, ...], t0: float) -> None:
-        self.job_id = job_id
-        self.keys = keys
-        self.done: set[bytes] = set()  # keys reported, failed or not
-        self.remaining = len(keys)
-        self.failed: list[bytes] = []
-        self.errors: list[str] = []
-        self.nbytes = 0
-        self.t0 = t0
-        self.abandoned = False  # reported failed by a close that timed out: nothing more to do
 
 
 class FsTier(BoundMixin, ChunkIO):
