@@ -4,7 +4,9 @@ each of 64 namespaces, or in namespaces of 8 distinct chunk sizes, leaves a well
 client able to store in a new namespace; one connection saying HELLO for namespace after
 namespace, and sessions held from two addresses (the server's tables and sessions full).
 A namespace another peer has a session in is never reclaimed: not by the peer it is charged
-to at its cap, nor for a newcomer to a full table; its user keeps its session and chunks."""
+to at its cap, nor for a newcomer to a full table; its user keeps its session and chunks. The
+one reclaimed is the least recently used (a peer at its cap), and one without a session
+before one with (a full table)."""
 
 from __future__ import annotations
 
@@ -97,7 +99,16 @@ def made_by(src: str, ctx, port: int) -> None:
     ``src`` leaves (a namespace with no chunk and no session is forgotten)."""
     answers, socks = attack(ctx, port, src, [(GOOD_NS.digest, 64 * KiB)], hold=True)
     assert answers[0][0] == P.OK, answers[0]
-    socks[0].send(P.pack(P.BYE, 3))
+    bye(socks[0])
+
+
+def bye(s) -> None:
+    """End ``s``'s session, and wait until the server has (a request after it is refused)."""
+    s.send(P.pack(P.BYE, 3))
+    s.send(P.pack(P.LOOKUP, 4, [b"k"]))
+    assert s.poll(10000), "no answer to LOOKUP"
+    reply = P.unpack(s.recv(), reply=True)
+    assert reply[0] == P.ERR and reply[2] == P.E_HELLO, reply
 
 
 class User:
@@ -163,3 +174,49 @@ def test_a_full_table_never_reclaims_a_namespace_another_peer_uses_for_a_newcome
         user.still_holds()
     stats = server_stats(log)
     assert (stats["reclaimed"], stats["reaped"]) == (1, 1), stats  # 127.0.0.2's session in the one reclaimed
+
+
+# -- which namespace is reclaimed ----------------------------------------------------------
+
+
+def lookup(s, rid: int, key: bytes = b"k") -> bytes:
+    """LOOKUP ``key`` on ``s`` (a session): its one 0/1 byte."""
+    s.send(P.pack(P.LOOKUP, rid, [key]))
+    assert s.poll(10000), "no answer to LOOKUP"
+    reply = P.unpack(s.recv(), reply=True)
+    assert reply[0] == P.OK, reply
+    return reply[2]
+
+
+def test_a_peer_at_its_cap_reclaims_its_least_recently_used_namespace(tmp_path):
+    """At its cap of 2, a peer's HELLO for a third namespace reclaims the one of its two it
+    used least recently (a request counts as use, not only the HELLO that made it)."""
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
+    with served(["--max-namespaces-per-peer", "2"], log=log) as (srv, ctx, _good):
+        a, b, c = names("127.0.0.2", 3)
+        _answers, (s,) = attack(ctx, srv.port, "127.0.0.2", [(a, 64 * KiB), (b, 64 * KiB)], hold=False)
+        assert hello(s, ns=a)[0] == P.OK and lookup(s, 2) == b"\x01"  # a used after b: b is the older
+        assert hello(s, ns=c)[0] == P.OK  # at its cap: one of a and b goes
+        probe = dealer(ctx, srv.port, "127.0.0.3")
+        assert hello(probe, ns=a)[0] == P.OK and lookup(probe, 2) == b"\x01", "the recently used one was reclaimed"
+        assert hello(probe, ns=b)[0] == P.OK and lookup(probe, 3) == b"\x00"
+    assert server_stats(log)["reclaimed"] == 1
+
+
+def test_a_full_table_reclaims_a_namespace_without_a_session_first(tmp_path):
+    """127.0.0.2 holds the whole table: 63 namespaces with a session each, and the one it
+    used last without one. A newcomer gets that one: no session is reaped for it."""
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
+    extra = ["--max-namespaces-per-peer", "64", "--max-sessions-per-peer", "64", "--max-clients", "80"]
+    with served(extra, log=log) as (srv, ctx, _good):
+        ns = names("127.0.0.2", 64)
+        answers, _socks = attack(ctx, srv.port, "127.0.0.2", [(n, 64 * KiB) for n in ns[:63]], hold=True)
+        assert all(a[0] == P.OK for a in answers), [a for a in answers if a[0] != P.OK][:1]
+        answers, last = attack(ctx, srv.port, "127.0.0.2", [(ns[63], 64 * KiB)], hold=True)
+        assert answers[0][0] == P.OK, answers[0]
+        bye(last[0])  # the most recently used, and the only one without a session
+        answers, _new = attack(ctx, srv.port, "127.0.0.3", [(n, 64 * KiB) for n in names("127.0.0.3", 1)],
+                               hold=True)
+        assert answers[0][0] == P.OK, answers[0]
+    stats = server_stats(log)
+    assert (stats["reclaimed"], stats["reaped"]) == (1, 0), stats
