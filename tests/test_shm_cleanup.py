@@ -248,7 +248,11 @@ def as_user(home: Path) -> tuple[list[str], dict]:
             "--ambient-caps", "+dac_read_search", "--"], env
 
 
-def test_a_user_who_is_not_root_sweeps_a_killed_engines_region_and_keeps_a_live_ones() -> None:
+@pytest.fixture(scope="module")
+def user_engines():
+    """A process of a user who is not root holding the worker's side of engines ``dead`` and
+    ``live`` (kvtiers' CPU worker watches ``live``), the pids of both, the glob of their
+    regions and the command prefix and environment that run as that user."""
     home = Path(tempfile.mkdtemp(prefix="kvtiers-test-home-"))  # pytest's tmp_path: root's alone
     prefix, env = as_user(home)
     tag = uuid.uuid4().hex[:12]
@@ -263,29 +267,8 @@ def test_a_user_who_is_not_root_sweeps_a_killed_engines_region_and_keeps_a_live_
             line = proc.stdout.readline().split()
             assert len(line) == 2, proc.communicate(timeout=30)[1][-3000:]
             pids[line[0]] = int(line[1])
-        os.kill(pids[dead], signal.SIGKILL)  # killed before anything unlinked its region
-        ended(pids[dead])
-        assert len(leftovers(dead)) == 1 and len(leftovers(live)) == 1
-        assert all(os.stat(p).st_uid != 0 for p in leftovers(dead) + leftovers(live))
-        past = time.time() - 120
-        for p in leftovers(dead) + leftovers(live):
-            os.utime(p, (past, past))
-
-        proc.stdin.write("sweep\n")
-        proc.stdin.flush()
-        result = json.loads(proc.stdout.readline())
-        assert result["uid"] != 0
-        assert leftovers(dead) == [] and any(dead in p for p in result["removed"])  # before: "not sweeping ..."
-        assert len(leftovers(live)) == 1  # its owner lives: kept
-
-        if prefix:  # root can make a PID namespace: an engine there sees none of these processes
-            other = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", *prefix, sys.executable, "-c",
-                                    SWEEP_ELSEWHERE, shm_region.__file__, pattern], env=env, capture_output=True,
-                                   text=True, timeout=120)
-            assert other.returncode == 0, other.stderr[-3000:]
-            seen = json.loads(other.stdout)
-            assert seen["uid"] != 0 and seen["pids"] == [1], seen  # itself only
-            assert seen["removed"] == [] and len(leftovers(live)) == 1  # kept by kvtiers' worker's flock
+        yield {"proc": proc, "pids": pids, "dead": dead, "live": live, "pattern": pattern, "prefix": prefix,
+               "env": env}
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -296,3 +279,40 @@ def test_a_user_who_is_not_root_sweeps_a_killed_engines_region_and_keeps_a_live_
             os.unlink(p)
         shutil.rmtree(home, ignore_errors=True)
 
+
+def test_a_user_who_is_not_root_sweeps_a_killed_engines_region_and_keeps_a_live_ones(user_engines) -> None:
+    proc, pids, dead, live = (user_engines[k] for k in ("proc", "pids", "dead", "live"))
+    os.kill(pids[dead], signal.SIGKILL)  # killed before anything unlinked its region
+    ended(pids[dead])
+    assert len(leftovers(dead)) == 1 and len(leftovers(live)) == 1
+    assert all(os.stat(p).st_uid != 0 for p in leftovers(dead) + leftovers(live))
+    past = time.time() - 120
+    for p in leftovers(dead) + leftovers(live):
+        os.utime(p, (past, past))
+
+    proc.stdin.write("sweep\n")
+    proc.stdin.flush()
+    result = json.loads(proc.stdout.readline())
+    assert result["uid"] != 0
+    assert leftovers(dead) == [] and any(dead in p for p in result["removed"])  # before: "not sweeping ..."
+    assert len(leftovers(live)) == 1  # its owner lives: kept
+
+
+def test_an_engine_in_another_pid_namespace_keeps_a_live_region(user_engines) -> None:
+    """The next engine's start in a PID namespace of its own sharing /dev/shm (a container)
+    sees none of the processes above, and still keeps the live engine's region (kvtiers'
+    worker holds a lock on it)."""
+    if os.getuid() != 0:
+        pytest.skip("needs root: a PID namespace sharing /dev/shm is made with unshare --pid --mount-proc")
+    live = user_engines["live"]
+    assert len(leftovers(live)) == 1
+    past = time.time() - 120
+    for p in leftovers(live):
+        os.utime(p, (past, past))  # past the grace period: only the lock keeps it
+    other = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", *user_engines["prefix"], sys.executable,
+                            "-c", SWEEP_ELSEWHERE, shm_region.__file__, user_engines["pattern"]],
+                           env=user_engines["env"], capture_output=True, text=True, timeout=120)
+    assert other.returncode == 0, other.stderr[-3000:]
+    seen = json.loads(other.stdout)
+    assert seen["uid"] != 0 and seen["pids"] == [1], seen  # itself only
+    assert seen["removed"] == [] and len(leftovers(live)) == 1  # kept by kvtiers' worker's flock
