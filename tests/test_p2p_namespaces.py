@@ -220,3 +220,25 @@ def test_a_full_table_reclaims_a_namespace_without_a_session_first(tmp_path):
         assert answers[0][0] == P.OK, answers[0]
     stats = server_stats(log)
     assert (stats["reclaimed"], stats["reaped"]) == (1, 0), stats
+
+
+def test_a_full_size_table_never_reclaims_a_size_another_peer_uses_for_a_newcomer(tmp_path):
+    """127.0.0.2 holds all 8 chunk sizes: GOOD_NS's 64 KiB (its least recently used, which
+    a real tier from 127.0.0.1 uses) and 7 more, each namespace with a session of its own.
+    A newcomer with a ninth size from 127.0.0.3 gets one of the sizes only 127.0.0.2 uses,
+    never 64 KiB: the tier keeps its session and its chunk."""
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
+    with served(["--max-chunk-sizes-per-peer", "8"], log=log, capacity=SIZES_CAPACITY) as (srv, ctx, good):
+        made_by("127.0.0.2", ctx, srv.port)
+        user = User(srv.port)
+        good.append(user.good)
+        user.store()
+        sizes = [4 * KiB * (i + 1) for i in range(7)]
+        answers, _socks = attack(ctx, srv.port, "127.0.0.2", list(zip(names("127.0.0.2", 7), sizes, strict=True)),
+                                 hold=True)
+        assert all(a[0] == P.OK for a in answers), [a for a in answers if a[0] != P.OK][:1]
+        answers, _new = attack(ctx, srv.port, "127.0.0.3", [(names("127.0.0.3", 1)[0], 32 * KiB)], hold=True)
+        assert answers[0][0] == P.OK, answers[0]  # served: a size of 127.0.0.2's own was reclaimed
+        user.still_holds()
+    stats = server_stats(log)
+    assert (stats["reclaimed"], stats["reaped"]) == (1, 1), stats
