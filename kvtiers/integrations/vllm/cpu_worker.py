@@ -18,6 +18,11 @@ GPU: each group's blocks come in ``group_sizes`` order, each group's first chunk
 mid-chunk (``block_indices[g] % blocks_per_chunk`` positions skipped), and a sliding-window
 group stores and reloads only the blocks vLLM's scheduler asks for (its window). The primary
 tier and every secondary tier see the same bytes as on a GPU.
+
+The device side of a job is what the installed vLLM passes (:mod:`.compat`): block ids
+(``GPULoadStoreSpec``, vLLM 0.32 and 0.33) or a ``DevicePointers`` (vLLM 0.34: each block's
+address in each data reference's tensor), which the worker maps back to block ids of its own
+tensors and refuses when an address is not a page of the tensor the reference names.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
     TransferResult,
 )
+
+from .compat import is_device_pointers
 
 log = logging.getLogger("kvtiers.integrations.vllm")
 
@@ -104,8 +111,46 @@ class KvtiersCPUWorker(OffloadingWorker):
         log.info("kvtiers CPU offloading worker: %d KV tensors, %d KV cache group(s), slot of %d bytes at %d in "
                  "%d rows of %d bytes", len(self._kv), len(self._refs), need, slot_offset, num_rows, row_stride)
 
-    def _plan(self, gpu: GPULoadStoreSpec, chunk_spec: LoadStoreSpec) -> list[tuple[int, np.ndarray, np.ndarray,
-                                                                                    np.ndarray]]:
+    def _device_blocks(self, device: Any) -> tuple[np.ndarray, list[int], list[int]]:
+        """The job's device side as (block ids, blocks per group, first block index per group),
+        from a ``GPULoadStoreSpec`` or from vLLM 0.34's ``DevicePointers``."""
+        if not is_device_pointers(device):
+            return (np.asarray(device.block_ids, dtype=np.int64).reshape(-1), [int(s) for s in device.group_sizes],
+                    [int(s) for s in device.block_indices])
+        counts = [int(n) for n in device.group_block_counts]
+        nrefs = [int(n) for n in device.group_data_ref_counts]
+        if len(counts) != len(self._refs) or len(nrefs) != len(counts):
+            raise ValueError(f"kvtiers CPU worker: the job's pointers cover {len(counts)} KV cache groups; "
+                             f"the model has {len(self._refs)}")
+        ptrs = np.asarray(device.ptrs, dtype=np.uint64).reshape(-1).astype(np.int64)
+        ids: list[np.ndarray] = []
+        off = 0
+        for g, (n, nref) in enumerate(zip(counts, nrefs, strict=True)):
+            if n == 0:
+                continue
+            if nref != len(self._refs[g]):
+                raise ValueError(f"kvtiers CPU worker: the job's group {g} has {nref} data references; "
+                                 f"the model's has {len(self._refs[g])}")
+            seg = ptrs[off:off + n * nref]
+            if len(seg) != n * nref:
+                raise ValueError(f"kvtiers CPU worker: the job has {len(ptrs)} pointers, too few for its groups")
+            group_ids = None
+            for r, (t, _) in enumerate(self._refs[g]):
+                pages = self._kv[t]
+                b, rem = np.divmod(seg[r * n:(r + 1) * n] - pages.ctypes.data, pages.strides[0])
+                if rem.any() or b.min() < 0 or b.max() >= pages.shape[0] or \
+                        (group_ids is not None and not np.array_equal(b, group_ids)):
+                    raise ValueError(f"kvtiers CPU worker: a pointer of group {g} is not a block of KV tensor {t} "
+                                     f"(or not the same block as the group's other tensors)")
+                group_ids = b
+            ids.append(group_ids)
+            off += n * nref
+        if off != len(ptrs):
+            raise ValueError(f"kvtiers CPU worker: the job has {len(ptrs)} pointers; its groups name {off}")
+        blocks = np.concatenate(ids) if ids else np.empty(0, dtype=np.int64)
+        return blocks, counts, [int(s) for s in device.block_indices]
+
+    def _plan(self, gpu: Any, chunk_spec: LoadStoreSpec) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
         """Per KV cache group with blocks in the job: ``(group, block ids, rows, positions in the row)``.
 
         Blocks come group by group (``group_sizes``); group ``g``'s first block is the
@@ -114,10 +159,8 @@ class KvtiersCPUWorker(OffloadingWorker):
         """
         if not isinstance(chunk_spec, BlockIDsLoadStoreSpec):
             raise TypeError(f"kvtiers CPU worker: expected a CPU chunk spec, got {type(chunk_spec).__name__}")
-        blocks = np.asarray(gpu.block_ids, dtype=np.int64).reshape(-1)
+        blocks, sizes, starts = self._device_blocks(gpu)
         rows = np.asarray(chunk_spec.block_ids, dtype=np.int64).reshape(-1)
-        sizes = [int(s) for s in gpu.group_sizes]
-        starts = [int(s) for s in gpu.block_indices]
         if len(sizes) != len(self._refs) or len(starts) != len(sizes):
             raise ValueError(f"kvtiers CPU worker: the job has {len(sizes)} group sizes and {len(starts)} block "
                              f"indices; the model has {len(self._refs)} KV cache groups")
@@ -140,7 +183,7 @@ class KvtiersCPUWorker(OffloadingWorker):
                              f"but the job names {len(rows)} rows")
         return plan
 
-    def _run(self, job_id: int, gpu: GPULoadStoreSpec, chunk_spec: LoadStoreSpec, load: bool) -> bool:
+    def _run(self, job_id: int, gpu: Any, chunk_spec: LoadStoreSpec, load: bool) -> bool:
         t0 = time.perf_counter()
         nbytes = 0
         for g, blocks, rows, pos in self._plan(gpu, chunk_spec):
@@ -155,12 +198,14 @@ class KvtiersCPUWorker(OffloadingWorker):
                                          transfer_time=time.perf_counter() - t0))
         return True
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        """KV cache blocks -> offload region rows."""
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec | Any, dst_spec: LoadStoreSpec) -> bool:
+        """KV cache blocks (block ids, or vLLM 0.34's ``DevicePointers``) -> offload region rows."""
         return self._run(job_id, src_spec, dst_spec, load=False)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        """Offload region rows -> KV cache blocks."""
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec | Any,
+                    expedited: bool = False) -> bool:
+        """Offload region rows -> KV cache blocks (block ids, or ``DevicePointers``). Every job is
+        copied on the caller's thread, so an expedited one (vLLM 0.34) is no different."""
         return self._run(job_id, dst_spec, src_spec, load=True)
 
     def get_finished(self) -> list[TransferResult]:

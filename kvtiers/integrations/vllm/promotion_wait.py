@@ -39,6 +39,8 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
 
+from .compat import missing
+
 log = logging.getLogger("kvtiers.integrations.vllm")
 
 #: scheduler milliseconds per step spent waiting for promotions, by default
@@ -163,9 +165,10 @@ def install(manager: Any, extra_config: dict[str, Any]) -> PromotionWait | None:
         raise ValueError(f"kvtiers_promotion_wait_ms must be a number of milliseconds, got {budget!r}")
     if not budget or not getattr(manager, "secondary_tiers", None):
         return None
-    if not all(hasattr(manager, a) for a in ("_pending_load_submissions", "_flush_pending_promotions", "_jobs",
-                                              "_process_finished_jobs")):
-        log.info("kvtiers: this vLLM's tiering manager has no promotion queue kvtiers knows; "
-                 "kvtiers_promotion_wait_ms is ignored")
+    lacks = missing(manager, ("_pending_load_submissions", "_flush_pending_promotions", "_jobs",
+                              "_process_finished_jobs", "primary_tier"))
+    if lacks:
+        log.warning("kvtiers: this vLLM's tiering manager (%s) has no %s: kvtiers_promotion_wait_ms is off",
+                    type(manager).__name__, ", ".join(lacks))
         return None
     return PromotionWait(manager, float(budget))

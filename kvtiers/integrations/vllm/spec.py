@@ -69,6 +69,27 @@ def _add_host_stats(manager: Any) -> None:
     manager.get_stats = get_stats
 
 
+def _refresh_on_load(manager: Any) -> None:
+    """Make each load from the primary tier (``prepare_load``) refresh the keys' recency in the
+    kvtiers secondary tiers too: vLLM records that access in its primary tier only, and 0.34
+    has no ``touch`` to pass it on (docs/vllm.md, "Recency")."""
+    from .tier import KvtiersTier
+
+    tiers = [t for t in getattr(manager, "secondary_tiers", ()) if isinstance(t, KvtiersTier)]
+    prepare_load = getattr(manager, "prepare_load", None)
+    if not tiers or prepare_load is None:
+        return
+
+    def prepare_load_and_refresh(keys: Any, req_context: Any, *args: Any, **kwargs: Any) -> Any:
+        keys = list(keys)
+        out = prepare_load(keys, req_context, *args, **kwargs)
+        for tier in tiers:
+            tier.refresh(keys, req_context)
+        return out
+
+    manager.prepare_load = prepare_load_and_refresh
+
+
 class KvtiersOffloadingSpec(TieringOffloadingSpec):
     """``TieringOffloadingSpec`` that also offloads on vLLM's CPU platform (see the module)."""
 
@@ -100,6 +121,7 @@ class KvtiersOffloadingSpec(TieringOffloadingSpec):
             if self.sync_load:
                 setattr(manager, sync_load.MANAGER_ATTR, sync_load.SyncLoads())
             _add_host_stats(manager)
+            _refresh_on_load(manager)
             try:
                 self.promotion_wait = install_promotion_wait(manager, self.extra_config)
             except BaseException:  # a bad kvtiers_promotion_wait_ms: leave no tier open behind the error

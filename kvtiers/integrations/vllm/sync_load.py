@@ -50,6 +50,8 @@ import threading
 from collections import Counter
 from typing import Any
 
+from .compat import missing
+
 log = logging.getLogger("kvtiers.integrations.vllm")
 
 _SCHEDULER = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
@@ -170,12 +172,13 @@ def install() -> bool:
         worker = getattr(worker_mod, "OffloadingConnectorWorker", None)
         need_s = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta")
         need_w = ("start_kv_transfers", "get_finished")
-        if sched is None or worker is None or not all(hasattr(sched, n) for n in need_s) or \
-                not all(hasattr(worker, n) for n in need_w):
-            log.warning("kvtiers: this vLLM's offloading connector lacks the methods kvtiers_sync_load wraps: "
-                        "loads stay asynchronous")
+        lacks = ([f"OffloadingConnectorScheduler.{n}" for n in (missing(sched, need_s) if sched else need_s)] +
+                 [f"OffloadingConnectorWorker.{n}" for n in (missing(worker, need_w) if worker else need_w)])
+        if lacks:
+            log.warning("kvtiers: this vLLM's offloading connector has no %s: kvtiers_sync_load is off, "
+                        "loads stay asynchronous", ", ".join(lacks))
             return False
-        if hasattr(sched, "_reserve_sync_load"):  # vLLM 0.33: sync loads of its own
+        if hasattr(sched, "_reserve_sync_load"):  # vLLM 0.33 and 0.34: sync loads of its own
             log.info("kvtiers: this vLLM loads within the step itself (sync_load_budget_bytes in "
                      "kv_connector_extra_config); kvtiers_sync_load is not needed")
             return False

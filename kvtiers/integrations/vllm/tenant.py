@@ -5,7 +5,8 @@ vLLM's offloading scheduler builds one ``ReqContext`` per request
 ``on_new_request``, and each store and promotion job (``TransferJob.req_context``). The
 context holds no ``cache_salt`` (vLLM 0.32 and 0.33), but it has per-request scratch space
 keyed by type (``set_state`` / ``get_state``). :func:`install` wraps
-``_create_req_context`` once per process so that the context of a request with a
+``_create_req_context`` (``(req)`` on vLLM 0.32 and 0.33, ``(req, scheduler)`` on 0.34)
+once per process so that the context of a request with a
 ``cache_salt`` also holds a :class:`Tenant`; :func:`tenant_of` reads it back. A context
 without one (no salt, a peer's lookup, a vLLM whose scheduler lacks the function) has no
 tenant: an encrypted tier then uses its default key, or offloads nothing when it has only
@@ -53,8 +54,8 @@ def install() -> bool:
     if getattr(create, "_kvtiers_tenant", False):
         return True
 
-    def create_with_tenant(req: Any) -> Any:
-        ctx = create(req)
+    def create_with_tenant(req: Any, *args: Any, **kwargs: Any) -> Any:  # vLLM 0.34 also passes the scheduler
+        ctx = create(req, *args, **kwargs)
         salt = getattr(req, "cache_salt", None)
         if salt and isinstance(salt, str):
             ctx.set_state(Tenant(salt))

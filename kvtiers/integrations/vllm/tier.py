@@ -16,12 +16,19 @@ vLLM                        kvtiers
 ``get_finished_jobs()``     ``get_finished_jobs()``; a load with some failed keys reports
                             the others as ``successful_keys``
 ``drain_jobs()``            polls ``get_finished_jobs`` until every accepted job is back
-``touch(keys, ctx)``        ``touch(keys)``
+``touch(keys, ctx)``        ``touch(keys)`` (vLLM 0.32 and 0.33 define it; none calls it)
 ``shutdown()``              ``close()``
 ``take_events()``           keys stored, and keys the tier removed (``ctx.removed``)
 ``get_stats()``             removed / failed chunks and backlog, and the kvtiers_tier_*
                             series (see ``metrics.py``)
 ==========================  ============================================================
+
+Recency: vLLM 0.34 has no ``touch`` any more (and no scheduler of 0.32 or 0.33 called it),
+so the adapter refreshes a key's recency in the kvtiers tier itself (``touch``) each time the
+tier serves it: a lookup that answers HIT (vLLM asks a secondary tier only for what its
+primary tier lacks, and promotes every HIT) and, under ``KvtiersOffloadingSpec``, each load
+vLLM makes from its primary tier (:meth:`KvtiersTier.refresh`), so a chunk used often from the
+host arena is not the first a bounded tier evicts (docs/vllm.md, "Recency").
 
 A key whose load failed answers MISS until it is stored again, so a tier that keeps
 answering HIT for a chunk it cannot read does not make vLLM promote it forever.
@@ -230,6 +237,8 @@ class KvtiersTier(SecondaryTierManager):
             self._series.lookup_took(t1 - t0)
         if answer is Lookup.RETRY and self._retry_spent_s < self.retry_wait_s:
             answer = self._settle(k, t1, tenant)
+        if answer is Lookup.HIT:  # served: recently used (see the module, "Recency")
+            self._touch([k], tenant)
         return _ANSWER[answer]
 
     def _settle(self, k: bytes, t0: float, tenant: str | None) -> Lookup:
@@ -259,9 +268,20 @@ class KvtiersTier(SecondaryTierManager):
         super().on_schedule_end(context)
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """vLLM 0.32 and 0.33's hook (none of their schedulers calls it; 0.34 has none)."""
+        self.refresh(keys, req_context)
+
+    def refresh(self, keys: Iterable[OffloadKey], req_context: ReqContext | None) -> None:
+        """Mark ``keys`` (vLLM's) recently used in the kvtiers tier, as the request's tenant."""
+        self._touch([self._key(k) for k in keys], tenant_of(req_context))
+
+    def _touch(self, keys: list[bytes], tenant: str | None) -> None:
+        if not keys or self._closed:
+            return
         try:
-            self.handle.touch([self._key(k) for k in keys])
-        except Exception as e:
+            with as_tenant(self.handle, tenant):
+                self.handle.touch(keys)
+        except Exception as e:  # recency is a hint: never fail the engine's call for it
             log.debug("kvtiers tier %r: touch raised %s", self.kvtiers_name, e)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
