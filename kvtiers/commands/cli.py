@@ -60,6 +60,8 @@ class LazyGroup(click.Group):
     cls=LazyGroup,
     lazy={
         "conformance": ("kvtiers_conformance.cli:conformance", "Run the conformance suite against a tier."),
+        "digest-cache": ("kvtiers.commands.digest_cache:digest_cache",
+                         "The weight-digest cache of vLLM's model identity: list, drop entries."),
         "demo": ("kvtiers.commands.demo.command:demo",
                  "Serve simulated conversations through the tiers (the main job)."),
         "new": ("kvtiers.commands.new.cli:new", "Scaffold a plugin distribution: kvtiers new tier NAME."),
