@@ -26,6 +26,26 @@ def documented_share(max_bytes: int, file_bytes: int) -> int:
     return max(file_bytes, (max_bytes // 16) // file_bytes * file_bytes)
 
 
+# each writer also measures the root right after each of its jobs is stored (the instant a store
+# lands, before any pass): one sample per job however loaded the machine, beside the test's own sampler
+_STORED = "    r = wait_job(t, i)\n"
+assert SHARED_WRITER.count(_STORED) == 1
+WRITER = SHARED_WRITER.replace(_STORED, _STORED + """\
+    total = 0
+    for p in chunk_files(root):
+        try:
+            total += os.path.getsize(p)
+        except FileNotFoundError:
+            pass
+    out.write(f"after-store {{total}}\\n")
+""").replace("from test_fs_helpers import Env, wait_job", "from test_fs_helpers import Env, chunk_files, wait_job")
+
+
+def _after_store(log: str) -> list[int]:
+    """The root's bytes a writer measured right after each of its jobs was stored."""
+    return [int(line.split()[1]) for line in open(log).read().splitlines() if line.startswith("after-store ")]
+
+
 def _run_writers(tmp_path, n_writers: int, rescan: float, per_job: int, threads: int):
     root = str(tmp_path / "root")
     slot, n_files = 4096, 32
@@ -34,7 +54,7 @@ def _run_writers(tmp_path, n_writers: int, rescan: float, per_job: int, threads:
     stop = str(tmp_path / "stop")
     logs = [str(tmp_path / f"w{i}.log") for i in range(n_writers)]
     procs = [
-        subprocess.Popen([sys.executable, "-c", SHARED_WRITER.format(
+        subprocess.Popen([sys.executable, "-c", WRITER.format(
             helpers=HELPERS, root=root, name=f"w{i}", log=logs[i], stop=stop, slot=slot,
             max_bytes=bound, rescan=rescan, n=10 * n_files, pace=0.0, per_job=per_job, threads=threads)],
             stderr=subprocess.PIPE)
@@ -58,7 +78,9 @@ def _run_writers(tmp_path, n_writers: int, rescan: float, per_job: int, threads:
     stores = [_read_log(p)[1] for p in logs]
     assert all(len(st) == 10 * n_files and all(ok for _, _, ok in st) for st in stores)  # stores keep succeeding
     assert chunk_files(root, ".tmp") == []
-    return bound, file_bytes, final, samples, max(_inflight(p) for p in logs)
+    after = [_after_store(p) for p in logs]
+    assert [len(a) for a in after] == [10 * n_files // per_job] * n_writers  # a sample after every job
+    return bound, file_bytes, final, samples + [b for a in after for b in a], max(_inflight(p) for p in logs)
 
 
 @pytest.mark.parametrize(("n_writers", "per_job", "threads"), [(2, 1, 2), (4, 1, 2), (3, 8, 4)],
@@ -68,14 +90,14 @@ def test_writers_storing_ten_times_the_bound_stay_within_max_bytes_plus_the_slac
     rescan = 3.0  # the cleaner lists what the others stored every 3 s; they store 320 chunks each in less
     bound, file_bytes, final, samples, inflight = _run_writers(tmp_path, n_writers, rescan, per_job, threads)
     # docs/fs.md: max_bytes + for each other bounded instance (share + n_write_threads x F);
-    # plus a chunk per writer for the sampler's walk, which is not one instant
+    # plus a chunk per writer for a sampler's walk, which is not one instant. The samples: the
+    # test's own while the writers store, and each writer's right after each of its jobs
     documented = (n_writers - 1) * (documented_share(bound, file_bytes) + threads * file_bytes)
     slack = documented + n_writers * file_bytes
     worst = max(samples)
     print(f"{n_writers} writers x {per_job} keys per job, {threads} write threads: bound {bound} B, slack {slack} B, "
           f"worst sample {worst} B ({worst / bound:.2f}x), final {final} B, {len(samples)} samples, "
           f"most in flight {inflight} B")
-    assert len(samples) > 20
     assert worst <= bound + slack, f"{worst} bytes on a bound of {bound} (slack {slack})"
     assert final <= bound, f"{final} bytes {rescan + 10:.0f} s after the last store; bound {bound}"
     if per_job > 1:  # several stores of one writer were in flight at once: the n_write_threads x F term
