@@ -154,3 +154,55 @@ def test_the_digest_pass_is_remembered_until_the_file_changes(tmp_path) -> None:
     again, read = identity_and_read(str(a))
     assert again == changed and read >= size
     assert json.loads(digest_cache_path().read_text())["version"] == 2
+
+
+def sharded(where: Path, big_bytes: int = 20 << 20) -> Path:
+    """A model directory as large checkpoints come: config.json and two safetensors shards (with
+    their index), the first over 16 MiB (one pass reads 16 MiB at a time)."""
+    where.mkdir(parents=True)
+    (where / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN,
+                                                   "vocab_size": big_bytes // (2 * HIDDEN),
+                                                   "num_hidden_layers": LAYERS}))
+    t = weights()
+    rng = np.random.default_rng(1)
+    first = {"model.embed_tokens.weight": rng.standard_normal((big_bytes // (2 * HIDDEN), HIDDEN)).astype(np.float16)}
+    second = {k: v for k, v in t.items() if k != "model.embed_tokens.weight"}
+    names = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    for name, part in zip(names, (first, second), strict=True):
+        safetensors_numpy.save_file(part, str(where / name))
+    (where / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: names[0] if k in first else names[1] for k in [*first, *second]}}))
+    return where
+
+
+def flip(path: Path, at: int) -> None:
+    """One byte of ``path`` inverted in place, at offset ``at``."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_every_weight_file_and_every_byte_past_16_mib_is_in_the_identity(tmp_path) -> None:
+    """Issue 51.12: an identity of only the first weight file, or of a file's first 16 MiB, got
+    through every test (each checkpoint was one file of about 4 MB)."""
+    a = sharded(tmp_path / "a")
+    big, small = sorted(a.glob("*.safetensors"))
+    assert big.stat().st_size > (16 << 20) + (1 << 20)
+    ident = model_identity(str(a))
+    assert ident is not None
+
+    same = tmp_path / "same"
+    shutil.copytree(a, same)
+    assert model_identity(str(same)) == ident  # a copy: the same identity, so a change below is the change
+
+    past = tmp_path / "past-16-mib"
+    shutil.copytree(a, past)
+    flip(past / big.name, (16 << 20) + (512 << 10))  # a byte in the tensor data past the first 16 MiB
+    assert model_identity(str(past)) not in (None, ident)
+
+    second = tmp_path / "second-file"
+    shutil.copytree(a, second)
+    flip(second / small.name, small.stat().st_size - 2)  # a byte of the second shard's last tensor
+    assert model_identity(str(second)) not in (None, ident)
