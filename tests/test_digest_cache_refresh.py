@@ -31,7 +31,7 @@ from test_model_identity import checkpoint, weights  # noqa: E402
 from test_vllm_namespace import digest  # noqa: E402
 
 from kvtiers.errors import ConfigError  # noqa: E402
-from kvtiers.integrations.vllm.model_identity import model_identity  # noqa: E402
+from kvtiers.integrations.vllm.model_identity import digest_cache_path, model_identity  # noqa: E402
 from kvtiers.integrations.weight_digests import stamp  # noqa: E402
 
 KVTIERS = str(Path(sys.executable).parent / "kvtiers")
@@ -77,6 +77,8 @@ def test_the_option_gives_the_edited_bytes_identity_through_vllm_spec(tmp_path) 
         truth = digest(root, model=str(copy))
         assert digest(root, model=str(model)) != truth  # stale: the other bytes' namespace
         assert digest(root, model=str(model), kvtiers_weight_digest_cache=False) == truth
+        remembered_files = [p for _, p in json.loads(digest_cache_path().read_text())["files"].values()]
+        assert str(copy / "model.safetensors") in remembered_files  # other files' digests are kept
         # that pass replaced the remembered digest: the cache on again gives the fresh one
         assert digest(root, model=str(model)) == truth
         assert model_identity(str(model)) == model_identity(str(copy)) != remembered

@@ -78,17 +78,18 @@ def _not_ours(st: os.stat_result) -> str | None:
 
 
 class DigestCache:
-    """The cache file's entries ``{stamp: (digest, path)}``, read once per identity (when
-    ``read``) and written back whole when it gained entries. A damaged file counts as empty; one
-    that cannot be trusted (see the module) is neither read nor written; one that cannot be
-    written only costs the next start a pass."""
+    """The cache file's entries ``{stamp: (digest, path)}``, read once per identity and written
+    back whole when it gained entries. A damaged file counts as empty; one that cannot be
+    trusted (see the module) is neither read nor written; one that cannot be written only costs
+    the next start a pass. ``believe=False``: :meth:`get` answers nothing (every file is read
+    again), and what :meth:`put` adds replaces the old entries, the other files' kept."""
 
-    def __init__(self, read: bool = True) -> None:
+    def __init__(self, believe: bool = True) -> None:
         self.path = digest_cache_path()
         self.entries: dict[str, tuple[str, str]] = {}
         self.added = False
-        if read:
-            self._load()
+        self.believe = believe
+        self._load()
 
     # -- the checked directory and file ---------------------------------------------------
 
@@ -156,7 +157,7 @@ class DigestCache:
 
     def get(self, stamp: str) -> str | None:
         """The digest remembered under ``stamp``, or None."""
-        entry = self.entries.get(stamp)
+        entry = self.entries.get(stamp) if self.believe else None
         return None if entry is None else entry[0]
 
     def put(self, stamp: str, digest: str, path: Path) -> None:

@@ -140,11 +140,11 @@ def model_identity(name: str, use_cache: bool = True) -> str | None:
     """``sha256:<32 hex digits>`` of model ``name``'s config and every byte of its weights (see
     the module), or None where they cannot be read here (then the namespace keeps ``name``).
     ``use_cache=False``: no remembered digest is believed, every weight file is read, and the
-    digests found replace the remembered ones."""
+    digests found replace the remembered ones (those of other files are kept)."""
     where = resolve_model_dir(name)
     if where is None:
         return None
-    cache = DigestCache(read=use_cache)
+    cache = DigestCache(believe=use_cache)
     try:
         digest = _identity(where, cache)
     except (OSError, ValueError) as e:
