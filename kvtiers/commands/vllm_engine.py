@@ -74,7 +74,11 @@ def spawn(job: dict[str, Any], workdir: str | os.PathLike, name: str, *, python:
           timeout: float = 900.0, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run :func:`run` on ``job`` in a new process of ``python`` (default: this one), one engine
     in it; its log goes to ``workdir/name.log``. Raises ``RuntimeError`` with the log's tail
-    if the engine fails or runs past ``timeout`` seconds (then its process group is killed)."""
+    if the engine fails or runs past ``timeout`` seconds (then its process group is killed).
+
+    Once the result is written the engine has nothing left to do, and vLLM's own shutdown takes
+    5-8 s (its engine core is force-killed after 5 s): the process group is ended then
+    (:func:`end_group`), the ``/dev/shm`` segments its processes held removed with it."""
     wd = Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
     job_file, out_file, log_file = wd / f"{name}.job.json", wd / f"{name}.out.json", wd / f"{name}.log"
@@ -88,10 +92,14 @@ def spawn(job: dict[str, Any], workdir: str | os.PathLike, name: str, *, python:
                                  str(out_file)], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env=child_env, start_new_session=True)
         rc = None
+        deadline = time.monotonic() + timeout
         try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
+            while (rc := proc.poll()) is None and time.monotonic() < deadline:
+                if out_file.exists():  # written whole (a rename): the rest is vLLM's shutdown
+                    end_group(proc)
+                    rc = 0
+                    break
+                time.sleep(0.1)
         finally:  # timed out, or the caller was interrupted: the engine and its children go
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -101,6 +109,69 @@ def spawn(job: dict[str, Any], workdir: str | os.PathLike, name: str, *, python:
         what = f"ran past {timeout:g} s" if rc is None else f"exited with status {rc}"
         raise RuntimeError(f"vLLM engine {name!r} {what}; the end of {log_file}:\n{tail}")
     return json.loads(out_file.read_text())
+
+
+def _group(pgid: int) -> dict[int, str]:
+    """The live processes of group ``pgid``: pid -> command line."""
+    out: dict[int, str] = {}
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    out[int(pid)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+    return out
+
+
+def _held_shm(pids: list[int]) -> set[str]:
+    """The ``/dev/shm`` files (still named) that ``pids`` map or hold open."""
+    paths: set[str] = set()
+    for pid in pids:
+        base = f"/proc/{pid}"
+        try:
+            with open(f"{base}/maps") as f:
+                paths.update(line.split(None, 5)[5].strip() for line in f if " /dev/shm/" in line)
+            for fd in os.listdir(f"{base}/fd"):
+                target = os.readlink(f"{base}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    paths.add(target)
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+    return {p for p in paths if not p.endswith(" (deleted)")}
+
+
+def end_group(proc: subprocess.Popen, tracker_s: float = 5.0) -> None:
+    """End ``proc``'s process group (``proc`` leads it: ``start_new_session``) at once, leaving
+    in ``/dev/shm`` nothing that a graceful exit would have removed: every process but
+    multiprocessing's resource trackers is killed; a tracker then removes what was registered
+    with it and not yet removed (vLLM's message queues, semaphores) and exits (given
+    ``tracker_s``); what is left of the group is killed, and the ``/dev/shm`` files its
+    processes held are removed (kvtiers' offload region has no name by then)."""
+    members = _group(proc.pid)
+    held = _held_shm(list(members))
+    trackers = [pid for pid, cmd in members.items() if "resource_tracker" in cmd]
+    for pid in members:
+        if pid not in trackers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    proc.wait()
+    deadline = time.monotonic() + tracker_s
+    while trackers and time.monotonic() < deadline and set(trackers) & set(_group(proc.pid)):
+        time.sleep(0.05)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for path in held:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def metric_values(metrics: list[Any]) -> dict[str, float]:
