@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -226,6 +227,20 @@ def load_config(src: str | os.PathLike | Mapping[str, Any]) -> Config:
     except json.JSONDecodeError as e:
         raise ConfigError(f"config: not valid JSON: {e}") from None
     return parse_config(obj)
+
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """``1048576``, ``512K``, ``4MiB``, ``8GiB``, ``1.5G`` -> bytes (binary units); an int is
+    taken as it is. ``ValueError`` naming the text otherwise (the commands' ``SIZE`` options)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(text))
+    if not m:
+        raise ValueError(f"{text!r} is not a size (e.g. 1048576, 512K, 4MiB, 8GiB)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
 def parse_json_option(text: str | None, path: str | None, what: str = "--config") -> dict[str, Any]:

@@ -4,28 +4,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import re
 
 import click
 
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+from kvtiers.commands.bench.tier import Size
+from kvtiers.config import parse_size
 
-
-def parse_size(text: str) -> int:
-    """``1048576``, ``512K``, ``4MiB``, ``1.5G`` -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(text))
-    if not m:
-        raise click.BadParameter(f"{text!r} is not a size (e.g. 1048576, 512K, 4MiB, 2G)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-class Size(click.ParamType):
-    name = "SIZE"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, int):
-            return value
-        return parse_size(value)
+__all__ = ["Size", "parse_size"]
 
 
 def _when(t: float | None) -> str:

@@ -7,17 +7,7 @@ import threading
 
 import click
 
-
-class Size(click.ParamType):
-    name = "SIZE"
-
-    def convert(self, value, param, ctx):
-        from .serve import parse_size
-
-        try:
-            return parse_size(value)
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
+from kvtiers.commands.bench.tier import Size
 
 
 @click.group(name="mooncake")

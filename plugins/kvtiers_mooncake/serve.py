@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -23,19 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtiers import TierError
+from kvtiers.config import parse_size
 from kvtiers.launcher import ChildProcess, file_text
-
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str | int) -> int:
-    """``1048576``, ``512K``, ``64MiB``, ``8GiB`` -> bytes (binary units); ``ValueError`` else."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(text))
-    if not m:
-        raise ValueError(f"{text!r} is not a size (e.g. 1048576, 512K, 64MiB, 8GiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def serve(master: str, segment: int, *, local_hostname: str = "127.0.0.1", protocol: str = "tcp",

@@ -11,21 +11,20 @@ from typing import Any
 
 import click
 
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+from kvtiers.config import parse_size
 
 
 class Size(click.ParamType):
-    """``1048576``, ``512K``, ``4MiB``, ``1.5G`` -> bytes (binary units)."""
+    """``1048576``, ``512K``, ``4MiB``, ``1.5G`` -> bytes (binary units; :func:`kvtiers.config.parse_size`).
+    The ``SIZE`` options of every command, the plugins' included."""
 
     name = "SIZE"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> int:
-        if isinstance(value, int):
-            return value
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(value))
-        if not m:
-            self.fail(f"{value!r} is not a size (e.g. 1048576, 512K, 4MiB, 2G)", param, ctx)
-        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
 
 
 class Duration(click.ParamType):
