@@ -273,21 +273,19 @@ class DmaEngine:
     # --- public API ------------------------------------------------------------------------
     def submit_store(self, transfer_id: int, chunks: Chunks) -> None:
         """Copy each ``(device block ids, slot)`` chunk from the device into its arena slot."""
-        tid, plan = self._check(transfer_id, chunks, load=False)
-        if self._cpu:
-            self._cpu_transfer(plan, load=False)
-            self._finish_now(tid)
-        else:
-            self._submit_accel(tid, plan, load=False)
+        self._submit(transfer_id, chunks, load=False)
 
     def submit_load(self, transfer_id: int, chunks: Chunks) -> None:
         """Copy each ``(device block ids, slot)`` chunk from its arena slot into the device blocks."""
-        tid, plan = self._check(transfer_id, chunks, load=True)
+        self._submit(transfer_id, chunks, load=True)
+
+    def _submit(self, transfer_id: int, chunks: Chunks, load: bool) -> None:
+        tid, plan = self._check(transfer_id, chunks, load=load)
         if self._cpu:
-            self._cpu_transfer(plan, load=True)
+            self._cpu_transfer(plan, load=load)
             self._finish_now(tid)
         else:
-            self._submit_accel(tid, plan, load=True)
+            self._submit_accel(tid, plan, load=load)
 
     def poll(self) -> list[int]:
         """Transfer ids finished since the last call; never blocks."""

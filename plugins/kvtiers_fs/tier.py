@@ -367,7 +367,9 @@ class FsTier(BoundMixin, ChunkIO):
                 self._prober.request(probe)
         return out
 
-    def _accept(self, job: Job) -> _JobState:
+    def _accept(self, job: Job, per_key, pool: Pool) -> None:
+        """Take a job and queue ``per_key`` (the store or the load of one key) for each of
+        its keys on ``pool``; an empty job is finished at once."""
         accept_job(job, self.arena, closed=self._closed)
         js = _JobState(job.job_id, job.keys, time.perf_counter())
         with self._lock:
@@ -375,21 +377,16 @@ class FsTier(BoundMixin, ChunkIO):
             self._jobs.add(js)
         if not job.keys:
             self._finish(js)
-        return js
+        else:
+            pool.submit_many([_bind(per_key, js, k, s) for k, s in zip(job.keys, job.slots, strict=True)])
 
     @hookimpl
     def submit_store(self, job: Job) -> None:
-        js = self._accept(job)
-        if job.keys:
-            store = self._store_key
-            self._writes.submit_many([_bind(store, js, k, s) for k, s in zip(job.keys, job.slots, strict=True)])
+        self._accept(job, self._store_key, self._writes)
 
     @hookimpl
     def submit_load(self, job: Job) -> None:
-        js = self._accept(job)
-        if job.keys:
-            load = self._load_key
-            self._reads.submit_many([_bind(load, js, k, s) for k, s in zip(job.keys, job.slots, strict=True)])
+        self._accept(job, self._load_key, self._reads)
 
     @hookimpl
     def get_finished_jobs(self) -> list[JobResult]:
