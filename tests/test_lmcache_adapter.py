@@ -1,4 +1,5 @@
-"""The kvtiers L2 adapter against LMCache's real classes (lmcache 0.5.6 in ``.venv-lmcache``).
+"""The kvtiers L2 adapter against LMCache's real classes (lmcache 0.5.6 in ``.venv-lmcache``,
+and 0.5.7 from build/lmcache-0.5.7 put first on ``PYTHONPATH``: every case runs on both).
 
 LMCache lives in its own environment, so the cases run in one process of it (this file,
 run as a script: ``python tests/test_lmcache_adapter.py OUT.json``), each through LMCache's
@@ -23,6 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LMCACHE_PY = Path(os.environ.get("KVTIERS_LMCACHE_PYTHON", ROOT / ".venv-lmcache" / "bin" / "python"))
+NEXT = ROOT / "build" / "lmcache-0.5.7"  # make test installs it (--no-deps --target)
 needs_lmcache = pytest.mark.skipif(
     not (LMCACHE_PY.exists() and (LMCACHE_PY.parent.parent / ".installed").exists()),
     reason=f"LMCache's environment {LMCACHE_PY.parent.parent} is not built: make .venv-lmcache/.installed "
@@ -277,7 +279,10 @@ def case_lmcache_check(tmp: Path) -> dict[str, Any]:
     import contextlib
     import io
 
-    from lmcache.v1.check import registry
+    try:
+        from lmcache.v1.check import registry
+    except ModuleNotFoundError:  # LMCache 0.5.7 moved the in-process mode under lmcache/inprocess/
+        from lmcache.inprocess.v1.check import registry
 
     spec = json.dumps(_plugin({"tier": {"type": "fs", "root_dir": str(tmp / "kv")}}))
     text = io.StringIO()
@@ -295,6 +300,116 @@ def case_lmcache_bench_l2(tmp: Path) -> dict[str, Any]:
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
     return {"rc": proc.returncode, "output": proc.stdout}
+
+
+def case_release(tmp: Path) -> dict[str, Any]:
+    """Which LMCache this is; the adapter is built by its factory (0.5.7: get_memory_tags is
+    abstract) and says what each tier is."""
+    import lmcache
+    from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
+
+    out: dict[str, Any] = {"version": getattr(lmcache, "__version__", "?"),
+                           "abstract": sorted(L2AdapterInterface.__abstractmethods__)}
+    tags = {}
+    for name, params in (("fs", {"tier": {"type": "fs", "root_dir": str(tmp / "kv")}}),
+                         ("memory", {"tier": {"type": "memory"}}),
+                         ("fs_said_remote", {"tier": {"type": "fs", "root_dir": str(tmp / "kv")},
+                                             "residency": "remote"}),
+                         ("sqlite", {"tier": {"type": "sqlite", "path": str(tmp / "kv.db")}})):
+        b = _Bench(params)
+        if "get_memory_tags" in out["abstract"]:
+            t = b.adapter.get_memory_tags()
+            tags[name] = [t.segment.value, t.residency.value]
+        b.adapter.close()
+    out["tags"] = tags
+    return out
+
+
+def case_touch_delete(tmp: Path) -> dict[str, Any]:
+    """A memory tier bounded to 4 objects: a touched object outlives a newer untouched one;
+    LMCache's delete forgets keys in its byte count; /status counts both from 0."""
+    b = _Bench({"tier": {"type": "memory", "max_bytes": 4 * OBJ}})
+    out: dict[str, Any] = {"status_before": b.adapter.report_status()}
+    keys = _keys("t", 5)
+    for i in range(4):
+        assert b.store(keys[i:i + 1], [b.obj(i, fill=i)]).is_successful()
+    b.adapter.submit_touch(keys[:1])  # k0 is the oldest: touched, it is not the one evicted next
+    import time
+
+    deadline = time.monotonic() + 30
+    while b.adapter.report_status()["touched"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert b.store(keys[4:], [b.obj(4, fill=4)]).is_successful()
+    out["lookup"] = b.lookup(keys)
+    b.adapter.submit_unlock([k for k, hit in zip(keys, out["lookup"], strict=True) if hit])
+    out["usage_before"] = b.adapter.get_usage().total_bytes_used
+    b.adapter.delete(keys[2:4])
+    out["usage_after"] = b.adapter.get_usage().total_bytes_used
+    out["status"] = b.adapter.report_status()
+    b.adapter.close()
+    return out
+
+
+def case_namespace(tmp: Path) -> dict[str, Any]:
+    """adapter_params.namespace: two deployments on one fs root never see each other's chunks."""
+    root = str(tmp / "kv")
+    a = _Bench({"tier": {"type": "fs", "root_dir": root}, "namespace": {"deployment": "a"}})
+    keys = _keys("n", 4)
+    assert a.store(keys, [a.obj(i, fill=i) for i in range(4)]).is_successful()
+    a.adapter.close()
+    out = {}
+    for name, ns in (("same", {"deployment": "a"}), ("other", {"deployment": "b"}), ("none", None)):
+        params: dict[str, Any] = {"tier": {"type": "fs", "root_dir": root}}
+        if ns is not None:
+            params["namespace"] = ns
+        b = _Bench(params)
+        out[name] = b.lookup(keys)
+        b.adapter.close()
+    out["dirs"] = len([p for p in Path(root).iterdir() if p.is_dir()])
+    return out
+
+
+def case_zero_copy_true(tmp: Path) -> dict[str, Any]:
+    """zero_copy true: in place on L1's grid, every byte; with no L1 region it is refused."""
+    b = _Bench({"tier": {"type": "fs", "root_dir": str(tmp / "kv")}, "zero_copy": True})
+    keys = _keys("z", 4)
+    out: dict[str, Any] = {"store_ok": b.store(keys, [b.obj(i, fill=i + 1) for i in range(4)]).is_successful()}
+    out["load"] = b.load(keys, [b.obj(N + i) for i in range(4)])
+    out["equal"] = [b.same(i, N + i) for i in range(4)]
+    out["status"] = b.adapter.report_status()
+    b.adapter.close()
+    c = _Bench({"tier": {"type": "fs", "root_dir": str(tmp / "kv2")}, "zero_copy": True}, l1=False)
+    out["no_l1_store_ok"] = c.store(keys, [c.obj(i, fill=i + 1) for i in range(4)]).is_successful()
+    out["no_l1_status"] = c.adapter.report_status()
+    c.adapter.close()
+    return out
+
+
+def case_p2p(tmp: Path) -> dict[str, Any]:
+    """The p2p tier (a `kvtiers p2p serve` peer the test started) behind the adapter: another
+    host's memory, so REMOTE; a second adapter (another LMCache server) finds the chunks."""
+    port = os.environ.get("KVTIERS_TEST_P2P_PORT")
+    if not port:
+        return {"skipped": "no p2p server"}
+    tier = {"type": "p2p", "host": "127.0.0.1", "port": int(port)}
+    b = _Bench({"tier": tier, "namespace": {"deployment": tmp.name + str(os.getpid())}})
+    keys = _keys("p", 4)
+    out: dict[str, Any] = {"store_ok": b.store(keys, [b.obj(i, fill=i + 9) for i in range(4)]).is_successful()}
+    out["lookup"] = b.lookup(keys)
+    try:
+        t = b.adapter.get_memory_tags()
+        out["tags"] = [t.segment.value, t.residency.value]
+    except ImportError:  # 0.5.6: no MemoryTags
+        out["tags"] = None
+    b.adapter.close()
+    c = _Bench({"tier": tier, "namespace": {"deployment": tmp.name + str(os.getpid())}})
+    out["other_lookup"] = c.lookup(keys)
+    out["other_load"] = c.load(keys, [c.obj(N + i) for i in range(4)])
+    for i in range(4):
+        c.obj(i, fill=i + 9)
+    out["equal"] = [c.same(i, N + i) for i in range(4)]
+    c.adapter.close()
+    return out
 
 
 CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
@@ -319,11 +434,32 @@ def main(out_file: str, scratch: str) -> None:
 # --- the tests ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def cases(tmp_path_factory) -> dict[str, Any]:
+def p2p_port():
+    """A `kvtiers p2p serve` peer for the p2p case, or None where kvtiers' p2p tier is missing."""
+    try:
+        from kvtiers_p2p.spawn import start_server
+    except ImportError:
+        yield None
+        return
+    srv = start_server(capacity=64 << 20)
+    yield srv.port
+    srv.stop()
+
+
+@pytest.fixture(scope="module", params=["0.5.6", "0.5.7"])
+def cases(request, tmp_path_factory, p2p_port) -> dict[str, Any]:
+    """Every case, run once in LMCache's environment per release (0.5.7: build/lmcache-0.5.7)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if p2p_port is not None:
+        env["KVTIERS_TEST_P2P_PORT"] = str(p2p_port)
+    if request.param == "0.5.7":
+        if not (NEXT / ".installed").exists():
+            pytest.skip(f"LMCache 0.5.7 is not in {NEXT.relative_to(ROOT)} (make test installs it)")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(NEXT), os.environ.get("PYTHONPATH")]))
     tmp = tmp_path_factory.mktemp("lmcache-adapter")
     out = tmp / "out.json"
     proc = subprocess.run([str(LMCACHE_PY), __file__, str(out), str(tmp / "scratch")], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                          text=True, timeout=600, env=env)
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"the LMCache cases exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())
@@ -419,6 +555,77 @@ def test_lmcache_own_l2_adapter_bench_verifies(cases):
     assert r["rc"] == 0 and "All 8 keys data verified OK" in out, out
     successes = [line.split()[-1] for line in out.splitlines() if line.startswith("Total success:")]
     assert successes == ["8", "8", "8"], out  # store, lookup, load
+
+
+@needs_lmcache
+def test_each_release_builds_the_adapter(cases, request):
+    r = result(cases, "release")
+    release = request.node.callspec.params["cases"]
+    assert r["version"].startswith(release), r["version"]
+    if release == "0.5.7":  # 0.5.7 made get_memory_tags abstract: the adapter answers it
+        assert "get_memory_tags" in r["abstract"]
+        assert r["tags"] == {"fs": ["storage", "local"], "memory": ["dram", "local"],
+                             "fs_said_remote": ["storage", "remote"], "sqlite": ["storage", "remote"]}
+
+
+@needs_lmcache
+def test_touch_keeps_a_chunk_and_delete_leaves_lmcaches_count(cases):
+    r = result(cases, "touch_delete")
+    before = r["status_before"]
+    for k in ("stored", "loaded", "lookup_hits", "touched", "deleted", "evicted", "failed_keys", "off_grid",
+              "open_failed"):
+        assert before[k] == 0, k  # /status reports every counter from the start
+    assert r["lookup"] == [1, 0, 1, 1, 1]  # k1 evicted by the bound; k0, touched, kept
+    assert r["status"]["touched"] == 1 and r["status"]["evicted"] == 1
+    assert r["usage_before"] - r["usage_after"] == 2 * OBJ and r["status"]["deleted"] == 2
+
+
+@needs_lmcache
+def test_namespace_param_keeps_deployments_apart(cases):
+    r = result(cases, "namespace")
+    assert r["same"] == [1] * 4
+    assert r["other"] == [0] * 4 and r["none"] == [0] * 4  # another namespace: never the other's chunks
+    assert r["dirs"] == 3  # a directory per namespace: "a", "b" and none
+
+
+@needs_lmcache
+def test_zero_copy_true(cases):
+    r = result(cases, "zero_copy_true")
+    assert r["store_ok"] and r["load"] == [1] * 4 and all(r["equal"])
+    assert list(r["status"]["namespaces"].values()) == ["zero-copy"]
+    assert not r["no_l1_store_ok"] and r["no_l1_status"]["open_failed"] >= 1  # required, impossible: refused
+
+
+@needs_lmcache
+def test_p2p_tier_behind_the_adapter(cases, p2p_port):
+    if p2p_port is None:
+        pytest.skip("kvtiers' p2p tier is not installed here: pip install 'kvtiers[p2p]'")
+    r = result(cases, "p2p")
+    assert r["store_ok"] and r["lookup"] == [1] * 4
+    assert r["other_lookup"] == [1] * 4 and r["other_load"] == [1] * 4 and all(r["equal"])
+    assert r["tags"] in (None, ["dram", "remote"])
+
+
+@needs_lmcache
+def test_the_docs_install_line_installs_kvtiers_from_the_checkout():
+    """docs/lmcache.md's pip line, with the checkout's path for ``./kvtiers``, resolved by pip in
+    LMCache's environment (offline: what it needs is there): it installs kvtiers from the
+    checkout, not a name no index has."""
+    import re
+    import shlex
+
+    text = (ROOT / "docs" / "lmcache.md").read_text()
+    (line,) = [m for m in re.findall(r"^pip install .*$", text, re.M) if "lmcache==0.5.6" in m]
+    args = shlex.split(line)[2:]
+    args = [str(ROOT) if a == "./kvtiers" else a for a in args]
+    if "--extra-index-url" in args:
+        i = args.index("--extra-index-url")
+        del args[i:i + 2]
+    pip = LMCACHE_PY.with_name("pip")
+    out = subprocess.run([str(pip), "install", "--dry-run", "--no-index", "--no-build-isolation", *args],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Would install kvtiers-" in out.stdout, out.stdout[-2000:]
 
 
 def test_params_and_keys_without_lmcache():

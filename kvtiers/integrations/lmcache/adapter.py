@@ -1,4 +1,4 @@
-"""KvtiersL2Adapter: any kvtiers tier as an L2 adapter of LMCache's server (LMCache 0.5.6).
+"""KvtiersL2Adapter: any kvtiers tier as an L2 adapter of LMCache's server (LMCache 0.5.6 and 0.5.7).
 
 ``lmcache server`` loads it through its plugin seam::
 
@@ -20,9 +20,19 @@ object_group_id + the group layout   shapes, dtypes and object bytes (:mod:`.map
 ``submit_unlock``                    the lock count drops (kvtiers tiers pin nothing: a
                                      locked chunk the tier evicts is a load miss)
 ``submit_load_task``                 ``submit_load``; the bitmap: 1 for each chunk loaded intact
+``submit_touch`` (0.5.7)              ``touch`` of the keys, on the adapter's thread
+``delete``                           the keys are forgotten (locks, LMCache's byte count);
+                                     the tier's own bound (``max_bytes``) frees the bytes:
+                                     the tier contract has no delete
+``get_memory_tags`` (0.5.7)          what the tier is (:mod:`.tags`): a shared fs root or a
+                                     remote store is REMOTE, never LOCAL
 ``get_*_event_fd``                   three eventfds, signalled as tasks finish
 ``close``                            every tier closed, every task finished
 ==================================  =========================================================
+
+What differs between LMCache 0.5.6 and 0.5.7 is found by capability: 0.5.7's abstract
+``get_memory_tags`` and its ``submit_touch`` are defined here on both (0.5.6 never calls
+them); ``MemoryTags`` is imported only where LMCache has it.
 
 Memory: the tier's arena is LMCache's L1 region itself where ``L1MemoryDesc`` allows
 (:mod:`.slots`), so stores and loads move bytes between the medium and LMCache's memory
@@ -47,6 +57,7 @@ from lmcache.v1.platform import create_event_notifier
 from .mapping import Layout, Space, tier_key_of
 from .params import WHAT, AdapterParams, parse_params
 from .runner import Item, Task, TierRunner, log
+from .tags import memory_tags
 
 
 class KvtiersL2AdapterConfig(L2AdapterConfigBase):
@@ -67,7 +78,8 @@ class KvtiersL2AdapterConfig(L2AdapterConfigBase):
                 "- namespace (object): extra namespace fields (optional)\n"
                 "- zero_copy (bool or null): null: in LMCache's L1 where it allows; false: always staged\n"
                 "- staging_slots (int): slots of each staging arena (default 64)\n"
-                "- lookup_wait_ms (number): how long a RETRY is asked again (default 2000)")
+                "- lookup_wait_ms (number): how long a RETRY is asked again (default 2000)\n"
+                "- residency (\"local\" or \"remote\"): overrides where LMCache is told the tier's bytes are")
 
 
 class KvtiersL2Adapter(L2AdapterInterface):
@@ -220,6 +232,38 @@ class KvtiersL2Adapter(L2AdapterInterface):
                         self._locks.pop(ref, None)
         except Exception as e:
             log.warning("%s: unlock of %d keys: %s", WHAT, len(keys), e)
+
+    def submit_touch(self, keys: list[ObjectKey]) -> None:
+        """LMCache 0.5.7: mark ``keys`` recently used in the tier (its ``touch``, on the adapter's
+        thread, for the namespaces opened so far), and tell LMCache's listeners."""
+        try:
+            items = [it for it in self._lookup_items(keys, {}) if it.space.layout.nbytes > 0]
+            self._runner.touch(items)
+        except Exception as e:
+            log.debug("%s: touch of %d keys: %s", WHAT, len(keys), e)
+        self._notify_keys_accessed(keys)
+
+    def delete(self, keys: list[ObjectKey]) -> None:
+        """LMCache's eviction: the keys are forgotten here (their locks) and in LMCache's byte
+        count (``on_l2_keys_deleted``). The tier contract has no delete: the tier's own bound
+        (``max_bytes``) evicts the bytes (docs/lmcache.md)."""
+        sizes = []
+        with self._lock:
+            for k in keys:
+                self._locks.pop((k.model_name, k.kv_rank, k.object_group_id,
+                                 tier_key_of(k.chunk_hash, k.cache_salt)), None)
+                layout = self._layouts.get((k.model_name, k.kv_rank, k.object_group_id))
+                sizes.append(layout.nbytes if layout is not None else 0)
+        self._runner.stats["deleted"] += len(keys)
+        if keys:
+            self._notify_keys_deleted(list(keys), sizes)
+
+    def get_memory_tags(self) -> Any:
+        """LMCache 0.5.7: the tier's medium and whether its bytes are on this host (:mod:`.tags`)."""
+        from lmcache.v1.distributed.api import MemoryResidency, MemorySegment, MemoryTags
+
+        segment, residency = memory_tags(self.params.tier_type, self.params.tier_options, self.params.residency)
+        return MemoryTags(MemorySegment(segment), MemoryResidency(residency))
 
     def locked(self) -> int:
         """How many (namespace, key) locks are held now."""

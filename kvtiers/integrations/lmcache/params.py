@@ -24,7 +24,7 @@ from ...registry import get_registry
 
 WHAT = "kvtiers L2 adapter"
 #: the adapter's own keys of ``adapter_params``
-OWN_KEYS = ("tier", "namespace", "zero_copy", "staging_slots", "lookup_wait_ms")
+OWN_KEYS = ("tier", "namespace", "zero_copy", "staging_slots", "lookup_wait_ms", "residency")
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ class AdapterParams:
     None (where LMCache's L1 memory allows), True (required: an object the tier cannot reach
     in place fails), False (always copy through a staging arena); ``staging_slots``: slots
     of each staging arena; ``lookup_wait_ms``: how long a key the tier answers RETRY is asked
-    again before it counts as a miss.
+    again before it counts as a miss; ``residency``: ``"local"`` / ``"remote"`` to override
+    what LMCache 0.5.7 is told of where the tier's bytes are (:mod:`.tags`).
     """
 
     tier_type: str
@@ -45,6 +46,7 @@ class AdapterParams:
     zero_copy: bool | None = None
     staging_slots: int = 64
     lookup_wait_ms: float = 2000.0
+    residency: str | None = None
 
     @property
     def encrypted(self) -> bool:
@@ -85,4 +87,7 @@ def parse_params(d: Any) -> AdapterParams:
     wait = d.get("lookup_wait_ms", 2000.0)
     if isinstance(wait, bool) or not isinstance(wait, int | float) or wait < 0:
         raise ConfigError(f"{WHAT}: \"lookup_wait_ms\" must be a number >= 0, got {wait!r}")
-    return AdapterParams(tier.type, options, dict(ns), zc, slots, float(wait))
+    residency = d.get("residency")
+    if residency is not None and residency not in ("local", "remote"):
+        raise ConfigError(f"{WHAT}: \"residency\" must be \"local\", \"remote\" or null, got {residency!r}")
+    return AdapterParams(tier.type, options, dict(ns), zc, slots, float(wait), residency)

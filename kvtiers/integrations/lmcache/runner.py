@@ -36,6 +36,9 @@ log = logging.getLogger("kvtiers.integrations.lmcache")
 REOPEN_S = 30.0
 _POLL_MIN_S = 0.0001
 _POLL_MAX_S = 0.0005  # a finished load waits at most this long to be noticed
+#: the counters ``report_status`` (LMCache's /status) shows, each from 0
+STATS = ("stored", "loaded", "lookup_hits", "touched", "deleted", "evicted", "failed_keys", "off_grid",
+         "open_failed")
 
 
 @dataclass
@@ -106,7 +109,8 @@ class TierRunner:
         self._lookups: list[Task] = []
         self._transfers: list[Task] = []
         self._ids = itertools.count(1)
-        self.stats = collections.Counter()  # stored, loaded, lookup_hits, failed_keys, off_grid, open_failed
+        self.stats = collections.Counter({k: 0 for k in STATS})  # every counter from the start (/status)
+        self._touches: list[Item] = []
         self._thread = threading.Thread(target=self._run, name="kvtiers-lmcache", daemon=True)
         self._thread.start()
 
@@ -120,6 +124,30 @@ class TierRunner:
                 self._cv.notify()
                 return
         self._finish(task)
+
+    def touch(self, items: list[Item]) -> None:
+        """Queue a recency refresh of ``items`` (LMCache 0.5.7's ``submit_touch``); never blocks."""
+        with self._cv:
+            if not self._closing:
+                self._touches.extend(items)
+                self._cv.notify()
+
+    def _touch(self) -> bool:
+        with self._cv:
+            items, self._touches = self._touches, []
+        by_space: dict[Space, list[bytes]] = {}
+        for it in items:
+            by_space.setdefault(it.space, []).append(it.key)
+        for space, keys in by_space.items():
+            ns = self._spaces.get(space)
+            if ns is None or ns.handle is None:  # nothing of it was stored or asked here yet
+                continue
+            try:
+                ns.handle.touch(keys)
+                self.stats["touched"] += len(keys)
+            except Exception as e:
+                log.debug("%s: touch failed: %s", WHAT, e)
+        return bool(items)
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -143,7 +171,7 @@ class TierRunner:
         pause = _POLL_MIN_S
         while True:
             with self._cv:
-                if not self._new and not self._busy() and not self._closing:
+                if not self._new and not self._touches and not self._busy() and not self._closing:
                     self._cv.wait()
                 elif not self._new and self._busy():
                     self._cv.wait(pause)
@@ -152,6 +180,7 @@ class TierRunner:
             progressed = bool(new)
             for task in new:
                 self._guard(self._start, task)
+            progressed |= self._guard(self._touch) or False
             progressed |= self._guard(self._advance_lookups) or False
             progressed |= self._guard(self._advance_transfers) or False
             progressed |= self._guard(self._poll) or False
@@ -227,9 +256,13 @@ class TierRunner:
             ns.arena = staging_arena(n, p.staging_slots)
             ns.free = list(range(len(ns.arena) - 1, -1, -1))
         namespace = Namespace(ns.space.fields(p.namespace))
-        ns.handle = open_tier(p.tier_type, p.tier_options, TierContext(ns.arena, namespace))
+        ns.handle = open_tier(p.tier_type, p.tier_options, TierContext(ns.arena, namespace, removed=self._removed))
         log.info("%s: namespace %s (%s) on tier %r, %s, %d-byte objects", WHAT, _label(ns.space), namespace.digest,
                  p.tier_type, "zero-copy in LMCache's L1" if ns.grid else f"staged through {len(ns.arena)} slots", n)
+
+    def _removed(self, keys: Sequence[bytes], reason: str) -> None:
+        """A tier dropped chunks on its own (its ``max_bytes``, a corrupt file): counted."""
+        self.stats["evicted"] += len(keys)
 
     # --- lookups ------------------------------------------------------------------------
     def _ask(self, task: Task) -> bool:
