@@ -628,6 +628,41 @@ def test_the_docs_install_line_installs_kvtiers_from_the_checkout():
     assert "Would install kvtiers-" in out.stdout, out.stdout[-2000:]
 
 
+@needs_lmcache
+@pytest.mark.parametrize("release", ["0.5.6", "0.5.7"])
+def test_the_adapters_log_lines_reach_lmcaches_log(tmp_path, release):
+    """As in ``lmcache server``: logging configured by LMCache only; the adapter's INFO lines
+    (and its tier's) come out on stderr with LMCache's own."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("LMCACHE_LOG_LEVEL", None)
+    if release == "0.5.7":
+        if not (NEXT / ".installed").exists():
+            pytest.skip(f"LMCache 0.5.7 is not in {NEXT.relative_to(ROOT)} (make test installs it)")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(NEXT), os.environ.get("PYTHONPATH")]))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_lmcache_adapter as t; from pathlib import Path\n"
+            "b = t._Bench({'tier': {'type': 'fs', 'root_dir': sys.argv[2]}})\n"
+            "assert b.store(t._keys('log', 1), [b.obj(0, fill=1)]).is_successful()\n"
+            "b.adapter.close()\n")
+    out = subprocess.run([str(LMCACHE_PY), "-c", code, str(ROOT / "tests"), str(tmp_path / "kv")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for line in ("kvtiers L2 adapter: tier 'fs'", "on tier 'fs', zero-copy", "kvtiers L2 adapter closed"):
+        assert line in out.stderr, out.stderr[-3000:]
+
+
+def test_memory_tags_without_lmcache(tmp_path):
+    from kvtiers.integrations.lmcache.tags import fs_type, is_shared_fs, memory_tags
+
+    assert fs_type("/proc/self") == "proc"
+    assert [is_shared_fs(t) for t in ("nfs4", "cifs", "fuse.sshfs", "lustre", "ext4", "xfs", "tmpfs", None)] == \
+        [True, True, True, True, False, False, False, False]
+    local = memory_tags("fs", {"root_dir": str(tmp_path / "not-made-yet")})
+    assert local == (("storage", "remote") if is_shared_fs(fs_type(str(tmp_path))) else ("storage", "local"))
+    assert memory_tags("obj", {}) == ("storage", "remote") and memory_tags("p2p", {}) == ("dram", "remote")
+    assert memory_tags("pkg.mod:Tier", {}) == ("storage", "remote")  # unknown: never LOCAL
+    assert memory_tags("fs", {"root_dir": "/"}, "remote") == ("storage", "remote")
+
+
 def test_params_and_keys_without_lmcache():
     from kvtiers.errors import ConfigError
     from kvtiers.integrations.lmcache import parse_params, tier_key_of

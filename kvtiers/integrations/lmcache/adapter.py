@@ -42,6 +42,7 @@ adapter's own thread (:mod:`.runner`); LMCache's threads only queue and collect.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from typing import Any
@@ -58,6 +59,19 @@ from .mapping import Layout, Space, tier_key_of
 from .params import WHAT, AdapterParams, parse_params
 from .runner import Item, Task, TierRunner, log
 from .tags import memory_tags
+
+
+def log_where_lmcache_logs() -> None:
+    """Send kvtiers' log lines (the adapter's, its tiers' ``kvtiers.*``) where LMCache sends its
+    own (``lmcache.logging.init_logger``: the server's stderr, at ``LMCACHE_LOG_LEVEL``), unless
+    the process configured logging itself: else Python drops every line below WARNING."""
+    if logging.getLogger("kvtiers").handlers or logging.getLogger().handlers:
+        return
+    try:
+        from lmcache.logging import init_logger
+    except ImportError:
+        return
+    init_logger("kvtiers")
 
 
 class KvtiersL2AdapterConfig(L2AdapterConfigBase):
@@ -87,6 +101,7 @@ class KvtiersL2Adapter(L2AdapterInterface):
 
     def __init__(self, config: KvtiersL2AdapterConfig | dict, l1_memory_desc: L1MemoryDesc | None = None) -> None:
         super().__init__()
+        log_where_lmcache_logs()
         if not isinstance(config, KvtiersL2AdapterConfig):
             config = KvtiersL2AdapterConfig.from_dict(config)
         self.params = config.params
