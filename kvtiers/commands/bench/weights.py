@@ -136,18 +136,26 @@ def run_bench_weights(model: Path, sources: list[str], rounds: int, workdir: Pat
                 runs[s].append(res)
                 log(f"round {r + 1}/{rounds} {s:<10} ttft {res['ttft']:6.1f} s  ready {res['ready']:6.1f} s  "
                     f"load {res['load'] if res['load'] is not None else float('nan'):6.2f} s")
+    return {"model": str(model), "model_bytes": nbytes, "rounds": rounds, "publish": pub,
+            "rows": summarize(runs)}
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per source (in ``runs``' order), the medians of its rounds' ``ttft``, ``ready`` and
+    ``load`` seconds (rounds whose load was not found in the log left out), and the ratios of
+    the first-token and load medians to the checkpoint's (None without a checkpoint row)."""
     rows = []
-    for s in sources:
-        ttft = statistics.median(x["ttft"] for x in runs[s])
-        loads = [x["load"] for x in runs[s] if x["load"] is not None]
-        rows.append({"source": s, "ttft_s": ttft, "ready_s": statistics.median(x["ready"] for x in runs[s]),
-                     "load_s": statistics.median(loads) if loads else None, "runs": runs[s]})
+    for s, rounds in runs.items():
+        loads = [x["load"] for x in rounds if x["load"] is not None]
+        rows.append({"source": s, "ttft_s": statistics.median(x["ttft"] for x in rounds),
+                     "ready_s": statistics.median(x["ready"] for x in rounds),
+                     "load_s": statistics.median(loads) if loads else None, "runs": rounds})
     base = next((row for row in rows if row["source"] == "checkpoint"), None)
     for row in rows:
         row["ttft_ratio"] = row["ttft_s"] / base["ttft_s"] if base else None
         row["load_ratio"] = (row["load_s"] / base["load_s"] if base and base["load_s"] and row["load_s"] is not None
                              else None)
-    return {"model": str(model), "model_bytes": nbytes, "rounds": rounds, "publish": pub, "rows": rows}
+    return rows
 
 
 def render(report: dict[str, Any]) -> str:
