@@ -102,20 +102,21 @@ def async_slow_coroutines(h: Harness) -> None:
     put, get_into = tier.put, tier.get_into
     bound = lim.async_op_timeout + lim.finish_s
 
-    async def slow_put(key, data):
-        await asyncio.sleep(3600 if key in hang else 0.05)
-        return await put(key, data)
+    def slow(op):
+        """``op`` (put or get_into) hanging for the keys of ``hang``, crawling for the others."""
 
+        async def wrapped(key, buf):
+            await asyncio.sleep(3600 if key in hang else 0.05)
+            return await op(key, buf)
+        return wrapped
+
+    slow_put = slow(put)
     tier.put = slow_put
     expect_failed(t, t.submit("store", keys), sorted(hang), "put hanging", bound)
     del tier.put
     t.store(sorted(hang))
 
-    async def slow_get(key, out):
-        await asyncio.sleep(3600 if key in hang else 0.05)
-        return await get_into(key, out)
-
-    tier.get_into = slow_get
+    tier.get_into = slow(get_into)
     expect_failed(t, t.submit("load", keys), sorted(hang), "get_into hanging", bound)
     del tier.get_into
 

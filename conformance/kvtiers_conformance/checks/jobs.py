@@ -51,25 +51,18 @@ def slot_poisoning(h: Harness) -> None:
     size = t.slot_bytes
     pat = poison(size)
     watched: list[tuple[int, str, int]] = []  # (slot, kind, job)
-    # stores: once reported, the tier must have copied the slot; poisoning it must not
-    # change what a later load returns
-    for i in range(0, len(keys), 4):
-        slots = t.alloc(4)
-        jid = t.submit("store", keys[i:i + 4], slots)
-        r = t.wait([jid])[jid]
-        if not r.ok:
-            fail(f"store failed: {r.error}")
-        t.poison(slots)
-        watched += [(s, "store", jid) for s in slots]
+    # stores (all of them first): once reported, the tier must have copied the slot;
+    # poisoning it must not change what a later load returns.
     # loads: once reported, the tier must never write the slot again
-    for i in range(0, len(keys), 4):
-        slots = t.alloc(4)
-        jid = t.submit("load", keys[i:i + 4], slots)
-        r = t.wait([jid])[jid]
-        if not r.ok:
-            fail(f"rule 2: load of stored keys failed: {r.error}")
-        t.poison(slots)
-        watched += [(s, "load", jid) for s in slots]
+    for kind, failed in (("store", "store failed"), ("load", "rule 2: load of stored keys failed")):
+        for i in range(0, len(keys), 4):
+            slots = t.alloc(4)
+            jid = t.submit(kind, keys[i:i + 4], slots)
+            r = t.wait([jid])[jid]
+            if not r.ok:
+                fail(f"{failed}: {r.error}")
+            t.poison(slots)
+            watched += [(s, kind, jid) for s in slots]
 
     def recheck() -> None:
         for s, kind, jid in watched:
