@@ -17,6 +17,21 @@ from kvtiers import Job, Lookup
 FILE = layout.file_bytes(SLOT)
 
 
+def hold_reads(t, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Make ``t``'s reads wait, with their file open, until ``release`` is set (at most
+    30 s); ``entered`` is set once a read has begun."""
+    entered, release = threading.Event(), threading.Event()
+    real_read = t._read
+
+    def slow_read(fd, key, data, trailer):
+        entered.set()
+        release.wait(30)
+        return real_read(fd, key, data, trailer)
+
+    monkeypatch.setattr(t, "_read", slow_read)
+    return entered, release
+
+
 def test_stores_keep_succeeding_and_evict_lru(env):
     t = env.open(max_bytes=4 * FILE)
     keys = [b"b%d" % i for i in range(10)]
@@ -81,15 +96,7 @@ def test_lru_order_survives_a_restart(env):
 def test_a_file_being_read_is_never_evicted(env, monkeypatch):
     t = env.open(max_bytes=2 * FILE)
     assert env.store(t, [b"reading", b"x"]).ok
-    entered, release = threading.Event(), threading.Event()
-    real_read = t._read
-
-    def slow_read(fd, key, data, trailer):
-        entered.set()
-        release.wait(30)
-        return real_read(fd, key, data, trailer)
-
-    monkeypatch.setattr(t, "_read", slow_read)
+    entered, release = hold_reads(t, monkeypatch)
     env.poison([10])
     t.submit_load(Job(500, (b"reading",), (10,)))
     assert entered.wait(10), f"the load never read the file: {t.get_finished_jobs()}"
@@ -114,15 +121,7 @@ def test_unlink_by_another_instance_while_reading_is_safe(tmp_path, monkeypatch)
         assert a.store(ta, [b"shared"]).ok
         tb = b.open(max_bytes=FILE)  # its scan finds "shared": b knows its age and may evict it
         assert tb.scanned.wait(30)
-        entered, release = threading.Event(), threading.Event()
-        real_read = ta._read
-
-        def slow_read(fd, key, data, trailer):
-            entered.set()
-            release.wait(30)
-            return real_read(fd, key, data, trailer)
-
-        monkeypatch.setattr(ta, "_read", slow_read)
+        entered, release = hold_reads(ta, monkeypatch)
         a.poison([5])
         ta.submit_load(Job(1, (b"shared",), (5,)))
         assert entered.wait(10)
