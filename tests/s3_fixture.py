@@ -126,6 +126,19 @@ def run_job(handle, store: bool, keys, slots, job_id: int = 1, timeout: float = 
     return wait_jobs(handle, [job_id], timeout)[job_id]
 
 
+def load_damaged(srv, handle, ctx: TierContext, prefix: str, damage) -> tuple[str, JobResult]:
+    """Store key ``c`` from slot 0, replace its object by ``damage(its bytes)`` and load it
+    into slot 1: the object's name and the load's result."""
+    from kvtiers_obj import layout
+
+    fill(ctx, 0, 5)
+    assert run_job(handle, True, [b"c"], [0]).ok
+    name = layout.object_name(prefix, ctx.namespace.digest, b"c")
+    body = s3(srv, "get_object", Bucket=BUCKET, Key=name)["Body"]
+    s3(srv, "put_object", Bucket=BUCKET, Key=name, Body=damage(body))
+    return name, run_job(handle, False, [b"c"], [1], job_id=2)
+
+
 def resolve(handle, keys, timeout: float = 10.0) -> list[kvtiers.Lookup]:
     """Ask ``lookup`` until no answer is ``RETRY``."""
     deadline = time.monotonic() + timeout

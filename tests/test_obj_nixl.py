@@ -14,7 +14,7 @@ import time
 import pytest
 from kvtiers_obj import layout
 from kvtiers_obj.nixl_path import nixl_available
-from s3_fixture import BUCKET, fill, make_ctx, open_obj, options_for, run_job, s3, wait_jobs
+from s3_fixture import BUCKET, fill, load_damaged, make_ctx, open_obj, options_for, run_job, s3, wait_jobs
 
 from kvtiers import Job, TierError
 
@@ -78,12 +78,7 @@ def test_corrupt_object_through_nixl_is_a_failed_key(s3_server, damage, why):
     opts = options_for(s3_server, backend="nixl")
     h = open_obj(ctx, opts)
     try:
-        fill(ctx, 0, 5)
-        assert run_job(h, True, [b"c"], [0]).ok
-        name = layout.object_name(opts["prefix"], ctx.namespace.digest, b"c")
-        body = s3(s3_server, "get_object", Bucket=BUCKET, Key=name)["Body"]
-        s3(s3_server, "put_object", Bucket=BUCKET, Key=name, Body=damage(body))
-        r = run_job(h, False, [b"c"], [1], job_id=2)
+        name, r = load_damaged(s3_server, h, ctx, opts["prefix"], damage)
         assert r.failed_keys == (b"c",)
         assert r.error.startswith("CorruptChunk") and any(w in r.error for w in why.split("|")), r.error
         assert removed == [((b"c",), "corrupt")]

@@ -10,7 +10,7 @@ import psutil
 import pytest
 import xxhash
 from kvtiers_obj import layout
-from s3_fixture import BUCKET, fill, make_ctx, open_obj, resolve, run_job, s3
+from s3_fixture import BUCKET, fill, load_damaged, make_ctx, open_obj, resolve, run_job, s3
 
 from kvtiers import ConfigError, Job, Lookup, TierError
 
@@ -130,12 +130,7 @@ def test_corrupt_object_fails_is_deleted_and_reported(s3_server, obj_options, da
     ctx = make_ctx(removed=removed)
     h = open_obj(ctx, obj_options)
     try:
-        fill(ctx, 0, 5)
-        assert run_job(h, True, [b"c"], [0]).ok
-        name = layout.object_name(obj_options["prefix"], ctx.namespace.digest, b"c")
-        body = s3(s3_server, "get_object", Bucket=BUCKET, Key=name)["Body"]
-        s3(s3_server, "put_object", Bucket=BUCKET, Key=name, Body=damage(body))
-        r = run_job(h, False, [b"c"], [1], job_id=2)
+        name, r = load_damaged(s3_server, h, ctx, obj_options["prefix"], damage)
         assert r.failed_keys == (b"c",) and why in r.error
         assert removed == [((b"c",), "corrupt")]
         with pytest.raises(Exception, match="404|Not Found"):
