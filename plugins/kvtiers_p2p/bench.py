@@ -35,6 +35,8 @@ import click
 from kvtiers import Baseline
 from kvtiers.commands.bench.tier import Size, bench_command
 
+from .wakepipe import WakePipe
+
 
 def _start_raw(capacity: int) -> tuple[subprocess.Popen, str]:
     """Start :mod:`kvtiers_p2p.rawpeer` on a free loopback port; its process and address."""
@@ -131,7 +133,7 @@ class _RawClient:
         self.batch: list[tuple[bytes, memoryview, asyncio.Future]] = []
         self.rids = itertools.count(1)
         self.agent: Any = None
-        self._rfd, self._wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake = WakePipe()
         self._stop = False
         self.thread = threading.Thread(target=self._run, name="kvtiers-p2p-rawbench", daemon=True)
         self.thread.start()
@@ -140,10 +142,7 @@ class _RawClient:
     def _send(self, frames: list[Any], calls: deque) -> None:
         self.loop = asyncio.get_running_loop()
         self.outbox.append((frames, calls))
-        try:
-            os.write(self._wfd, b"x")
-        except BlockingIOError:
-            pass
+        self._wake.wake()
 
     async def _ask(self, frames: list[Any], out: memoryview | None = None) -> Any:
         fut = asyncio.get_running_loop().create_future()
@@ -176,7 +175,7 @@ class _RawClient:
         s = self.sock
         poller = zmq.Poller()
         poller.register(s, zmq.POLLIN)
-        poller.register(self._rfd, zmq.POLLIN)
+        poller.register(self._wake.fd, zmq.POLLIN)
         check = 0.0
         while not self._stop:
             # NIXL agents run without a progress thread: the target progresses UCX while it
@@ -185,11 +184,7 @@ class _RawClient:
             poller.poll(1 if nixl else 200)
             if nixl:
                 self.agent.get_new_notifs()
-            try:
-                while os.read(self._rfd, 4096):
-                    pass
-            except BlockingIOError:
-                pass
+            self._wake.drain()
             while self.outbox:
                 frames, calls = self.outbox.popleft()
                 self.waiting[frames[1]] = calls
@@ -254,10 +249,9 @@ class _RawClient:
 
     async def close(self) -> None:
         self._stop = True
-        os.write(self._wfd, b"x")
+        self._wake.wake()
         await asyncio.get_running_loop().run_in_executor(None, self.thread.join, 10)
-        os.close(self._rfd)
-        os.close(self._wfd)
+        self._wake.close()
         if self.agent is not None:
             self.agent.deregister_memory(self.reg, ["UCX"])
             self.agent = None

@@ -6,17 +6,7 @@ import json
 
 import click
 
-
-class Size(click.ParamType):
-    name = "SIZE"
-
-    def convert(self, value, param, ctx):
-        from .server import parse_size
-
-        try:
-            return parse_size(value)
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
+from kvtiers.commands.bench.tier import Size
 
 
 @click.group(name="p2p")

@@ -35,6 +35,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvtiers.types import Arena, JobResult
 
 from . import protocol as P
+from .wakepipe import WakePipe
 
 log = logging.getLogger("kvtiers.p2p")
 
@@ -149,10 +150,10 @@ class PeerClient:
         self.unsent: list[tuple[Request, bool, str | None, float]] = []  # puts over whose slot ZMQ still reads
         self._rids = itertools.count(1)
         self._commands: deque[Callable[[], None]] = deque()
-        self._rfd, self._wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake = WakePipe()
         self.ctx = zmq.Context()
         self.poller = zmq.Poller()
-        self.poller.register(self._rfd, zmq.POLLIN)
+        self.poller.register(self._wake.fd, zmq.POLLIN)
         self._closing = False
         self._next_tick = 0.0
         self._thread: Any = None
@@ -167,10 +168,7 @@ class PeerClient:
     def call(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the I/O thread soon."""
         self._commands.append(fn)
-        try:
-            os.write(self._wfd, b"x")
-        except BlockingIOError:
-            pass  # the pipe is full of wake-ups already
+        self._wake.wake()
 
     def close(self, timeout: float = 10.0) -> None:
         """Fail what is pending, close every socket, join the thread."""
@@ -180,8 +178,7 @@ class PeerClient:
         self.call(stop)
         if self._thread is not None:
             self._thread.join(timeout)
-        os.close(self._rfd)
-        os.close(self._wfd)
+        self._wake.close()
 
     # -- the I/O thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -211,12 +208,8 @@ class PeerClient:
     def _step(self) -> None:
         """One round of the I/O loop: wait for events, run commands, receive, expire, send."""
         events = dict(self.poller.poll(self._poll_timeout()))
-        if self._rfd in events:
-            try:
-                while os.read(self._rfd, 4096):
-                    pass
-            except BlockingIOError:
-                pass
+        if self._wake.fd in events:
+            self._wake.drain()
         while self._commands:
             self._commands.popleft()()
         for peer in list(self.peers.values()):

@@ -50,7 +50,7 @@ from .store import MemoryStore
 from .streams import BURST, NIXL_AHEAD, NIXL_INFLIGHT_BYTES, NOT_READY, Stream, StreamSender
 
 __all__ = ["BURST", "E_NO_FAULTS", "NIXL_AHEAD", "NIXL_INFLIGHT_BYTES", "NOT_READY", "AuthConfigError", "BindError",
-           "PeerServer", "ServerLimits", "Session", "Stream", "loopback_refusal", "parse_size", "run"]
+           "PeerServer", "ServerLimits", "Session", "Stream", "loopback_refusal", "run"]
 
 log = logging.getLogger("kvtiers.p2p")
 
@@ -344,18 +344,6 @@ class PeerServer(SessionTable, RequestHandlers, StreamSender):
             self.nixl.close()
         self.ctx.term()
 
-
-
-def parse_size(text: str | int) -> int:
-    """``1048576``, ``512K``, ``4MiB``, ``8GiB``, ``1.5G`` -> bytes (binary units)."""
-    import re
-
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(text))
-    if not m:
-        raise ValueError(f"{text!r} is not a size (e.g. 1048576, 512K, 4MiB, 8GiB)")
-    return int(float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()])
 
 
 def run(bind: str, capacity: int, *, limits: ServerLimits = ServerLimits(), namespace: str | None = None,
