@@ -18,6 +18,9 @@ from .errors import ConfigError
 #: options the core takes out of every tier's options before the tier sees them:
 #: ``encrypt`` (:mod:`kvtiers.encryption`, docs/security.md), accepted for any tier
 CORE_OPTIONS = ("encrypt",)
+#: ``admit`` (:mod:`kvtiers.engine.admission`, docs/admission.md): the manager's, checked at open
+CORE_OPTIONS += ("admit",)
+ADMIT_WHEN = ("stored", "evicted")
 
 
 def tier_options(cls: type) -> dict[str, inspect.Parameter]:
@@ -113,3 +116,21 @@ def check_options(name: str, cls: type, options: Mapping[str, Any]) -> dict[str,
         expected = describe(params[missing[0]].annotation)
         raise ConfigError(f"tier {name!r}: missing required option {missing[0]!r} ({expected})")
     return dict(options)
+
+
+def parse_admit(tier: str, value: Any) -> tuple[int, str]:
+    """``(min_offers, when)`` of a tier's ``"admit"`` option (docs/admission.md), e.g.
+    ``{"min_offers": 2}`` or ``{"when": "evicted"}``; anything else is a one-line
+    :class:`ConfigError` naming the tier and what was wrong."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"tier {tier!r}: option 'admit' expects an object, got {type(value).__name__}")
+    unknown = sorted(set(value) - {"min_offers", "when"})
+    if unknown:
+        raise ConfigError(f"tier {tier!r}: option 'admit': unknown key {unknown[0]!r} (keys: min_offers, when)")
+    n = value.get("min_offers", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1 or n > 0xFFFF:
+        raise ConfigError(f"tier {tier!r}: option 'admit': 'min_offers' expects an integer 1-65535, got {n!r}")
+    when = value.get("when", "stored")
+    if when not in ADMIT_WHEN:
+        raise ConfigError(f"tier {tier!r}: option 'admit': 'when' expects 'stored' or 'evicted', got {when!r}")
+    return n, when

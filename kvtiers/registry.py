@@ -21,7 +21,7 @@ import pluggy
 
 from .errors import ConfigError, TierError
 from .hookspecs import PROJECT, REQUIRED_TIER_HOOKS, RegistrationSpec, TierSpec
-from .options import check_options
+from .options import check_options, parse_admit
 from .types import Job, JobResult, Lookup, TierContext
 
 log = logging.getLogger("kvtiers")
@@ -247,6 +247,8 @@ class TierHandle:
             raise TierError(f"tier {self.name!r}: {_one_line(e)}") from None
         self._hook = self.pm.hook
         self.closed = False
+        #: the tier's ``"admit"`` option (docs/admission.md), applied by the manager's cascade, or None
+        self.admit: dict[str, Any] | None = None
 
     @property
     def levels(self) -> frozenset[str]:
@@ -297,6 +299,7 @@ def open_tier(
     opened behind :mod:`kvtiers.encryption`'s sealing wrapper (docs/security.md)."""
     options = dict(options or {})
     encrypt = options.pop("encrypt", None)
+    admit = options.pop("admit", None)  # the manager's cascade reads it (kvtiers.engine.admission): kept on the handle
     if isinstance(type_name, type):
         name = f"{type_name.__module__}:{type_name.__qualname__}"
         validate_tier_class(name, type_name)
@@ -304,6 +307,16 @@ def open_tier(
     else:
         info = (registry or get_registry()).tier_info(type_name)
     check_options(info.name, info.cls, options)
+    if admit is not None:
+        parse_admit(info.name, admit)  # a bad "admit" is an error at open
+    handle = _open_handle(info, options, ctx, encrypt, registry)
+    handle.admit = admit
+    return handle
+
+
+def _open_handle(info: TierInfo, options: dict[str, Any], ctx: TierContext, encrypt: Any,
+                 registry: Registry | None) -> TierHandle:
+    """The handle of the tier ``info`` on ``ctx``, behind the sealing wrapper with ``encrypt``."""
     if encrypt is not None:  # the tier on a staging arena, sealing hooks in front (kvtiers.encryption)
         from .encryption import Sealing
 

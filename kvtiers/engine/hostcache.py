@@ -27,6 +27,7 @@ STORING = "storing"
 LOADING = "loading"
 READY = "ready"
 STATES = (STORING, LOADING, READY)
+WRITE_BACKS_PER_EVICTION = 16  # write-backs one allocation may start before it takes a clean slot or none
 
 
 class HostCache:
@@ -58,6 +59,10 @@ class HostCache:
         self._offers: OrderedDict[bytes, int] = OrderedDict()
         self._max_offer_keys = max_offer_keys or max(1024, 8 * num_slots)
         self.evictions = 0
+        #: ``write_back(key, slot) -> bool``: asked before ``key`` is evicted; True when it pinned the
+        #: slot to copy the chunk down first (write-back admission, kvtiers.engine.admission)
+        self.write_back: Callable[[bytes, int], bool] | None = None
+        self.is_dirty: Callable[[bytes], bool] = lambda key: False  # waiting for write-back
 
     # -- queries ---------------------------------------------------------------------
     def __contains__(self, key: bytes) -> bool:
@@ -111,6 +116,24 @@ class HostCache:
     def _evictable(self, key: bytes) -> bool:
         return self._state.get(key) == READY and self._refs[self._slot_of[key]] == 0
 
+    def _clean_evictable(self) -> Callable[[bytes], bool]:
+        """:meth:`_evictable`, asking ``write_back`` first: a chunk it starts copying down is
+        pinned, so skipped (at most :data:`WRITE_BACKS_PER_EVICTION` started per eviction)."""
+        started = 0
+
+        def evictable(key: bytes) -> bool:
+            nonlocal started
+            if not self._evictable(key):
+                return False
+            if started >= WRITE_BACKS_PER_EVICTION:  # more dirty ones wait for the next eviction
+                return not self.is_dirty(key)
+            if self.write_back(key, self._slot_of[key]):
+                started += 1
+                return False
+            return True
+
+        return evictable
+
     def allocate(self, key: bytes, state: str) -> int | None:
         """Give ``key`` (absent) a slot in ``state`` with one pin, evicting if needed.
 
@@ -125,7 +148,7 @@ class HostCache:
         if self._free:
             slot = self._free.pop()
         else:
-            victim = self.policy.victim(self._evictable)
+            victim = self.policy.victim(self._evictable if self.write_back is None else self._clean_evictable())
             if victim is None:
                 self.policy.remove(key)
                 return None

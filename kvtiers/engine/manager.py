@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import operator
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -53,6 +54,21 @@ CLOSE_GRACE = 5.0  # seconds tiers' close() get after close's timeout, before th
 CLOSE_DRAIN = 1.0  # seconds close waits for device copies after abandoning tier jobs
 SERVICE_CLOSE_MIN = 1.0  # seconds services' close() get at least, when the pending work used up the timeout
 _KEPT_ARENAS: list[Any] = []  # host arenas an abandoned tier job or service may still touch: never freed
+
+
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (bound) called through a weak reference to its object. The store and load
+    paths hold the transfer book and the tier set, which call them back; strong callbacks made
+    reference cycles that only the garbage collector freed, and with them a closed manager's
+    host arena and DMA engine (for weights, a model's tensors): memory kept until a collection
+    that a serving process may not run for long. The manager holds the paths while it lives."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return call
 
 
 class TieringManager:
@@ -111,11 +127,12 @@ class TieringManager:
                                  self.chunk_bytes)
         self._stores.wave_timeout = tier_job_timeout  # a later store wave waits this long for a free slot
         # what a completed device copy or tier job means is up to the path that started it
-        self._transfers.on_copied("store", self._stores.copied)
-        self._transfers.on_copied("load", self._loads.copied)
-        self._tiers.on_job_end("store", self._stores.tier_stored)
-        self._tiers.on_job_end("load", self._loads.promoted)
-        self._tiers.on_job_lost(self._loads.lost)
+        # (called weakly: the paths hold the book and the tier set, see _weakly)
+        self._transfers.on_copied("store", _weakly(self._stores.copied))
+        self._transfers.on_copied("load", _weakly(self._loads.copied))
+        self._tiers.on_job_end("store", _weakly(self._stores.tier_stored))
+        self._tiers.on_job_end("load", _weakly(self._loads.promoted))
+        self._tiers.on_job_lost(_weakly(self._loads.lost))
         self.kv_events: Any = None  # the KVEventBridge once KV events are published (kvtiers.engine.kvevents)
         self.metrics: Any = None  # the ManagerMetrics once metrics are attached (kvtiers.metrics)
         # services a plugin attached through a config block it registered (register_manager_blocks),

@@ -21,9 +21,10 @@ from collections.abc import Sequence
 
 from ..types import Lookup
 from .events import HOST, EventBus
-from .hostcache import STORING, HostCache
+from .hostcache import READY, STORING, HostCache
 from .loads import LoadPath
-from .tiers import TierJob, TierSet
+from .reuse import ReuseEstimator
+from .tiers import Tier, TierJob, TierSet
 from .transfers import Transfer, TransferBook
 from .types import ManagerStats, Request
 
@@ -49,6 +50,13 @@ class StorePath:
         self._waiting: dict[int, Transfer] = {}  # stores between waves, by transfer id
         self._polling = False
         self.wave_timeout = WAVE_TIMEOUT
+        # write-back admission (kvtiers.engine.admission): chunks in the host that tiers get when evicted
+        self._dirty: dict[bytes, tuple[str | None, list[Tier]]] = {}  # key -> (tenant, write-back tiers)
+        self._writing_back: set[bytes] = set()  # keys whose write-back job has not ended
+        self._submitting = False  # inside a write-back's submit: a job ending at once must not start a wave
+        cache.write_back = self._write_back
+        cache.is_dirty = self._dirty.__contains__
+        self.reuse = ReuseEstimator()  # the reuse ceiling of the keys offered (kvtiers.engine.reuse)
 
     def store(self, keys: tuple[bytes, ...], blocks: list[Sequence[int]], request: Request | None,
               limit: int | None, first_chunk: int, tenant: str | None) -> int:
@@ -57,6 +65,8 @@ class StorePath:
         Chunks that find no free slot wait for the next wave (see the module docstring).
         ``tenant``: whose chunks; every wave's tier calls carry it."""
         tr = self._book.start("store", keys, request, tenant)
+        self.reuse.offer(keys)
+        self._offer(keys, tenant)
         admitted: list[bytes] = []
         for j, key in enumerate(keys):
             if (limit is not None and first_chunk + j >= limit) or key in self._cache:
@@ -70,8 +80,12 @@ class StorePath:
             admitted.append(key)
         self._stats.skipped_stores += len(tr.skipped)
         tr.deferred = admitted
-        if self._wave(tr, give_up=True) == "done":
+        state = self._wave(tr, give_up=True)
+        if state == "done":
             self._book.finish(tr)
+        elif state == "waiting":
+            tr.wave_t0 = time.monotonic()
+            self._waiting[tr.tid] = tr
         return tr.tid
 
     def poll(self) -> None:
@@ -142,8 +156,8 @@ class StorePath:
         if not todo:
             if not rest:
                 return "done"
-            if not give_up:
-                return "waiting"
+            if not give_up or (self._writing_back and (waited or 0.0) < self.wave_timeout):
+                return "waiting"  # (write-backs in flight free their slots once the tiers report)
             after = "" if waited is None else f" after {waited:.3g} s"
             self._skip_rest(tr, f"host arena full: {len(rest)} chunk(s) not stored, every one of its "
                                 f"{self._cache.num_slots} slots pinned by other transfers{after}")
@@ -196,15 +210,93 @@ class StorePath:
         """A tier store job ended: release its pins, report what the tier now holds."""
         for s in tj.job.slots:
             self._cache.unpin(s)
+        if self._writing_back:
+            self._writing_back.difference_update(tj.job.keys)
         self._events.emit("stored", [k for k in tj.job.keys if k not in failed], tj.tier.name, None)
-        if self._waiting:  # slots came free: a store waiting for a wave may go on
+        if self._waiting and not self._submitting:  # slots came free: a store waiting for a wave may go on
             self.poll()
+
+    # -- admission (kvtiers.engine.admission) -------------------------------------------------
+    def _offer(self, keys: tuple[bytes, ...], tenant: str | None) -> None:
+        """Count an offer of each of ``keys`` for every tier with ``min_offers``; a chunk
+        already in the host arena whose offer met a tier's threshold goes down now (written
+        through) or is marked for write-back."""
+        for tier in self._tiers.tiers:
+            adm = tier.admission
+            if adm is None or adm.counter is None:
+                continue
+            met = [k for k in keys if adm.offer(k) and self._cache.state(k) == READY]
+            if not met:
+                continue
+            if adm.write_back:
+                for k in met:
+                    self._mark_dirty(k, tenant, tier)
+                continue
+            answers = self._tiers.lookup(tier, met, tenant=tenant)
+            todo = [(k, self._cache.pin(k)) for k, a in zip(met, answers, strict=True) if a is not Lookup.HIT]
+            if todo:
+                adm.admitted += len(todo)
+                self._tiers.submit(tier, "store", todo, tenant=tenant)
+
+    def _admit(self, tier: Tier, keys: list[bytes], tenant: str | None) -> list[bytes]:
+        """Which of freshly stored ``keys`` go down to ``tier`` now; the rest are declined or
+        wait for write-back."""
+        adm = tier.admission
+        if adm is None:
+            return keys
+        out = []
+        for k in keys:
+            if not adm.admits(k):
+                adm.declined += 1
+            elif adm.write_back:
+                self._mark_dirty(k, tenant, tier)
+            else:
+                adm.admitted += 1
+                out.append(k)
+        return out
+
+    def _mark_dirty(self, key: bytes, tenant: str | None, tier: Tier) -> None:
+        entry = self._dirty.setdefault(key, (tenant, []))
+        if tier not in entry[1]:
+            entry[1].append(tier)
+            assert tier.admission is not None
+            tier.admission.deferred += 1
+        if len(self._dirty) > 2 * self._cache.num_slots:  # keys dropped from the host without an eviction
+            for k in [k for k in self._dirty if k not in self._cache]:
+                del self._dirty[k]
+
+    def _write_back(self, key: bytes, slot: int) -> bool:
+        """The host cache is about to evict ``key``: send it to the write-back tiers that lack
+        it, its slot pinned until each reports. True when a job started (the slot is pinned)."""
+        entry = self._dirty.pop(key, None)
+        if entry is None:
+            return False
+        tenant, tiers = entry
+        started = False
+        self._submitting = True
+        try:
+            for tier in tiers:
+                if self._tiers.lookup(tier, [key], tenant=tenant)[0] is Lookup.HIT:
+                    continue
+                assert tier.admission is not None
+                tier.admission.admitted += 1
+                self._cache.pin(key)
+                started = True
+                self._writing_back.add(key)
+                self._tiers.submit(tier, "store", [(key, slot)], tenant=tenant)
+        finally:
+            self._submitting = False
+        return started and self._cache.is_pinned(slot)
 
     def _cascade(self, items: list[tuple[bytes, int]], tenant: str | None) -> None:
         """Send freshly stored chunks (``tenant``'s) to every tier that does not have them yet."""
         for tier in self._tiers.tiers:
-            answers = self._tiers.lookup(tier, [k for k, _ in items], tenant=tenant)
-            todo = [(k, s) for (k, s), a in zip(items, answers, strict=True) if a is not Lookup.HIT]
+            admitted = set(self._admit(tier, [k for k, _ in items], tenant)) if tier.admission else None
+            down = items if admitted is None else [(k, s) for k, s in items if k in admitted]
+            if not down:
+                continue
+            answers = self._tiers.lookup(tier, [k for k, _ in down], tenant=tenant)
+            todo = [(k, s) for (k, s), a in zip(down, answers, strict=True) if a is not Lookup.HIT]
             if not todo:
                 continue
             for key, _ in todo:

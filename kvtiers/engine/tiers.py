@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from ..encryption.tenants import as_tenant
 from ..registry import TierHandle
 from ..types import Job, JobResult, Lookup
+from .admission import Admission
 from .events import HOST, log
 from .types import ManagerStats
 
@@ -46,6 +47,7 @@ class Tier:
     handle: TierHandle
     jobs: dict[int, TierJob] = field(default_factory=dict)
     warned: bool = False
+    admission: Admission | None = None  # its "admit" option (kvtiers.engine.admission): None admits everything
 
 
 class TierSet:
@@ -82,7 +84,7 @@ class TierSet:
 
     def append(self, name: str, handle: TierHandle) -> None:
         """Add a tier after the others (tiers are asked in order)."""
-        self.tiers.append(Tier(name, handle))
+        self.tiers.append(Tier(name, handle, admission=Admission.from_option(name, getattr(handle, "admit", None))))
 
     def pending(self) -> int:
         """Jobs in flight that are not lost."""

@@ -1,0 +1,140 @@
+"""Admission (the ``"admit"`` option of any tier; docs/admission.md): in the manager's cascade,
+a chunk goes down to a tier once its key was offered ``min_offers`` times, or when the host
+evicts it (``"when": "evicted"``, write-back). Declined chunks are never submitted, so the tier
+never answers HIT for them; admitted ones load back exactly. Real tiers (fs, memory), the
+real DMA engine on CPU tensors."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from test_manager import blocks_of, chunk_blocks, key, make_manager, poison, settle, store_all
+
+from kvtiers import Lookup
+from kvtiers.engine.admission import OfferCounter
+from kvtiers.errors import ConfigError
+
+
+@pytest.fixture
+def managers():
+    """``make_manager`` (tests/test_manager.py), each closed at the end."""
+    made = []
+
+    def make(*a, **kw):
+        m = make_manager(*a, **kw)
+        made.append(m[0])
+        return m
+
+    yield make
+    for m in made:
+        m.close(timeout=5)
+
+
+def answers(tier, keys) -> list[Lookup]:
+    """The tier's answers to ``keys``, asked again while any is RETRY (rule 1: within 5 s)."""
+    deadline = time.monotonic() + 10
+    while True:
+        got = tier.handle.lookup(keys)
+        if Lookup.RETRY not in got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.01)
+
+
+def load_back(mgr, kv, keys, first: int):
+    """Load ``keys`` into fresh device blocks (after poisoning them); the result."""
+    blocks = [chunk_blocks(first + i) for i in range(len(keys))]
+    poison(kv, [b for bl in blocks for b in bl])
+    (res,) = mgr.wait([mgr.load(keys, blocks)], timeout=10)
+    return res
+
+
+def test_min_offers_declines_first_offers_and_admits_at_the_threshold(managers, tmp_path):
+    mgr, kv, _ = managers(4, tiers=[("fs", {"root_dir": str(tmp_path / "kv"), "admit": {"min_offers": 2}})])
+    fs = mgr.tiers[0]
+    keys = [key(0), key(1)]
+    store_all(mgr, keys)
+    settle(mgr)
+    assert answers(fs, keys) == [Lookup.MISS, Lookup.MISS]  # declined: never submitted
+    assert fs.admission.declined == 2 and fs.admission.admitted == 0
+    assert not list((tmp_path / "kv").rglob("*.bin"))
+    # the second offer (the chunks still in the host arena) meets the threshold: they go down from their slots
+    res = store_all(mgr, keys)
+    assert set(res.skipped_keys) == set(keys)  # the host holds them already
+    settle(mgr)
+    assert answers(fs, keys) == [Lookup.HIT, Lookup.HIT]
+    assert fs.admission.admitted == 2
+    # evict them from the host (four other chunks, offered once: declined), then load from fs
+    expected = blocks_of(kv, chunk_blocks(0) + chunk_blocks(1))
+    store_all(mgr, [key(i) for i in range(10, 14)], 10)
+    settle(mgr)
+    assert mgr.lookup(keys).sources == ("fs", "fs")
+    assert answers(fs, [key(i) for i in range(10, 14)]) == [Lookup.MISS] * 4
+    res = load_back(mgr, kv, keys, 20)
+    assert res.ok, res
+    for a, b in zip(blocks_of(kv, chunk_blocks(20) + chunk_blocks(21)), expected, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_min_offers_admits_a_chunk_offered_again_after_the_host_evicted_it(managers):
+    mgr, kv, _ = managers(2, tiers=[("memory", {"admit": {"min_offers": 2}})])
+    mem = mgr.tiers[0]
+    store_all(mgr, [key(0)])
+    store_all(mgr, [key(5), key(6)], 5)  # key(0) leaves the host, never written
+    settle(mgr)
+    assert mgr.lookup([key(0)]).num_chunks == 0
+    store_all(mgr, [key(0)])  # copied from the device again: its second offer, admitted
+    settle(mgr)
+    assert answers(mem, [key(0)]) == [Lookup.HIT]
+
+
+def test_write_back_stores_only_what_the_host_evicts_and_it_loads_exactly(managers, tmp_path):
+    mgr, kv, _ = managers(4, tiers=[("fs", {"root_dir": str(tmp_path / "kv"), "admit": {"when": "evicted"}})])
+    fs = mgr.tiers[0]
+    first = [key(i) for i in range(4)]
+    expected = blocks_of(kv, [b for i in range(4) for b in chunk_blocks(i)])
+    store_all(mgr, first)
+    settle(mgr)
+    assert answers(fs, first) == [Lookup.MISS] * 4  # write-through would have them by now
+    assert fs.admission.deferred == 4
+    res = store_all(mgr, [key(i) for i in range(4, 8)], 4)  # evicts the first four: written back first
+    assert res.skipped_keys == () and res.ok, res
+    settle(mgr)
+    assert answers(fs, first) == [Lookup.HIT] * 4
+    assert mgr.lookup(first).sources == ("fs",) * 4
+    res = load_back(mgr, kv, first, 30)
+    assert res.ok, res
+    got = blocks_of(kv, [b for i in range(30, 34) for b in chunk_blocks(i)])
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("admit", "said"), [
+    ({"min_offers": 0}, "'min_offers' expects an integer 1-65535, got 0"),
+    ({"min_offers": "2"}, "'min_offers' expects an integer 1-65535, got '2'"),
+    ({"when": "later"}, "'when' expects 'stored' or 'evicted', got 'later'"),
+    ({"min_ofers": 2}, "unknown key 'min_ofers'"),
+    ([2], "option 'admit' expects an object, got list"),
+])
+def test_bad_admit_is_a_one_line_error_at_open(managers, admit, said):
+    mgr, _, _ = managers(2)
+    with pytest.raises(ConfigError) as e:
+        mgr.add_tier("memory", {"admit": admit})
+    assert said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_offer_counter_never_undercounts_and_overcounts_within_its_bound():
+    c = OfferCounter(width=1 << 10, depth=4)
+    import random
+
+    rng = random.Random(7)
+    true: dict[bytes, int] = {}
+    for _ in range(4000):
+        k = rng.randrange(3000).to_bytes(4, "little")
+        true[k] = true.get(k, 0) + 1
+        c.add(k)
+    over = [c.estimate(k) - n for k, n in true.items()]
+    assert min(over) >= 0
+    bound = c.epsilon * c.total
+    assert sum(o > bound for o in over) <= c.delta * len(over) + 1
