@@ -327,8 +327,11 @@ class HostArena:
         if isinstance(mem, mmap.mmap):
             try:
                 mem.close()
-            except BufferError:
-                log.debug("host arena: views still alive; memory is freed when they go")
+            except BufferError:  # e.g. a closed tier's context, in a cycle the collector has not freed yet
+                # the pages go back now (reading a view gives zeros; a shared file keeps its
+                # bytes), the address range when the last view goes
+                mem.madvise(mmap.MADV_DONTNEED)
+                log.debug("host arena: views still alive; pages given back, the mapping goes with them")
 
     def __enter__(self) -> HostArena:
         return self
