@@ -100,22 +100,13 @@ class ChunkIO:
     def _write(self, key: bytes, final: str, data: memoryview, trailer: memoryview) -> None:
         layout.pack_trailer(trailer, key, len(data), layout.data_digest(data), self._ns)
         tmp, fd = self._locked_temp(final)
-        try:
-            try:
-                n = os.pwritev(fd, [data, trailer], 0)
-                if n != len(data) + len(trailer):
-                    raise OSError(errno.ENOSPC, f"short write ({n} of {len(data) + len(trailer)} bytes)")
-                if self.fsync:
-                    os.fsync(fd)
-                os.rename(tmp, final)
-            finally:
-                os.close(fd)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        with layout.Publishing(tmp, fd):
+            n = os.pwritev(fd, [data, trailer], 0)
+            if n != len(data) + len(trailer):
+                raise OSError(errno.ENOSPC, f"short write ({n} of {len(data) + len(trailer)} bytes)")
+            if self.fsync:
+                os.fsync(fd)
+            os.rename(tmp, final)
         if self.fsync:
             _fsync_dir(os.path.dirname(final))
 

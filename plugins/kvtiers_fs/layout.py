@@ -312,6 +312,35 @@ def create_locked_temp(final: str, flags: int, anon: bool = True) -> tuple[str, 
     raise OSError(errno.EAGAIN, "temporary files removed as soon as created")
 
 
+class Publishing:
+    """``with Publishing(tmp, fd):`` around writing the temporary file ``tmp`` (open as
+    ``fd``) and renaming it into place: ``fd`` is closed either way, and ``tmp`` removed if
+    anything failed. A class, not a generator: it is on every store's path."""
+
+    __slots__ = ("tmp", "fd")
+
+    def __init__(self, tmp: str, fd: int) -> None:
+        self.tmp, self.fd = tmp, fd
+
+    def __enter__(self) -> int:
+        return self.fd
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        try:
+            os.close(self.fd)
+        except BaseException:
+            self._remove()
+            raise
+        if kind is not None:
+            self._remove()
+
+    def _remove(self) -> None:
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
+
+
 def namespace_tag(digest: str) -> bytes:
     """The 8 bytes a trailer records for a namespace: its 16-hex-digit digest as binary."""
     return bytes.fromhex(digest)

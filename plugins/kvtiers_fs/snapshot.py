@@ -66,22 +66,13 @@ def save(nsdir: str, fp: np.ndarray, clock: np.ndarray, dir_mtime: np.ndarray, f
     final = path(nsdir)
     tmp = os.path.join(nsdir, f"index-snapshot{layout.temp_path('x.bin')[1:]}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        try:
-            layout.lock_temp(fd)
-            for p in parts:
-                view = memoryview(p)
-                while view:
-                    view = view[os.write(fd, view):]
-            os.rename(tmp, final)
-        finally:
-            os.close(fd)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with layout.Publishing(tmp, fd):
+        layout.lock_temp(fd)
+        for p in parts:
+            view = memoryview(p)
+            while view:
+                view = view[os.write(fd, view):]
+        os.rename(tmp, final)
     return sum(map(len, parts))
 
 
