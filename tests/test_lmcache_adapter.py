@@ -175,10 +175,12 @@ def case_roundtrip(tmp: Path) -> dict[str, Any]:
 
 def case_staged(tmp: Path) -> dict[str, Any]:
     """No L1 region, or objects off its page grid with zero_copy false: staged, intact. Off
-    the grid with zero-copy on: refused (failed store, misses), never wrong bytes."""
+    the grid with zero_copy null (the default): each such object staged, intact. Off the grid
+    with zero_copy true: refused (failed store, misses), never wrong bytes."""
     out: dict[str, Any] = {}
     for name, params, kw in (("no_l1", {}, {"l1": False}), ("off_grid", {"zero_copy": False}, {"offset": 64}),
-                             ("off_grid_zero_copy", {}, {"offset": 64})):
+                             ("off_grid_null", {}, {"offset": 64}),
+                             ("off_grid_zero_copy", {"zero_copy": True}, {"offset": 64})):
         b = _Bench({"tier": {"type": "fs", "root_dir": str(tmp / name)}, "staging_slots": 3, **params}, **kw)
         keys = _keys(name)
         res = b.store(keys, [b.obj(i, fill=i + 3) for i in range(N)])  # 8 objects through 3 staging slots
@@ -501,7 +503,11 @@ def test_staged_when_no_l1_or_off_grid(cases):
     for name in ("no_l1", "off_grid"):
         assert r[name]["store_ok"] and r[name]["load"] == [1] * N and all(r[name]["equal"]), name
         assert list(r[name]["status"]["namespaces"].values()) == ["staged"], name
-    z = r["off_grid_zero_copy"]  # the grid's namespace, objects off it: refused, never wrong bytes
+    n = r["off_grid_null"]  # the grid's namespace, objects off it: each one through staging, intact
+    assert n["store_ok"] and n["load"] == [1] * N and all(n["equal"]), n
+    assert list(n["status"]["namespaces"].values()) == ["zero-copy, off-grid objects staged"]
+    assert n["status"]["off_grid"] == 2 * N
+    z = r["off_grid_zero_copy"]  # zero_copy true, objects off the grid: refused, never wrong bytes
     assert not z["store_ok"] and z["load"] == [0] * N and z["untouched"] and z["status"]["off_grid"] == 2 * N
 
 

@@ -90,7 +90,8 @@ class KvtiersL2AdapterConfig(L2AdapterConfigBase):
                 "- tier (object): a kvtiers tier entry, e.g. {\"type\": \"fs\", \"root_dir\": \"/mnt/kv\"}; "
                 "\"encrypt\" seals chunks, cache_salt is the tenant (required)\n"
                 "- namespace (object): extra namespace fields (optional)\n"
-                "- zero_copy (bool or null): null: in LMCache's L1 where it allows; false: always staged\n"
+                "- zero_copy (bool or null): null: in LMCache's L1 where it allows, else staged per object; "
+                "false: always staged; true: in place or fail\n"
                 "- staging_slots (int): slots of each staging arena (default 64)\n"
                 "- lookup_wait_ms (number): how long a RETRY is asked again (default 2000)\n"
                 "- residency (\"local\" or \"remote\"): overrides where LMCache is told the tier's bytes are")

@@ -63,8 +63,9 @@ class Task:
     user: Any = None  # the adapter's own (LMCache's keys), handed back with the task
     ok: list[bool] = field(default_factory=list)
     waiting: dict[Space, list[int]] = field(default_factory=dict)  # items not yet in a job, by namespace
-    inflight: set[Space] = field(default_factory=set)  # namespaces with a job of this task out
+    inflight: collections.Counter[Space] = field(default_factory=collections.Counter)  # jobs out, by namespace
     deadline: float = 0.0
+    off_grid: set[int] = field(default_factory=set)  # items counted off the grid (once each)
 
     def finished(self) -> bool:
         return not self.inflight and not any(self.waiting.values())
@@ -92,6 +93,9 @@ class _Ns:
         self.jobs: dict[int, _Sub] = {}
         self.error: str | None = None
         self.failed_at = 0.0
+        #: zero_copy null, a grid namespace: the staged instance of the same namespace (the same
+        #: medium) that objects off the grid go through, opened on the first such object
+        self.twin: _Ns | None = None
 
 
 class TierRunner:
@@ -164,7 +168,9 @@ class TierRunner:
 
     def spaces(self) -> dict[Space, str]:
         """Each namespace opened so far, with its mode (``zero-copy``, ``staged``, or why it failed)."""
-        return {s: n.error or ("zero-copy" if n.grid is not None else "staged") for s, n in list(self._spaces.items())}
+        return {s: n.error or ("staged" if n.grid is None else
+                               "zero-copy, off-grid objects staged" if n.twin is not None else "zero-copy")
+                for s, n in list(self._spaces.items())}
 
     # --- the thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -243,10 +249,23 @@ class TierRunner:
             return None
         return ns
 
-    def _open_tier(self, ns: _Ns) -> None:
+    def _twin(self, ns: _Ns) -> _Ns | None:
+        """The staged instance beside grid namespace ``ns`` (see ``_Ns.twin``), opened once."""
+        if ns.twin is None:
+            twin = _Ns(ns.space)
+            try:
+                self._open_tier(twin, staged=True)
+            except Exception as e:
+                log.warning("%s: the staged instance of namespace %s did not open: objects off the grid fail: %s",
+                            WHAT, _label(ns.space), e)
+                return None
+            ns.twin = twin
+        return ns.twin
+
+    def _open_tier(self, ns: _Ns, *, staged: bool = False) -> None:
         p, n = self.params, ns.space.layout.nbytes
-        slot = grid_slot_bytes(n, self.l1[2]) if self.l1 is not None else None
-        if p.zero_copy and slot is None:
+        slot = grid_slot_bytes(n, self.l1[2]) if self.l1 is not None and not staged else None
+        if p.zero_copy and slot is None and not staged:
             why = "LMCache gave no L1 region" if self.l1 is None else f"objects of {n} bytes fit no page grid"
             raise ValueError(f"zero_copy is required, but {why}")
         if slot is not None and p.zero_copy is not False:
@@ -259,6 +278,15 @@ class TierRunner:
         ns.handle = open_tier(p.tier_type, p.tier_options, TierContext(ns.arena, namespace, removed=self._removed))
         log.info("%s: namespace %s (%s) on tier %r, %s, %d-byte objects", WHAT, _label(ns.space), namespace.digest,
                  p.tier_type, "zero-copy in LMCache's L1" if ns.grid else f"staged through {len(ns.arena)} slots", n)
+
+    def _instances(self) -> list[_Ns]:
+        """Every open tier instance: each namespace's, and the staged twins beside grid ones."""
+        out = []
+        for ns in list(self._spaces.values()):
+            out.append(ns)
+            if ns.twin is not None:
+                out.append(ns.twin)
+        return out
 
     def _removed(self, keys: Sequence[bytes], reason: str) -> None:
         """A tier dropped chunks on its own (its ``max_bytes``, a corrupt file): counted."""
@@ -277,12 +305,22 @@ class TierRunner:
             try:
                 for tenant, tkeys in _by_tenant(task.items, idxs).items():
                     note_tenant(ns.handle, tkeys, tenant)
-                answers = ns.handle.lookup(keys)
+                answers = list(ns.handle.lookup(keys))
                 if len(answers) != len(keys):
                     raise RuntimeError(f"{len(answers)} answers for {len(keys)} keys")
             except Exception as e:
                 log.warning("%s: lookup on namespace %s failed (misses): %s", WHAT, _label(space), e)
                 answers = [Lookup.MISS] * len(keys)
+            if ns.twin is not None and Lookup.MISS in answers:  # chunks stored through the staged twin
+                miss = [j for j, a in enumerate(answers) if a is Lookup.MISS]
+                try:
+                    for tenant, tkeys in _by_tenant(task.items, [idxs[j] for j in miss]).items():
+                        note_tenant(ns.twin.handle, tkeys, tenant)
+                    again = ns.twin.handle.lookup([keys[j] for j in miss])
+                    for j, a in zip(miss, again, strict=True):
+                        answers[j] = a
+                except Exception as e:
+                    log.debug("%s: lookup on the staged instance failed: %s", WHAT, e)
             hits, left = [], []
             for i, a in zip(idxs, answers, strict=True):
                 if a is Lookup.HIT:
@@ -320,7 +358,7 @@ class TierRunner:
     def _submit(self, task: Task, ns: _Ns, idxs: list[int]) -> bool:
         """Put the next of ``idxs`` that fit (distinct keys and slots, free staging slots)
         into one job; True if a job went out or items failed."""
-        take, slots, later = [], [], []
+        take, slots, later, off_grid = [], [], [], []
         keys_seen: set[bytes] = set()
         slots_seen: set[int] = set()
         failed = False
@@ -329,12 +367,19 @@ class TierRunner:
             if ns.grid is not None:
                 slot = ns.grid.slot_of(item.address)
                 if slot is None or len(item.buf) > ns.grid.slot_bytes:
+                    staged = self.params.zero_copy is None
                     if not self.stats["off_grid"]:
-                        log.warning("%s: an object of namespace %s is not on L1's %d-byte grid: it fails (set "
-                                    "\"zero_copy\": false to copy such objects through a staging arena)", WHAT,
-                                    _label(ns.space), ns.grid.slot_bytes)
-                    self.stats["off_grid"] += 1
-                    failed = True
+                        log.warning("%s: an object of namespace %s is not on L1's %d-byte grid: %s", WHAT,
+                                    _label(ns.space), ns.grid.slot_bytes,
+                                    "such objects are copied through a staging arena" if staged else
+                                    "it fails (zero_copy is true; null copies such objects through staging)")
+                    if i not in task.off_grid:
+                        task.off_grid.add(i)
+                        self.stats["off_grid"] += 1
+                    if staged:
+                        off_grid.append(i)
+                    else:
+                        failed = True
                     continue
             elif ns.free:
                 slot = None
@@ -350,6 +395,11 @@ class TierRunner:
             slots_seen.add(slot)
             take.append(i)
             slots.append(slot)
+        if off_grid and (twin := self._twin(ns)) is not None:  # a job of them on the staged instance
+            failed |= self._submit(task, twin, off_grid)
+            later.extend(task.waiting.get(ns.space, []))  # what the staging slots did not take yet
+        elif off_grid:
+            failed = True
         task.waiting[ns.space] = later
         if not take:
             return failed
@@ -369,12 +419,12 @@ class TierRunner:
                 ns.free.extend(slots)
             return True
         ns.jobs[job.job_id] = _Sub(task, take, slots, staged)
-        task.inflight.add(ns.space)
+        task.inflight[ns.space] += 1
         return True
 
     def _poll(self) -> bool:
         progressed = False
-        for ns in list(self._spaces.values()):
+        for ns in self._instances():
             if ns.jobs:
                 progressed |= self._collect(ns)
         self._reap()
@@ -403,7 +453,9 @@ class TierRunner:
                 self.stats["stored" if task.kind == "store" else "loaded"] += ok
             if sub.staged:
                 ns.free.extend(sub.slots)
-            task.inflight.discard(ns.space)
+            task.inflight[ns.space] -= 1
+            if task.inflight[ns.space] <= 0:
+                del task.inflight[ns.space]
         return bool(results)
 
     def _reap(self) -> None:
@@ -418,7 +470,7 @@ class TierRunner:
         reports, and finish every task, unfinished items failed."""
         with self._cv:
             new, self._new = self._new, []
-        for ns in self._spaces.values():
+        for ns in self._instances():
             if ns.handle is None:
                 continue
             try:
