@@ -14,33 +14,41 @@ import click
 from kvtiers.config import parse_size
 
 
-class Size(click.ParamType):
+class _Parsed(click.ParamType):
+    """A parameter whose text :meth:`parse` turns into its value; its ``ValueError`` is the
+    usage error."""
+
+    def parse(self, value: Any) -> Any:
+        raise NotImplementedError
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        try:
+            return self.parse(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+class Size(_Parsed):
     """``1048576``, ``512K``, ``4MiB``, ``1.5G`` -> bytes (binary units; :func:`kvtiers.config.parse_size`).
     The ``SIZE`` options of every command, the plugins' included."""
 
     name = "SIZE"
 
-    def convert(self, value: Any, param: Any, ctx: Any) -> int:
-        try:
-            return parse_size(value)
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
+    def parse(self, value: Any) -> int:
+        return parse_size(value)
 
 
-class Duration(click.ParamType):
+class Duration(_Parsed):
     """``90``, ``60s``, ``10m``, ``1h30m`` -> seconds."""
 
     name = "DURATION"
 
-    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+    def parse(self, value: Any) -> float:
         if isinstance(value, float):
             return value
         from .soak import parse_duration
 
-        try:
-            return parse_duration(value)
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
+        return parse_duration(value)
 
 
 class JobsByKeys(click.ParamType):
