@@ -142,6 +142,12 @@ class _Families:
         self.service_errors = C("kvtiers_service_errors", "Calls into a plugin's service (a config block) that "
                                 "raised, by phase (poll: the service was closed and dropped; close).",
                                 ["service", "phase"], **r)
+        self.admission = C("kvtiers_tier_admission_chunks", "Chunks a tier's \"admit\" option sent down (admitted), "
+                           "kept back for fewer offers than min_offers (declined) or held for write-back (deferred).",
+                           ["tier", "decision"], **r)
+        self.reuse_ceiling = G("kvtiers_reuse_ceiling", "Share of chunk offers that repeat an earlier one within the "
+                               "window: the hit rate an unbounded cache would reach (HyperLogLog estimate).",
+                               ["window"], registry=registry, multiprocess_mode="livemax")
         self.custom: dict[str, tuple[str, Any, tuple[str, ...]]] = {}  # name -> (kind, family, labelnames)
         self.lock = threading.Lock()
 
@@ -471,11 +477,18 @@ class ManagerMetrics:
 
     def tier_summary(self) -> dict[str, dict[str, Any]]:
         """Per tier: queries, hits, misses, retries, hit rate, bytes read and written."""
+        admission = {t.name: t.admission.describe() for t in self.mgr.tiers if getattr(t, "admission", None)}
         return {name: {"queries": o.stats.queries, "hits": o.stats.hits, "misses": o.stats.misses,
                        "retries": o.stats.retries, "hit_rate": o.stats.hit_rate,
                        "read_bytes": o.stats.read_bytes, "write_bytes": o.stats.write_bytes,
-                       "evictions": dict(o.stats.evictions), "job_failures": sum(o.stats.failures.values())}
+                       "evictions": dict(o.stats.evictions), "job_failures": sum(o.stats.failures.values()),
+                       **({"admission": admission[name]} if name in admission else {})}
                 for name, o in self.tiers.items()}
+
+    def reuse_ceiling(self) -> dict[str, float | None]:
+        """The reuse ceiling per window (``15m``, ``1h``, ``1d``): beside each tier's hit rate."""
+        reuse = getattr(self.mgr, "reuse", None)
+        return reuse.summary() if reuse is not None else {}
 
     def tick(self, force: bool = False) -> None:
         """The manager's flush hook: refresh the host and DMA series when due."""
@@ -509,6 +522,16 @@ class ManagerMetrics:
                     obs.backlog(int(t.handle.backlog()))
                 except Exception:
                     pass
+            adm = getattr(t, "admission", None)  # its "admit" option (kvtiers.engine.admission)
+            if adm is not None:
+                for decision in ("admitted", "declined", "deferred"):
+                    self._delta(f.admission.labels(tier=t.name, decision=decision), f"admit:{t.name}:{decision}",
+                                getattr(adm, decision))
+        reuse = getattr(mgr, "reuse", None)  # the reuse ceiling (kvtiers.engine.reuse)
+        if reuse is not None:
+            for window, value in reuse.summary().items():
+                if value is not None:
+                    f.reuse_ceiling.labels(window=window).set(value)
 
     def _delta(self, counter: Any, key: str, value: float) -> None:
         d = value - self._seen[key]

@@ -138,3 +138,34 @@ def test_offer_counter_never_undercounts_and_overcounts_within_its_bound():
     assert min(over) >= 0
     bound = c.epsilon * c.total
     assert sum(o > bound for o in over) <= c.delta * len(over) + 1
+
+
+def test_admission_and_the_reuse_ceiling_are_metrics_beside_the_hit_rate():
+    """kvtiers_tier_admission_chunks_total{tier,decision} and kvtiers_reuse_ceiling{window},
+    from a manager's metrics (docs/observability.md)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from tier_helpers import CopyDma
+
+    from kvtiers import Arena
+    from kvtiers.engine.manager import TieringManager
+    from kvtiers.metrics import attach_metrics
+
+    reg = CollectorRegistry()
+    mgr = TieringManager(arena=Arena.allocate(8, 4096), dma=CopyDma())
+    mgr.add_tier("memory", {"admit": {"min_offers": 2}}, name="mem")
+    mm = attach_metrics(mgr, {"interval": 0}, registry=reg)
+    keys = [bytes([i]) for i in range(4)]
+    mgr.wait([mgr.store(keys, [[0]] * 4)])
+    mgr.wait([mgr.store(keys[:1], [[0]])])  # the second offer of one key: admitted
+    settle(mgr)
+    summary = mm.tier_summary()["mem"]["admission"]
+    ceiling = mm.reuse_ceiling()["1h"]
+    mgr.close()
+    found = {(s.name, tuple(sorted(s.labels.items()))): s.value
+             for fam in text_string_to_metric_families(generate_latest(reg).decode()) for s in fam.samples}
+    adm = "kvtiers_tier_admission_chunks_total"
+    assert found[adm, (("decision", "declined"), ("tier", "mem"))] == 4
+    assert found[adm, (("decision", "admitted"), ("tier", "mem"))] == 1
+    assert summary["declined"] == 4 and summary["admitted"] == 1
+    assert found["kvtiers_reuse_ceiling", (("window", "1h"),)] == pytest.approx(1 / 5, abs=0.01) == ceiling
