@@ -125,22 +125,17 @@ def test_p2p_server_strict_refuses_to_start(tmp_path):
 
 
 def test_eight_client_processes_verify_every_byte_over_zmq(crashing):
-    from test_p2p_faults import CLIENT  # the 8-client check of test_p2p_faults, here with the canary crashing
+    from test_p2p_faults import run_clients  # the 8-client check of test_p2p_faults, here with the canary crashing
 
     srv = start_server(capacity=512 << 20, extra=["--nixl"], env=crashing)
-    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, str(srv.port), str(i), "nixl"], env=crashing,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(8)]
     try:
-        outs = [p.communicate(timeout=180) for p in procs]
+        results = run_clients(srv.port, "nixl", 180, env=crashing)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
         alive = srv.proc.poll() is None
         srv.stop()
     assert alive
-    for p, (out, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0 and out.strip() == "ok", err[-2000:]
+    for rc, out, err in results:
+        assert rc == 0 and out.strip() == "ok", err[-2000:]
         assert "tier 'p2p': NIXL is off in this process" in err and "using ZMQ instead" in err
 
 

@@ -183,18 +183,23 @@ print("ok")
 """
 
 
-def test_eight_client_processes_at_once(server):
-    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, str(server.port), str(i), server.backend],
-                              stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(8)]
+def run_clients(port: int, backend: str, timeout: float, env: dict | None = None) -> list[tuple[int, str, str]]:
+    """:data:`CLIENT` in 8 processes at once against the server on ``port``: each one's
+    return code, stdout and stderr (any still running after ``timeout`` s is killed)."""
+    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, str(port), str(i), backend], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(8)]
     try:
-        outs = [p.communicate(timeout=120) for p in procs]
+        outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for p, (out, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0 and out.strip() == "ok", err[-2000:]
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
+
+
+def test_eight_client_processes_at_once(server):
+    for rc, out, err in run_clients(server.port, server.backend, 120):
+        assert rc == 0 and out.strip() == "ok", err[-2000:]
     assert server.proc.poll() is None
 
 
