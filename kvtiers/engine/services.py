@@ -48,13 +48,7 @@ class ServiceSet:
         """Poll every service (engine thread). One that raises is reported, closed (at most
         :data:`DROP_CLOSE_S` seconds) and dropped."""
         for name, service in list(self.services.items()):
-            poll = getattr(service, "poll", None)
-            if poll is None:
-                continue
-            try:
-                poll()
-            except Exception as e:
-                self.failed(name, "poll", e, "closing and dropping it; the manager goes on without it")
+            if not self._call(name, service, "poll", "closing and dropping it; the manager goes on without it"):
                 del self.services[name]
                 self.wait(self.start_close({name: service}), time.monotonic() + DROP_CLOSE_S)
 
@@ -84,10 +78,17 @@ class ServiceSet:
         return stuck
 
     def _close_one(self, name: str, service: Any) -> None:
-        close = getattr(service, "close", None)
-        if close is None:
-            return
+        self._call(name, service, "close", "the manager closes the rest")
+
+    def _call(self, name: str, service: Any, phase: str, then: str) -> bool:
+        """Call the service's ``phase`` method (``poll``, ``close``) where it has one; False
+        when it raised (reported through :meth:`failed`, with ``then``)."""
+        fn = getattr(service, phase, None)
+        if fn is None:
+            return True
         try:
-            close()
+            fn()
         except Exception as e:
-            self.failed(name, "close", e, "the manager closes the rest")
+            self.failed(name, phase, e, then)
+            return False
+        return True
