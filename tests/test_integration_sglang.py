@@ -222,3 +222,123 @@ def test_config_errors() -> None:
         backend(pool, {"tier": "nope"})
     with pytest.raises(ValueError, match="cannot be arena slots"):
         backend(HostPool("page_first", head_dim=8), {"tier": "memory", "zero_copy": True})  # 256-byte pieces
+
+
+# --- interface v2: hybrid models' side pools, with SGLang's own PoolTransfer and hit policies ---
+
+PoolName, PoolHitPolicy, PoolTransfer = hicache.PoolName, hicache.PoolHitPolicy, hicache.PoolTransfer
+
+
+class StatePool:
+    """A stand-in for a side host pool (a Mamba state, an indexer): one piece of ``state``
+    bytes per page of ``page_size`` slots, addressed as ``get_page_buffer_meta`` does."""
+
+    def __init__(self, pages: int = 8, state: int = 8192, page_size: int = 1) -> None:
+        self.page_size, self.size, self.state, self.layout, self.dtype = page_size, pages * page_size, state, None, None
+        self.buf = torch.zeros(pages, state, dtype=torch.uint8)
+
+    def get_page_buffer_meta(self, indices):
+        idx = indices.tolist()[::self.page_size]
+        return [self.buf.data_ptr() + (i // self.page_size) * self.state for i in idx], [self.state] * len(idx)
+
+    def fill(self, p: int, seed: int) -> None:
+        self.buf[p] = torch.randint(0, 256, (self.state,), generator=torch.Generator().manual_seed(seed),
+                                    dtype=torch.uint8)
+
+    def page(self, p: int) -> bytes:
+        return self.buf[p].numpy().tobytes()
+
+    def indices(self, pages: list[int]):
+        return torch.tensor([p * self.page_size for p in pages], dtype=torch.int64)
+
+
+def hybrid_backend(kv: HostPool, sides: dict, extra: dict):
+    """Built and attached as SGLang's hybrid cache controller does: the anchor pool, every
+    pool by name (v2), then ``on_host_pools_registered``."""
+    b = backend(kv, extra)
+    b.register_mem_host_pool_v2(kv, PoolName.KV)
+    for name, pool in sides.items():
+        b.register_mem_host_pool_v2(pool, name)
+    b.on_host_pools_registered()
+    return b
+
+
+def test_v2_side_pools_round_trip_with_their_hit_policies(tmp_path) -> None:
+    kv, mamba, indexer = HostPool("page_first"), StatePool(), StatePool(state=4096)
+    b = hybrid_backend(kv, {PoolName.MAMBA: mamba, PoolName.INDEXER: indexer},
+                       {"tier": "fs", "root_dir": str(tmp_path)})
+    try:
+        for p in range(6):
+            kv.fill(p, seed=p)
+            indexer.fill(p, seed=50 + p)
+        mamba.fill(5, seed=77)  # the state after page 5, the last of the prefix
+        mamba.fill(3, seed=33)  # and after page 3
+        want = ({h: kv.page(p) for p, h in enumerate(HASHES)}, {h: indexer.page(p) for p, h in enumerate(HASHES[:4])},
+                {HASHES[3]: mamba.page(3), HASHES[5]: mamba.page(5)})
+        done = b.batch_set_v2([
+            PoolTransfer(PoolName.KV, host_indices=kv.indices(list(range(6))), keys=HASHES),
+            PoolTransfer(PoolName.INDEXER, host_indices=indexer.indices(list(range(4))), keys=HASHES[:4]),
+            PoolTransfer(PoolName.MAMBA, host_indices=mamba.indices([3]), keys=[HASHES[3]],
+                         hit_policy=PoolHitPolicy.TRAILING_PAGES),
+        ])
+        assert done == {PoolName.KV: [True] * 6, PoolName.INDEXER: [True] * 4, PoolName.MAMBA: [True]}
+        assert b.batch_exists(HASHES) == 6  # v1 and v2 share the KV pool's namespace
+
+        def exists(*transfers):
+            r = b.batch_exists_v2(HASHES, list(transfers))
+            assert isinstance(r, hicache.PoolTransferResult)
+            return r.kv_hit_pages, dict(r.extra_pool_hit_pages)
+
+        trailing = PoolTransfer(PoolName.MAMBA, keys=[HASHES[5]], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        # only the state after page 3 is stored: the prefix ends there (4 pages)
+        assert exists(trailing) == (4, {"kv": 6, "mamba": 4})
+        # every page needs its indexer page: 4 stored
+        assert exists(PoolTransfer(PoolName.INDEXER, keys=HASHES, hit_policy=PoolHitPolicy.ALL_PAGES)) == \
+            (4, {"kv": 6, "indexer": 4})
+        # groups of 3 pages: one whole group of the indexer; its own verdict, the KV prefix stands
+        assert exists(PoolTransfer(PoolName.INDEXER, keys=HASHES, hit_policy=PoolHitPolicy.BLOCK_GROUPS,
+                                   group_pages=3)) == (6, {"kv": 6, "indexer": 3})
+        assert b.batch_set_v2([PoolTransfer(PoolName.MAMBA, host_indices=mamba.indices([5]), keys=[HASHES[5]])]) \
+            == {PoolName.MAMBA: [True]}
+        assert exists(trailing) == (6, {"kv": 6, "mamba": 6})
+        # the prefetch reads each pool's pages back into other host pages
+        kv.kv_buffer.zero_()
+        indexer.buf.zero_()
+        mamba.buf.zero_()
+        got = b.batch_get_v2([
+            PoolTransfer(PoolName.KV, host_indices=kv.indices([7, 6, 5, 4, 3, 2]), keys=HASHES),
+            PoolTransfer(PoolName.INDEXER, host_indices=indexer.indices([7, 6, 5, 4, 3]), keys=HASHES[:5]),
+            PoolTransfer(PoolName.MAMBA, host_indices=mamba.indices([0, 1]), keys=[HASHES[5], HASHES[4]]),
+        ])
+        assert got == {PoolName.KV: [True] * 6, PoolName.INDEXER: [True] * 4 + [False],
+                       PoolName.MAMBA: [True, False]}
+        assert {h: kv.page(p) for h, p in zip(HASHES, [7, 6, 5, 4, 3, 2], strict=True)} == want[0]
+        assert {h: indexer.page(p) for h, p in zip(HASHES[:4], [7, 6, 5, 4], strict=True)} == want[1]
+        assert mamba.page(0) == want[2][HASHES[5]]
+        # a pool SGLang never registered fails its pages, the others go on
+        assert b.batch_get_v2([PoolTransfer(PoolName.SWA, host_indices=mamba.indices([2]), keys=HASHES[:1]),
+                               PoolTransfer(PoolName.KV, host_indices=kv.indices([1]), keys=HASHES[:1])]) == \
+            {PoolName.SWA: [False], PoolName.KV: [True]}
+        assert inner(b).namespace.fields.get("pool") is None  # the KV pool: v1's namespace
+        assert {p.namespace.fields["pool"] for n, p in inner(b)._pools.items() if n != "kv"} == {"mamba", "indexer"}
+    finally:
+        b.close()
+
+
+def test_v2_a_side_pools_pages_never_answer_for_another_pool(tmp_path) -> None:
+    kv, mamba, swa = HostPool("page_first"), StatePool(), StatePool()
+    b = hybrid_backend(kv, {PoolName.MAMBA: mamba, PoolName.SWA: swa}, {"tier": "fs", "root_dir": str(tmp_path)})
+    try:
+        kv.fill(0, seed=1)
+        mamba.fill(0, seed=2)
+        assert b.batch_set_v2([PoolTransfer(PoolName.KV, host_indices=kv.indices([0]), keys=HASHES[:1]),
+                               PoolTransfer(PoolName.MAMBA, host_indices=mamba.indices([0]), keys=HASHES[:1])]) \
+            == {PoolName.KV: [True], PoolName.MAMBA: [True]}
+        r = b.batch_exists_v2(HASHES[:1], [PoolTransfer(PoolName.SWA, keys=HASHES[:1],
+                                                        hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+        assert r.kv_hit_pages == 0  # same hash, same bytes size, another pool: not its window
+        assert b.batch_get_v2([PoolTransfer(PoolName.SWA, host_indices=swa.indices([1]), keys=HASHES[:1])]) == \
+            {PoolName.SWA: [False]}
+        assert not swa.buf.any()
+    finally:
+        b.close()

@@ -1,4 +1,4 @@
-"""KvtiersStorage: any kvtiers tier as an SGLang HiCache storage backend (interface v1).
+"""KvtiersStorage: any kvtiers tier as an SGLang HiCache storage backend (interfaces v1 and v2).
 
 SGLang builds it through ``--hicache-storage-backend dynamic`` as
 ``KvtiersStorage(storage_config, kwargs)``, hands it the host pool with
@@ -7,6 +7,14 @@ SGLang builds it through ``--hicache-storage-backend dynamic`` as
 - ``batch_exists(keys) -> int``: how many leading pages the tier holds (prefetch thread);
 - ``batch_get_v1(keys, host_indices) -> list[bool]``: read pages into the host pool;
 - ``batch_set_v1(keys, host_indices) -> list[bool]``: write pages from the host pool (backup thread).
+
+Interface v2 (SGLang 0.5.23; hybrid models' side pools): ``register_mem_host_pool_v2(pool,
+name)`` opens a tier instance per host pool (the KV pool, a Mamba state pool, a sliding-window
+pool, an indexer pool, ...), each in a namespace of its own (``pool``: the name; the KV pool
+keeps v1's namespace, so a cache written through either interface is found by the other);
+``on_host_pools_registered()`` logs the set; ``batch_exists_v2`` applies SGLang's hit policies
+(``PoolHitPolicy``) to the side pools; ``batch_get_v2`` / ``batch_set_v2`` move each
+``PoolTransfer``'s pages between its host pool and its tier.
 
 The tier opens when the pool arrives, on an arena over the pool's own memory where the
 layout allows (see :mod:`.pages`), in a namespace made of what SGLang knows (model, MLA,
@@ -62,29 +70,55 @@ class KvtiersStorage(HiCacheStorage):
 
         check_options(info.name, info.cls, self.options)
         self.storage_config = storage_config
-        self.tier: BlockingTier | None = None
+        self.tier: BlockingTier | None = None  # the KV pool's (interface v1)
         self.layout: PageLayout | None = None
-        self._staging_lock = threading.Lock()
+        self._pools: dict[str, _Pool] = {}  # by SGLang's pool name ("kv", "mamba", "swa", ...)
         self.mem_pool_host = None
 
     # --- set-up ------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Open the tier on the host pool's pages (SGLang calls this right after construction)."""
         super().register_mem_pool_host(mem_pool_host)
-        if self.tier is not None:
-            self.tier.close()
-        self.layout = probe(mem_pool_host, self.zero_copy)
-        if self.layout.zero_copy:
-            arena = pool_arena(self.layout)
-        else:
-            arena = staging_arena(self.layout, self.staging_pages)
-        self.namespace = Namespace(self.namespace_fields(mem_pool_host, self.layout))
-        ctx = TierContext(arena, self.namespace)
-        self.tier = BlockingTier(open_tier(self.tier_name, self.options, ctx))
-        self.arena = arena
-        log.info("SGLang HiCache backend: kvtiers tier %r, %s, namespace %s", self.tier_name,
-                 "zero-copy" if self.layout.zero_copy else f"staged through {self.staging_pages} pages",
-                 self.namespace.digest)
+        old = self._pools.pop(KV, None)
+        if old is not None:
+            old.close()
+        kv = self._open_pool(mem_pool_host, KV)
+        self._pools[KV] = kv
+        self.layout, self.arena, self.namespace, self.tier = kv.layout, kv.arena, kv.namespace, kv.tier
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Interface v2: a host pool of its own name (the KV pool, a hybrid model's side pool:
+        Mamba state, sliding window, indexer, ...), each on a tier instance in a namespace of
+        its own (the pool's name in it)."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = _pool_name(host_pool_name)
+        kv = self._pools.get(KV)
+        if name == KV and kv is not None and kv.pool is host_pool:
+            return  # the anchor pool, registered again by name
+        old = self._pools.pop(name, None)
+        if old is not None:
+            old.close()
+        self._pools[name] = self._open_pool(host_pool, name)
+        if name == KV:
+            kv = self._pools[KV]
+            self.layout, self.arena, self.namespace, self.tier = kv.layout, kv.arena, kv.namespace, kv.tier
+
+    def on_host_pools_registered(self) -> None:
+        """Interface v2: every host pool of the attach is registered (logged once)."""
+        log.info("SGLang HiCache backend: kvtiers tier %r for the host pools %s", self.tier_name,
+                 ", ".join(sorted(self._pools)))
+
+    def _open_pool(self, pool: Any, name: str) -> _Pool:
+        layout = probe(pool, self.zero_copy)
+        arena = pool_arena(layout) if layout.zero_copy else staging_arena(layout, self.staging_pages)
+        fields = self.namespace_fields(pool, layout)
+        if name != KV:  # the KV pool keeps interface v1's namespace: caches written by v1 are found
+            fields["pool"] = name
+        namespace = Namespace(fields)
+        tier = BlockingTier(open_tier(self.tier_name, self.options, TierContext(arena, namespace)))
+        log.info("SGLang HiCache backend: pool %r on kvtiers tier %r, %s, namespace %s", name, self.tier_name,
+                 "zero-copy" if layout.zero_copy else f"staged through {self.staging_pages} pages", namespace.digest)
+        return _Pool(name, pool, layout, arena, namespace, tier, self.lookup_wait_s)
 
     def namespace_fields(self, pool: Any, layout: PageLayout) -> dict:
         """What changes a page's bytes, from SGLang's storage config and host pool."""
@@ -108,95 +142,89 @@ class KvtiersStorage(HiCacheStorage):
         fields.update(self.extra_namespace)
         return fields
 
-    def _ready(self) -> BlockingTier:
-        if self.tier is None:
+    def _kv(self) -> _Pool:
+        kv = self._pools.get(KV)
+        if kv is None:
             raise RuntimeError("kvtiers HiCache backend: register_mem_pool_host was not called")
-        return self.tier
+        return kv
 
     # --- interface v1 ------------------------------------------------------------------------
-    def _keys(self, keys: list[str]) -> list[list[bytes]]:
-        """The tier keys of each page: one per piece (zero-copy) or one for the page."""
-        if self.layout.zero_copy:
-            return [[page_key(h, j) for j in range(len(self.layout.pieces))] for h in keys]
-        return [[page_key(h)] for h in keys]
-
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """Number of leading pages whose every piece the tier holds."""
-        tier = self._ready()
-        per_page = self._keys(keys)
-        answers = iter(tier.lookup([k for ks in per_page for k in ks], self.lookup_wait_s))
-        n = 0
-        for ks in per_page:
-            if not all([next(answers) is Lookup.HIT for _ in ks]):
-                break
-            n += 1
-        return n
+        return self._kv().prefix(keys)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
-        return self._transfer("load", keys, host_indices)
+        return self._kv().transfer("load", keys, host_indices)
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
-        return self._transfer("store", keys, host_indices)
+        return self._kv().transfer("store", keys, host_indices)
 
-    def _transfer(self, kind: str, keys: list[str], host_indices: Any) -> list[bool]:
-        tier, layout = self._ready(), self.layout
-        if not keys:
-            return []
-        ps = layout.page_size
-        if len(host_indices) != len(keys) * ps:
-            raise ValueError(f"{len(keys)} pages need {len(keys) * ps} host indices, got {len(host_indices)}")
-        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        m = len(layout.pieces)
-        pages = [int(i) // ps for i in host_indices[::ps].tolist()]
-        if layout.zero_copy:
-            return self._zero_copy(tier, kind, keys, pages, ptrs, m)
-        return self._staged(tier, kind, keys, ptrs, sizes, m)
+    # --- interface v2 ------------------------------------------------------------------------
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[Any] | None = None,
+                        extra_info: Any = None) -> Any:
+        """The usable prefix: the KV pages' leading run, shrunk by each side pool's hit policy
+        (SGLang's ``PoolHitPolicy``): ``all_pages``, every page of the prefix; ``trailing_pages``,
+        the last ``len(transfer.keys)`` pages before it (a Mamba state, a window);
+        ``block_groups``, whole groups of ``group_pages`` keys from the start, reported for the
+        pool and never shrinking the KV prefix."""
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransferResult
 
-    def _zero_copy(self, tier: BlockingTier, kind: str, keys: list[str], pages: list[int], ptrs: list[int],
-                   m: int) -> list[bool]:
-        layout = self.layout
-        size = layout.pieces[0]
-        slots, tkeys = [], []
-        for i, (page, ks) in enumerate(zip(pages, self._keys(keys), strict=True)):
-            page_slots = layout.slots(page)
-            for j, s in enumerate(page_slots):  # the pool's own pointers must be these slots
-                if ptrs[i * m + j] != layout.base + s * size:
-                    log.error("kvtiers HiCache backend: page %d piece %d is not where the layout put it", page, j)
-                    return [False] * len(keys)
-            slots += page_slots
-            tkeys += ks
-        res = tier.run(kind, tkeys, slots)
-        failed = set(res.failed_keys)
-        if failed and res.error:
-            log.info("kvtiers HiCache backend: %s of %d pages: %d pieces failed: %s", kind, len(keys), len(failed),
-                     res.error)
-        return [not failed.intersection(ks) for ks in self._keys(keys)]
+        kv_pages = self._kv().prefix(keys)
+        hits: dict[str, int] = {KV: kv_pages} if kv_pages else {}
+        final = kv_pages
+        for t in pool_transfers or []:
+            name = _pool_name(t.name)
+            pool = self._pools.get(name)
+            if final == 0:
+                break
+            present = pool.present(keys[:kv_pages]) if pool is not None else [False] * kv_pages
+            policy = PoolHitPolicy(t.hit_policy)
+            if policy is PoolHitPolicy.BLOCK_GROUPS:
+                group = max(1, int(t.group_pages or 1))
+                groups = 0
+                while (groups + 1) * group <= kv_pages and all(present[groups * group:(groups + 1) * group]):
+                    groups += 1
+                if groups:
+                    hits[name] = groups * group
+                continue  # its own verdict: it never gates the KV hit
+            if policy is PoolHitPolicy.TRAILING_PAGES:
+                window = max(1, len(t.keys) if t.keys else 1)
+                boundary = next((n for n in range(final, 0, -1) if all(present[max(0, n - window):n])), 0)
+            else:  # ALL_PAGES
+                boundary = next((i for i, ok in enumerate(present) if not ok), kv_pages)
+            if boundary:
+                hits[name] = boundary
+            final = min(final, boundary)
+        return PoolTransferResult(final, hits)
 
-    def _staged(self, tier: BlockingTier, kind: str, keys: list[str], ptrs: list[int], sizes: list[int],
-                m: int) -> list[bool]:
-        ok: list[bool] = []
-        with self._staging_lock:  # one staging arena: one staged batch at a time
-            n = len(self.arena)
-            for start in range(0, len(keys), n):
-                batch = keys[start:start + n]
-                tkeys = [page_key(h) for h in batch]
-                slots = list(range(len(batch)))
-                if kind == "store":
-                    for i in slots:
-                        p = (start + i) * m
-                        copy_pieces(ptrs[p:p + m], sizes[p:p + m], self.arena[i], to_slot=True)
-                res = tier.run(kind, tkeys, slots)
-                failed = set(res.failed_keys)
-                for i, k in zip(slots, tkeys, strict=True):
-                    good = k not in failed
-                    if kind == "load" and good:
-                        p = (start + i) * m
-                        copy_pieces(ptrs[p:p + m], sizes[p:p + m], self.arena[i], to_slot=False)
-                    ok.append(good)
-        return ok
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        """Read each transfer's pages from its pool's tier into that host pool."""
+        return self._transfers_v2("load", transfers)
+
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        """Write each transfer's pages from its host pool to its pool's tier."""
+        return self._transfers_v2("store", transfers)
+
+    def _transfers_v2(self, kind: str, transfers: list[Any]) -> dict[str, list[bool]]:
+        out: dict[str, list[bool]] = {}
+        for t in transfers:
+            keys = list(t.keys or [])
+            pool = self._pools.get(_pool_name(t.name))
+            if pool is None:
+                log.error("kvtiers HiCache backend: host pool %r is not registered: its %d pages fail",
+                          _pool_name(t.name), len(keys))
+                out[t.name] = [False] * len(keys)
+                continue
+            try:
+                out[t.name] = pool.transfer(kind, keys, t.host_indices)
+            except Exception as e:  # a bad transfer fails its pages, never the others
+                log.error("kvtiers HiCache backend: %s of %d pages of pool %r failed: %s", kind, len(keys),
+                          pool.name, e)
+                out[t.name] = [False] * len(keys)
+        return out
 
     # --- the legacy (non-v1) interface: not used with interface_v1 -----------------------------
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
@@ -218,5 +246,102 @@ class KvtiersStorage(HiCacheStorage):
         log.warning("kvtiers HiCache backend: clear() is not supported; use the tier's CLI (e.g. kvtiers fs gc)")
 
     def close(self) -> None:
-        if self.tier is not None:
-            self.tier.close()
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+#: SGLang's name of the KV pool (``PoolName.KV``)
+KV = "kv"
+
+
+def _pool_name(name: Any) -> str:
+    return str(getattr(name, "value", name))
+
+
+class _Pool:
+    """One host pool on its tier instance: its layout, arena (the pool's memory or staging)
+    and namespace; lookups and transfers of its pages."""
+
+    def __init__(self, name: str, pool: Any, layout: PageLayout, arena: Any, namespace: Namespace,
+                 tier: BlockingTier, lookup_wait_s: float) -> None:
+        self.name, self.pool, self.layout, self.arena = name, pool, layout, arena
+        self.namespace, self.tier, self.lookup_wait_s = namespace, tier, lookup_wait_s
+        self._staging_lock = threading.Lock()
+
+    def close(self) -> None:
+        self.tier.close()
+
+    def _keys(self, keys: list[str]) -> list[list[bytes]]:
+        """The tier keys of each page: one per piece (zero-copy) or one for the page."""
+        if self.layout.zero_copy:
+            return [[page_key(h, j) for j in range(len(self.layout.pieces))] for h in keys]
+        return [[page_key(h)] for h in keys]
+
+    def present(self, keys: list[str]) -> list[bool]:
+        """Whether the tier holds every piece of each page."""
+        per_page = self._keys(keys)
+        answers = iter(self.tier.lookup([k for ks in per_page for k in ks], self.lookup_wait_s))
+        return [all([next(answers) is Lookup.HIT for _ in ks]) for ks in per_page]
+
+    def prefix(self, keys: list[str]) -> int:
+        """Number of leading pages whose every piece the tier holds."""
+        present = self.present(keys)
+        return present.index(False) if False in present else len(present)
+
+    def transfer(self, kind: str, keys: list[str], host_indices: Any) -> list[bool]:
+        layout = self.layout
+        if not keys:
+            return []
+        ps = layout.page_size
+        if host_indices is None or len(host_indices) != len(keys) * ps:
+            n = 0 if host_indices is None else len(host_indices)
+            raise ValueError(f"{len(keys)} pages need {len(keys) * ps} host indices, got {n}")
+        ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
+        m = len(layout.pieces)
+        pages = [int(i) // ps for i in host_indices[::ps].tolist()]
+        if layout.zero_copy:
+            return self._zero_copy(kind, keys, pages, ptrs, m)
+        return self._staged(kind, keys, ptrs, sizes, m)
+
+    def _zero_copy(self, kind: str, keys: list[str], pages: list[int], ptrs: list[int], m: int) -> list[bool]:
+        layout = self.layout
+        size = layout.pieces[0]
+        slots, tkeys = [], []
+        for i, (page, ks) in enumerate(zip(pages, self._keys(keys), strict=True)):
+            page_slots = layout.slots(page)
+            for j, s in enumerate(page_slots):  # the pool's own pointers must be these slots
+                if ptrs[i * m + j] != layout.base + s * size:
+                    log.error("kvtiers HiCache backend: pool %r page %d piece %d is not where the layout put it",
+                              self.name, page, j)
+                    return [False] * len(keys)
+            slots += page_slots
+            tkeys += ks
+        res = self.tier.run(kind, tkeys, slots)
+        failed = set(res.failed_keys)
+        if failed and res.error:
+            log.info("kvtiers HiCache backend: %s of %d pages of pool %r: %d pieces failed: %s", kind, len(keys),
+                     self.name, len(failed), res.error)
+        return [not failed.intersection(ks) for ks in self._keys(keys)]
+
+    def _staged(self, kind: str, keys: list[str], ptrs: list[int], sizes: list[int], m: int) -> list[bool]:
+        ok: list[bool] = []
+        with self._staging_lock:  # one staging arena: one staged batch at a time
+            n = len(self.arena)
+            for start in range(0, len(keys), n):
+                batch = keys[start:start + n]
+                tkeys = [page_key(h) for h in batch]
+                slots = list(range(len(batch)))
+                if kind == "store":
+                    for i in slots:
+                        p = (start + i) * m
+                        copy_pieces(ptrs[p:p + m], sizes[p:p + m], self.arena[i], to_slot=True)
+                res = self.tier.run(kind, tkeys, slots)
+                failed = set(res.failed_keys)
+                for i, k in zip(slots, tkeys, strict=True):
+                    good = k not in failed
+                    if kind == "load" and good:
+                        p = (start + i) * m
+                        copy_pieces(ptrs[p:p + m], sizes[p:p + m], self.arena[i], to_slot=False)
+                    ok.append(good)
+        return ok
