@@ -109,9 +109,10 @@ class SimEngine:
     def release(self, blocks: list[int]) -> None:
         self.free.extend(blocks)
 
-    def _salts(self, keys: list[bytes]) -> Any:
-        vals = [int.from_bytes(hashlib.blake2b(k + bytes([j]), digest_size=8).digest(), "little", signed=True)
-                for k in keys for j in range(BLOCKS_PER_CHUNK)]
+    def _salts(self, keys: list[bytes], positions: int = BLOCKS_PER_CHUNK, tag: bytes = b"") -> Any:
+        """One int64 per position of each key (its blocks; the hybrid engine's state too)."""
+        vals = [int.from_bytes(hashlib.blake2b(k + tag + bytes([j]), digest_size=8).digest(), "little", signed=True)
+                for k in keys for j in range(positions)]
         return self.torch.tensor(vals, dtype=self.torch.int64, device=self.device)
 
     def compute(self, keys: list[bytes], blocks: list[int]) -> None:

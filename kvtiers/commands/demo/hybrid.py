@@ -16,7 +16,6 @@ outside the window and the states of all but its last chunk.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 from ...engine.hybrid import chunk_specs, copied_bytes, window_first_block
@@ -80,14 +79,10 @@ class HybridSimEngine:
     # -- blocks (the dense engine's free list) and state slots -----------------------------
     alloc = SimEngine.alloc
     release = SimEngine.release
+    _salts = SimEngine._salts
 
     def release_states(self, slots: list[int]) -> None:
         self.free_states.extend(slots)
-
-    def _salts(self, keys: list[bytes], positions: int, tag: bytes = b"") -> Any:
-        vals = [int.from_bytes(hashlib.blake2b(k + tag + bytes([j]), digest_size=8).digest(), "little", signed=True)
-                for k in keys for j in range(positions)]
-        return self.torch.tensor(vals, dtype=self.torch.int64, device=self.device)
 
     # -- what the demo calls ---------------------------------------------------------------
     def compute(self, keys: list[bytes], blocks: list[int]) -> None:
