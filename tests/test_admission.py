@@ -169,3 +169,17 @@ def test_admission_and_the_reuse_ceiling_are_metrics_beside_the_hit_rate():
     assert found[adm, (("decision", "admitted"), ("tier", "mem"))] == 1
     assert summary["declined"] == 4 and summary["admitted"] == 1
     assert found["kvtiers_reuse_ceiling", (("window", "1h"),)] == pytest.approx(1 / 5, abs=0.01) == ceiling
+
+
+def test_a_load_offers_its_chunks_too(managers):
+    """A chunk stored once (declined) and then loaded from the host arena was offered twice:
+    it goes down to the tier from its slot, before the host evicts it."""
+    mgr, kv, _ = managers(4, tiers=[("memory", {"admit": {"min_offers": 2}})])
+    mem = mgr.tiers[0]
+    store_all(mgr, [key(0)])
+    settle(mgr)
+    assert answers(mem, [key(0)]) == [Lookup.MISS]
+    assert load_back(mgr, kv, [key(0)], 10).ok
+    settle(mgr)
+    assert answers(mem, [key(0)]) == [Lookup.HIT]
+    assert mgr.reuse.offers == 2

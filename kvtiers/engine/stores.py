@@ -65,8 +65,7 @@ class StorePath:
         Chunks that find no free slot wait for the next wave (see the module docstring).
         ``tenant``: whose chunks; every wave's tier calls carry it."""
         tr = self._book.start("store", keys, request, tenant)
-        self.reuse.offer(keys)
-        self._offer(keys, tenant)
+        self.offered(keys, tenant)
         admitted: list[bytes] = []
         for j, key in enumerate(keys):
             if (limit is not None and first_chunk + j >= limit) or key in self._cache:
@@ -217,6 +216,12 @@ class StorePath:
             self.poll()
 
     # -- admission (kvtiers.engine.admission) -------------------------------------------------
+    def offered(self, keys: tuple[bytes, ...], tenant: str | None) -> None:
+        """The engine offered ``keys`` (it stores them, or loads them instead of computing them
+        again): count them for the reuse ceiling and for each tier's ``min_offers``."""
+        self.reuse.offer(keys)
+        self._offer(keys, tenant)
+
     def _offer(self, keys: tuple[bytes, ...], tenant: str | None) -> None:
         """Count an offer of each of ``keys`` for every tier with ``min_offers``; a chunk
         already in the host arena whose offer met a tier's threshold goes down now (written
