@@ -308,3 +308,79 @@ def test_cpu_path_splits_large_runs_over_two_threads(monkeypatch, pooled):
                     assert block_bytes_of(caches, "kv", li, ti, b) == want, (li, ti, b)
         eng.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("kvtiers-dma")]
+
+
+def _strided_tensors(n: int, rows: int, bb: int, gaps: list[int]) -> tuple[np.ndarray, list[torch.Tensor]]:
+    """``n`` tensors ``[rows, bb]`` as separate torch storages inside one numpy buffer, tensor i
+    starting ``sum(gaps[:i]) + i * rows * bb`` bytes in (gaps[i] bytes unused after tensor i)."""
+    buf = np.random.default_rng(7).integers(0, 256, size=n * rows * bb + sum(gaps) + 4096, dtype=np.uint8)
+    out, off = [], 0
+    for i in range(n):
+        out.append(torch.from_numpy(buf[off : off + rows * bb]).view(rows, bb))
+        off += rows * bb + gaps[i]
+    return buf, out
+
+
+@pytest.mark.parametrize("uniform", [True, False], ids=["one-address-stride", "uneven"])
+def test_copy_calls_per_transfer_for_separate_allocations(monkeypatch, uniform):
+    """Separate allocations (vLLM's layout) at one address stride: a run of chunks costs one
+    strided copy per transfer for the group, whatever its layer count (was one per tensor);
+    at uneven strides one per tensor. Every byte lands either way, and the gaps between the
+    tensors are never written."""
+    layers, bb, rows = 8, 4096, 32
+    layout = KVLayout.flat(layers, bb)
+    gaps = [64] * (2 * layers) if uniform else [64 * (i % 3 + 1) for i in range(2 * layers)]
+    buf, flat = _strided_tensors(2 * layers, rows, bb, gaps)
+    before_buf = buf.copy()
+    caches = {"kv": [flat[2 * li : 2 * li + 2] for li in range(layers)]}
+    with create_host_arena(8, slot_bytes_for(layout.chunk_bytes(BPC)), pin=False) as host:
+        eng = DmaEngine(layout, caches, host, BPC, cpu_threads=1)
+        calls = []
+        real_copyto = np.copyto
+        monkeypatch.setattr(np, "copyto", lambda *a, **k: calls.append(1) or real_copyto(*a, **k))
+        plan = [([4 * c + b for b in range(BPC)], c + 1) for c in range(4)]  # blocks 0..15 -> slots 1..4
+        eng.submit_store(1, plan)
+        per_transfer = 1 if uniform else 2 * layers
+        assert len(calls) == per_transfer
+        arena = host.ndarray()
+        for ids, slot in plan:
+            for off, want in expected_slot_pieces(layout, caches, ids):
+                assert arena[slot, off : off + len(want)].tobytes() == want, (slot, off)
+        eng.submit_load(2, [([16 + 4 * c + b for b in range(BPC)], c + 1) for c in range(4)])  # -> blocks 16..31
+        assert len(calls) == 2 * per_transfer
+        assert sorted(eng.poll()) == [1, 2]
+        off = 0
+        for i, t in enumerate(flat):
+            u = t.numpy()
+            assert (u[16:32] == u[0:16]).all(), i  # loaded back where asked
+            end = off + rows * bb
+            assert (buf[end : end + gaps[i]] == before_buf[end : end + gaps[i]]).all(), i  # gap untouched
+            off = end + gaps[i]
+        eng.close()
+
+
+@pytest.mark.parametrize("tensors", ["pooled", "separate"])
+def test_bench_arena_transfer_is_one_strided_copy(monkeypatch, tensors):
+    """`kvtiers bench arena`'s 1 MiB rows (16 chunks of 64 pieces of 16 KiB): each store and load
+    is one numpy copy call for the whole transfer (two halves with the two-thread split), not one
+    per piece or per tensor; inside it the pieces stay 16 KiB, the slot layout's contiguous run."""
+    from kvtiers.commands.bench.arena import MiB, make_setup
+
+    s = make_setup(MiB, 16, tensors, cpu_threads=1)
+    try:
+        addrs = [t.data_ptr() for t in s.engine._groups[0].tensors]
+        if tensors == "separate" and len(set(np.diff(addrs).tolist())) != 1:
+            pytest.skip("this allocator did not place the 64 tensors at one address stride")
+        calls = []
+        real_copyto = np.copyto
+        monkeypatch.setattr(np, "copyto", lambda d, src, **k: calls.append((d.shape, d.strides, src.strides))
+                            or real_copyto(d, src, **k))
+        plan = [([c], c) for c in range(16)]
+        s.engine.submit_store(1, plan)
+        s.engine.submit_load(2, plan)
+        assert len(calls) == 2
+        for shape, *_ in calls:
+            assert np.prod(shape) == 16 * MiB and shape[-1] == 16 * 1024
+        s.engine.poll()
+    finally:
+        s.close()

@@ -19,8 +19,12 @@ per-block or per-tensor Python work, no synchronisation.
 
 CPU tensors (no accelerator) are copied with numpy / ``memmove`` on the caller's thread: full
 chunks of consecutive blocks going to consecutive slots cost one strided ``np.copyto`` per
-tensor (one per group for a uniform pool) for the whole run of chunks; other chunks one copy
-per tensor per run of blocks, or one gather per tensor when the blocks are scattered.
+group for the whole run of chunks where the group's tensors lie at one stride (a pool, or
+separate allocations at one address stride), else one per tensor; other chunks one copy per
+tensor per run of blocks, or one gather per tensor when the blocks are scattered. A strided
+copy is still one ``memmove`` per contiguous piece inside numpy: a slot holds each tensor's
+blocks of a chunk back to back, the device each tensor's blocks, so a piece is one tensor's
+blocks of one chunk (``blocks_per_chunk * block_bytes``) whatever the batching.
 
 Hybrid layouts (see :mod:`.layout`): a chunk may name its block ids per group (a mapping),
 with ``-1`` for a position not to copy (a sliding-window block outside the window, the state of a chunk
@@ -69,7 +73,8 @@ class _Group:
     rows: Any = None  # CPU, pooled: uint8 view [nrows, block_bytes] over the shared allocation
     row_off: np.ndarray | None = None  # CPU, pooled: first row of each tensor in `rows`
     np_rows: np.ndarray | None = None  # CPU, pooled
-    np_pool3: np.ndarray | None = None  # CPU, pooled at a uniform stride: [num_tensors, num_blocks, block_bytes]
+    np_pool3: np.ndarray | None = None  # CPU, tensors at a uniform stride (pooled, or separate allocations
+    # at one address stride): [num_tensors, num_blocks, block_bytes]
     np_tensors: list[np.ndarray] | None = None  # CPU
     addrs: list[int] | None = None  # CPU: address of each tensor's block 0
     span_first: np.ndarray | None = None  # accelerator: span row of each tensor's block 0 (host copy)
@@ -118,6 +123,26 @@ def _uniform_view(rows: np.ndarray, row_off: np.ndarray, num_blocks: int) -> np.
     bb = rows.shape[1]
     return np.lib.stride_tricks.as_strided(base, shape=(len(row_off), num_blocks, bb),
                                            strides=(step * bb, bb, 1), writeable=True)
+
+
+def _address_uniform_view(tensors: list[Any], num_blocks: int, block_bytes: int) -> np.ndarray | None:
+    """``[num_tensors, num_blocks, block_bytes]`` strided view over separate allocations that
+    start at one address stride (e.g. per-layer tensors allocated one after another, as vLLM
+    allocates them), else None: the copies of a run of chunks are then one strided copy per
+    group, not one per tensor. Only the tensors' own bytes are ever indexed (the view's first
+    two axes stay within each tensor's ``num_blocks`` rows); ``tensors`` keeps them alive."""
+    if len(tensors) < 2:
+        return None
+    addrs = [t.data_ptr() for t in tensors]
+    step = addrs[1] - addrs[0]
+    size = max(t.shape[0] for t in tensors) * block_bytes
+    if abs(step) < size or any(b - a != step for a, b in zip(addrs, addrs[1:], strict=False)):
+        return None
+    lo = min(addrs)
+    span = max(addrs) + size - lo
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(lo))
+    return np.lib.stride_tricks.as_strided(raw[addrs[0] - lo :], shape=(len(tensors), num_blocks, block_bytes),
+                                           strides=(step, block_bytes, 1), writeable=True)
 
 
 PARALLEL_MIN_BYTES = 4 << 20  # CPU: transfers at least this large use two threads
@@ -247,6 +272,8 @@ class DmaEngine:
                 if grp.rows is not None:
                     grp.np_rows = grp.rows.numpy()
                     grp.np_pool3 = _uniform_view(grp.np_rows, grp.row_off, grp.num_blocks)
+                else:  # separate allocations (vLLM's): one view if they lie at one address stride
+                    grp.np_pool3 = _address_uniform_view(grp.tensors, grp.num_blocks, grp.block_bytes)
         else:
             self._host_t = host.tensor()
             if not host.pinned and self.kind != "cpu":
