@@ -7,16 +7,30 @@ its own key id, and carol (no key: ``unknown_tenant`` "skip") stores nothing the
 counted as a failed store. Engine B, a new process over the same root, serves alice and bob
 again: each reloads its whole prefix from the tier, the same tokens as an engine with no
 offloading.
+
+The engines run beside other modules' through conftest's ``engine_runs``.
 """
 
 from __future__ import annotations
 
 import collections
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from test_encryption import _key
-from vllm_engines import MAX_TOKENS, PREFIX, PROMPTS, X0, describe, engine, metric, needs_vllm_cpu, reference, tokens
+from vllm_engines import (
+    MAX_TOKENS,
+    PREFIX,
+    PROMPTS,
+    X0,
+    describe,
+    engine,
+    metric,
+    needs_vllm_cpu,
+    reference,
+    start_reference,
+    tokens,
+)
 
 from kvtiers.commands.vllm_engine import offload_config
 from kvtiers.encryption import HEADER, read_header
@@ -48,20 +62,24 @@ def _req(result: dict, prompt: int) -> dict:
     return req
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    wd = tmp_path_factory.mktemp("vllm-tenants")
+def run_engines(wd: Path) -> dict:
+    """Engines A and B, the reference beside A (started with the other modules' by conftest's
+    ``engine_runs``)."""
+    start_reference()
     root = wd / "kv"
     enc = {"tenants": {SALTS["0"]: {"key_file": _key(wd, "alice.key"), "key_id": "alice-1"},
                        SALTS["1"]: {"key_file": _key(wd, "bob.key"), "key_id": "bob-1"}},
            "unknown_tenant": "skip"}
     tiers = [{"type": "kvtiers_fs", "root_dir": str(root), "encrypt": enc}]
-    with ThreadPoolExecutor(1) as pool:  # the run with no offloading, beside engine A
-        ref = pool.submit(reference)
-        a = engine("tenants-A", _job(tiers, [[ALICE], [BOB], [CAROL]]), wd)
-        kids = collections.Counter(read_header(p.read_bytes()[:HEADER.size])[0] for p in root.rglob("*.bin"))
-        b = engine("tenants-B", _job(tiers, [[ALICE], [BOB]]), wd)
-        return {"a": a, "b": b, "kids": kids, "ref": tokens(ref.result())[X0]}
+    a = engine("tenants-A", _job(tiers, [[ALICE], [BOB], [CAROL]]), wd)
+    kids = collections.Counter(read_header(p.read_bytes()[:HEADER.size])[0] for p in root.rglob("*.bin"))
+    b = engine("tenants-B", _job(tiers, [[ALICE], [BOB]]), wd)
+    return {"a": a, "b": b, "kids": kids}
+
+
+@pytest.fixture(scope="module")
+def runs(engine_runs):
+    return {**engine_runs.result(__name__), "ref": tokens(reference())[X0]}
 
 
 def test_tenants_share_nothing_through_the_tier(runs):

@@ -9,19 +9,23 @@ session starts that engine once, beside the first module's own engine (:func:`st
 Engine starts dominate ``make test``'s time (each imports vLLM in three processes, mostly on
 one core), so engines that do not depend on each other run at the same time, two at most
 (``KVTIERS_TEST_ENGINES_AT_ONCE``): within a module (:func:`engines`), and across modules
-(:class:`EngineRuns`: a module that defines ``run_engines(workdir)`` has it started, with every
-other selected module's, when the session first asks for one; see ``tests/conftest.py``). An
-engine's tokens do not depend on what else runs (greedy, one OpenMP thread each: ``ENGINE_ENV``).
+(:class:`EngineRuns`: a module that defines ``run_engines(workdir)`` has it run, with every
+other selected module's, in a process of their own from the session's first test on, while
+the other tests run; see ``tests/conftest.py``). An engine's tokens do not depend on what else
+runs (greedy, one OpenMP thread each: ``ENGINE_ENV``).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import json
+import multiprocessing
 import os
 import subprocess
 import tempfile
 import threading
+import traceback
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -85,6 +89,11 @@ def engines(specs: dict[str, tuple[str, dict[str, Any]]], workdir: str | os.Path
 
 
 _reference_lock = threading.Lock()
+#: in the engine runs' process (:func:`_run_phase`): sends ``(key, outcome, value)`` to the tests' process
+_phase_send: Callable[..., None] | None = None
+#: in the tests' process: the :class:`EngineRuns` going on, whose process runs the reference
+_runs: EngineRuns | None = None
+_reference_sent = threading.Event()
 
 
 @functools.cache
@@ -92,6 +101,16 @@ def _reference_future() -> Future:
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-reference")
     fut = pool.submit(engine, "reference", job(None), tempfile.mkdtemp(prefix="kvtiers-vllm-ref-"))
     pool.shutdown(wait=False)
+    if _phase_send is not None:
+        send = _phase_send
+
+        def sent(f: Future) -> None:
+            try:
+                send("reference", *_outcome(f.exception(), f))
+            finally:
+                _reference_sent.set()
+
+        fut.add_done_callback(sent)
     return fut
 
 
@@ -107,29 +126,124 @@ def start_reference() -> None:
 
 
 def reference() -> dict[str, Any]:
-    """The engine with no offloading, serving every prompt once: the tokens others must match."""
+    """The engine with no offloading, serving every prompt once: the tokens others must match
+    (the engine runs' own where one of their modules started it)."""
+    if _runs is not None:
+        try:
+            return _runs.reference()
+        except LookupError:  # none of the engine runs started it
+            pass
     return _reference_run().result()
 
 
+def _outcome(exc: BaseException | None, fut: Future | None = None, value: Any = None) -> tuple[str, Any]:
+    """What a run did, in a form that crosses processes: ``("ok", value)``, ``("skip", reason)``
+    or ``("error", traceback text)``."""
+    if exc is None:
+        return "ok", fut.result() if fut is not None else value
+    if isinstance(exc, pytest.skip.Exception):
+        return "skip", str(exc)
+    return "error", "".join(traceback.format_exception(exc))
+
+
+def _run_phase(jobs: list[tuple[str, str]], conn: Any) -> None:
+    """The engine runs' process: each module's ``run_engines(workdir)`` in a thread of its own,
+    each outcome sent on ``conn`` as it ends (the reference's too), then ``("", "end", None)``."""
+    global _phase_send
+    lock = threading.Lock()
+
+    def send(key: str, outcome: str, value: Any) -> None:
+        with lock:
+            conn.send((key, outcome, value))
+
+    _phase_send = send
+
+    def run(name: str, workdir: str) -> None:
+        try:
+            value = importlib.import_module(name).run_engines(Path(workdir))
+        except BaseException as e:  # noqa: BLE001 - a skip or a failure, reported to the test
+            send(name, *_outcome(e))
+        else:
+            send(name, *_outcome(None, value=value))
+
+    with ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="vllm-runs") as pool:
+        for name, workdir in jobs:
+            pool.submit(run, name, workdir)
+    with _reference_lock:
+        started = _reference_future.cache_info().currsize > 0
+    if started:
+        _reference_sent.wait()
+    send("", "end", None)
+    conn.close()
+
+
 class EngineRuns:
-    """The engine runs of several test modules, started at once in the background: each
-    module's ``run_engines(workdir)`` in a thread of its own (its engines wait for a place in
-    :data:`AT_ONCE`), in a new directory from ``workdir_for(module name)``. :meth:`result`
-    waits for a module's run and returns (or raises) what it did (a skip included)."""
+    """The engine runs of several test modules, started at once in a process of their own (so
+    the threads, files and processes they start are none of the tests' process): each module's
+    ``run_engines(workdir)`` in a thread of its own there (its engines wait for a place in
+    :data:`AT_ONCE`), in a new directory from ``workdir_for(module name)``, with the reference
+    engine where one of them starts it. :meth:`result` waits for a module's run and returns what
+    it returned, or skips or fails as it did."""
 
     def __init__(self, modules: Sequence[ModuleType], workdir_for: Callable[[str], Path]) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(modules)), thread_name_prefix="vllm-runs")
-        self._runs = {m.__name__: self._pool.submit(m.run_engines, workdir_for(m.__name__)) for m in modules}
+        global _runs
+        jobs = [(m.__name__, str(workdir_for(m.__name__))) for m in modules]
+        self._names = {name for name, _ in jobs}
+        self._done: dict[str, tuple[str, Any]] = {}
+        self._ended = False
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_run_phase, args=(jobs, child_conn), name="vllm-engine-runs", daemon=True)
+        self._proc.start()
+        child_conn.close()
+        self._lock = threading.Lock()
+        _runs = self
+
+    def _wait(self, key: str) -> Any:
+        with self._lock:
+            while key not in self._done and not self._ended:
+                try:
+                    k, outcome, value = self._conn.recv()
+                except EOFError:
+                    self._proc.join()
+                    raise RuntimeError(f"the engine runs' process ended (exit {self._proc.exitcode}) "
+                                       f"before {key or 'the end'}") from None
+                if outcome == "end":
+                    self._ended = True
+                else:
+                    self._done[k] = (outcome, value)
+        if key not in self._done:
+            raise LookupError(key)
+        outcome, value = self._done[key]
+        if outcome == "skip":
+            pytest.skip(value)
+        if outcome == "error":
+            raise RuntimeError(f"{key}: the engine run failed in the engine runs' process:\n{value}")
+        return value
 
     def result(self, module: str) -> dict[str, Any]:
-        """What ``module``'s ``run_engines`` returned (its exception is raised here)."""
-        if module not in self._runs:
+        """What ``module``'s ``run_engines`` returned (its failure is raised here, its skip skips)."""
+        if module not in self._names:
             raise KeyError(f"{module} has no run_engines(workdir), or none of its tests was selected")
-        return self._runs[module].result()
+        return self._wait(module)
+
+    def reference(self) -> dict[str, Any]:
+        """The reference engine's result, if one of the runs started it (else ``LookupError``)."""
+        return self._wait("reference")
 
     def close(self) -> None:
         """Wait for the runs still going (each engine ends by itself or by its timeout)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        global _runs
+        try:
+            if not self._ended:
+                try:
+                    self._wait("")
+                except LookupError:
+                    pass
+        finally:
+            self._proc.join()
+            self._conn.close()
+            _runs = None
 
 
 def fs_pair(name: str, job_for: Callable[[list[dict[str, Any]], list[list[int]]], dict[str, Any]],
