@@ -15,7 +15,8 @@ at a time (default: every prompt once); ``"reset"`` between rounds drops vLLM's 
 cache, so the next round's prefixes must come from the offload tiers. ``cache_salts`` (optional):
 ``{"prompt index": salt}``, each such prompt's requests sent with that ``cache_salt``. ``load_format`` and
 ``model_loader_extra_config`` (optional) go to vLLM as given (e.g. ``"kvtiers"``); with ``"weights_sleep":
-true`` (that load format only) the engine's weights are then put to sleep and woken in every worker
+true`` (that load format only) the engine's weights are then put to sleep, a request is sent (``weights``'
+``asleep_request``: the error it met), and the weights are woken in every worker
 (:mod:`kvtiers.integrations.vllm.weights_sleep`; ``OUT.json``'s ``weights`` says what each did) and the
 first round is served again, as round ``len(runs)``. One engine per process:
 vLLM's CPU platform binds OpenMP threads at start-up, and a second engine in one process
@@ -281,7 +282,13 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     if job.get("weights_sleep"):  # the kvtiers load format's sleep and wake, then the first round again
         from ..integrations.vllm.weights_sleep import sleep_weights, wake_weights
 
-        weights = {"sleep": llm.collective_rpc(sleep_weights), "wake": llm.collective_rpc(wake_weights)}
+        weights = {"sleep": llm.collective_rpc(sleep_weights)}
+        try:  # a request while asleep: refused with the documented error, the engine serving on
+            llm.generate([{"prompt_token_ids": prompts[rounds[0][0]]}], params, use_tqdm=False)
+            weights["asleep_request"] = {"served": True}
+        except Exception as e:  # noqa: BLE001 - what the caller saw is the result
+            weights["asleep_request"] = {"error": f"{type(e).__name__}: {e}"}
+        weights["wake"] = llm.collective_rpc(wake_weights)
         llm.reset_prefix_cache()
         serve(len(rounds), rounds[0])
     metrics = _settled(llm, params, float(job.get("settle_s", 60.0)))

@@ -45,6 +45,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from ...engine.weights import ModelWeights, WeightsIdentity
+from .frontend import ERROR_FILE_ENV
 from .kernels import linear_kernels
 from .loader_config import LoaderConfig, parse_loader_config
 from .weights_heads import Heads
@@ -64,6 +65,18 @@ def layout_version(model: nn.Module) -> str:
 
     major_minor = ".".join(str(vllm.__version__).split("+")[0].split(".")[:2])
     return f"vllm-{major_minor}/{type(model).__name__}"
+
+
+def _tell_frontend(line: str) -> None:
+    """Leave the one line that stops this engine's start where vLLM's frontend reads it, to end
+    with it (:mod:`.frontend`; outside such a frontend, nowhere)."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(line + "\n")
+        except OSError:
+            pass
 
 
 def _rank() -> tuple[int, int]:
@@ -161,8 +174,12 @@ class KvtiersModelLoader(BaseModelLoader):
         except (LookupError, ValueError, RuntimeError, TimeoutError, OSError) as e:
             reason = " ".join(str(e).split())  # one line
             if not self._has_checkpoint(model_config):
-                raise RuntimeError(f"kvtiers load format: cannot fork {ident}: {reason}; and {model_config.model} "
-                                   f"has no checkpoint to fall back to") from None
+                line = (f"kvtiers load format: cannot fork {ident}: {reason}; and {model_config.model} has no "
+                        f"checkpoint to fall back to: publish the model first (an engine with mode 'publish', "
+                        f"the same name, revision and tensor-parallel size, on these tiers), or start from a "
+                        f"model directory with its weight files")
+                _tell_frontend(line)
+                raise RuntimeError(line) from None
             log.warning("kvtiers: forking %s failed (%s); loading the checkpoint of %s instead", ident, reason,
                         model_config.model)
             self._checkpoint.load_weights(model, model_config)

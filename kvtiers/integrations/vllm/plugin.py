@@ -50,6 +50,12 @@ def register() -> None:
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
     register_load_format()
+    try:  # the frontend's side of the load format (kvtiers.integrations.vllm.frontend)
+        from .frontend import install
+
+        install()
+    except Exception as e:  # noqa: BLE001 - as for the load format
+        log.warning("kvtiers: the frontend hooks of the load format 'kvtiers' are unavailable in this vLLM: %s", e)
 
     try:
         names = vllm_type_names()

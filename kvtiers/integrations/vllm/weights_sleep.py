@@ -23,10 +23,13 @@ Both run in every worker through ``collective_rpc``::
     llm.collective_rpc(sleep_weights)   # per rank: bytes freed
     llm.collective_rpc(wake_weights)    # per rank: bytes filled, chunks per tier, layers packed
 
-A request served while asleep fails (the engine reports the error) instead of computing with
-no weights. The wake reads what the tiers hold under the identity the engine started with: a
-tier that lost those chunks meanwhile makes the wake fail naming the identity, and the engine
-stays asleep (restart it, with the checkpoint or ``mode: fork`` from another copy).
+While asleep, no layer runs: vLLM's frontend refuses a request with :data:`ASLEEP_ERROR`
+before it reaches the engine (:mod:`.frontend`), which stays up and can be woken; a request
+that reaches a worker anyway fails there with the same error, before the model is called.
+
+The wake reads what the tiers hold under the identity the engine started with: a tier that
+lost those chunks meanwhile makes the wake fail naming the identity, and the engine stays
+asleep (a later wake that finds them succeeds).
 """
 
 from __future__ import annotations
@@ -41,9 +44,12 @@ from ...engine.weights_chunks import StorageEntry, TensorEntry
 from ...engine.weights_memory import free_storages, restore_storages
 from .kernels import linear_kernels
 
-__all__ = ["LoadedWeights", "remember_load", "sleep_weights", "wake_weights"]
+__all__ = ["ASLEEP_ERROR", "LoadedWeights", "remember_load", "sleep_weights", "wake_weights", "weights_asleep"]
 
 _ATTR = "_kvtiers_loaded_weights"
+#: what a request, or a layer, is told while the weights sleep
+ASLEEP_ERROR = ("kvtiers: this engine's weights are asleep (sleep_weights); wake them with wake_weights "
+                "before serving")
 
 
 @dataclass
@@ -78,8 +84,33 @@ def _loaded(model: Any, action: str) -> LoadedWeights:
 
 
 def _asleep_linear(x: Any, weight: Any, bias: Any) -> Any:
-    raise RuntimeError("kvtiers: this engine's weights are asleep (sleep_weights); wake them with wake_weights "
-                       "before serving")
+    raise RuntimeError(ASLEEP_ERROR)
+
+
+def weights_asleep(worker: Any) -> bool:
+    """Whether ``worker``'s model sleeps (through ``collective_rpc``: vLLM's frontend asks after
+    each sleep or wake, :mod:`.frontend`)."""
+    state = getattr(worker.model_runner.model, _ATTR, None)
+    return bool(state is not None and state.asleep)
+
+
+def _refuse_batches(worker: Any) -> None:
+    """Make ``worker`` refuse every batch with tokens to compute, before its model is called (no
+    layer touches the freed storage, the embedding's included), until :func:`_serve_batches`."""
+    run = getattr(worker, "execute_model", None)
+    if run is None:  # not a vLLM worker (tests drive the model directly)
+        return
+
+    def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(scheduler_output, "total_num_scheduled_tokens", 0):
+            raise RuntimeError(ASLEEP_ERROR)
+        return run(scheduler_output, *args, **kwargs)
+
+    worker.execute_model = execute_model  # an instance attribute over the class's method
+
+
+def _serve_batches(worker: Any) -> None:
+    vars(worker).pop("execute_model", None)
 
 
 def _has_kernel_copy(module: Any) -> bool:
@@ -121,6 +152,7 @@ def sleep_weights(worker: Any) -> dict[str, Any]:
     state.freed = _storages(getattr(*_owner(model, e.name)) for e in state.layout)
     free_storages(state.freed)
     give_back_memory({"cpu"})
+    _refuse_batches(worker)
     state.asleep = True
     return {"rank": state.identity.rank, "rss_before": rss0, "rss_after": rss_bytes(),
             "layers_unpacked": len(state.packed), "seconds": time.perf_counter() - t0}
@@ -167,6 +199,7 @@ def wake_weights(worker: Any) -> dict[str, Any]:
             module.quant_method.process_weights_after_loading(module)
     kernels = linear_kernels(model)
     state.asleep, state.freed = False, []
+    _serve_batches(worker)
     if kernels != state.kernels:
         raise RuntimeError(f"kvtiers: the woken engine's linear layers per kernel are {kernels}, "
                            f"they were {state.kernels} before the sleep")
