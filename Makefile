@@ -154,6 +154,13 @@ bench-serve: $(VLLM_STAMP) multi-turn-client
 	  $(BENCH_SERVE_ARGS) --json > build/bench-serve.json
 	$(VLLM_VENV)/bin/kvtiers bench serve --report build/bench-serve.json --plot build/bench-serve.png
 
+# docs/admission.md#what-it-saves: each "admit" option on a serving trace (one-shot prompts and
+# shared prefixes) through the manager and a real fs tier, 3 rounds interleaved (a few minutes)
+.PHONY: bench-admission
+bench-admission: $(VENV)/.installed
+	mkdir -p build
+	$(VENV)/bin/python -m kvtiers.commands.bench.admission 400 3 | tee build/bench-admission.jsonl
+
 # an hour of serving (docs/bench.md#serving-soak): one kvtiers vllm serve, arena + fs bounded,
 # vLLM's client at a steady rate, sampled every minute; make bench-serve-soak2: two servers
 # on one fs root for 20 minutes. make test runs a one-minute one (tests/test_serve_soak.py)

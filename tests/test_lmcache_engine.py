@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 from test_lmcache_adapter import LMCACHE_PY, needs_lmcache
-from vllm_engines import AT_ONCE, PREFIX, ROOT, X0, Y0, describe, job, reference, start_reference
+from vllm_engines import AT_ONCE, PREFIX, ROOT, X0, Y0, describe, job, phase_nice, reference, start_reference
 
 from kvtiers.commands.vllm_engine import spawn
 from kvtiers.launcher import ChildProcess, free_port, http_answers, tcp_listening
@@ -100,7 +100,7 @@ def lmcache_engine(name: str, server: Server, runs: list[list[int]], workdir: Pa
     spec = job(server.kv_transfer_config(), runs, cache_salts={str(i): SALT for i in salted})
     with AT_ONCE:
         return spawn(spec, workdir, name, python=str(LMCACHE_PY),
-                     env={**os.environ, "KVTIERS_BUILD_DIR": str(ROOT / "build")})
+                     env={**os.environ, "KVTIERS_BUILD_DIR": str(ROOT / "build")}, nice=phase_nice())
 
 
 def run_engines(workdir: Path) -> dict[str, Any]:

