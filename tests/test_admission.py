@@ -183,3 +183,21 @@ def test_a_load_offers_its_chunks_too(managers):
     settle(mgr)
     assert answers(mem, [key(0)]) == [Lookup.HIT]
     assert mgr.reuse.offers == 2
+
+
+def test_a_short_serving_trace_writes_half_or_less_to_fs(tmp_path):
+    """The benchmark of docs/admission.md#what-it-saves, short: one-shot prompts and shared
+    prefixes through the manager and a real fs tier; ``min_offers`` 2 writes at most half the
+    bytes of admitting everything and keeps most of its hits (req/s is in the docs, measured
+    by ``make bench-admission``, not asserted on a shared machine)."""
+    from kvtiers.commands.bench.admission import make_trace, run_trace
+
+    trace = make_trace(requests=80, seed=3)
+    everything = run_trace(trace, admit=None, root=tmp_path / "all", compute_s_per_chunk=0.0)
+    admitted = run_trace(trace, admit={"min_offers": 2}, root=tmp_path / "two", compute_s_per_chunk=0.0)
+    assert everything["fs_write_bytes"] > 0
+    assert admitted["fs_write_bytes"] <= 0.5 * everything["fs_write_bytes"]
+    assert admitted["admission"]["declined"] > 0 and admitted["admission"]["admitted"] > 0
+    assert admitted["hit_rate"] >= 0.6 * everything["hit_rate"] > 0  # the first offer of each shared chunk is given up
+    exact = 1 - len({k for r in trace.requests for k in r}) / trace.offers
+    assert abs(everything["reuse_ceiling"] - exact) <= 0.0244

@@ -152,6 +152,9 @@ class KvtiersTier(SecondaryTierManager):
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         name = self._tier_name(tier_type, tier)
+        if "admit" in options:  # the manager's cascade applies it (docs/admission.md); vLLM cascades by itself
+            raise ConfigError(f"secondary tier {tier_type!r}: option 'admit' is not applied under vLLM's tiering "
+                              "(vLLM cascades every store itself); remove it")
         if type(self).kvtiers_tier is None and name in MEDIUM:  # the generic class: medium from the tier
             self.medium = MEDIUM[name]
             self.cache_hit_source = {Medium.CPU: CacheHitSource.HOST, Medium.STORAGE: CacheHitSource.DISK}[self.medium]
