@@ -248,16 +248,19 @@ def json_depth(text: bytes) -> int:
     n = len(b)
     if not n:
         return 0
-    idx = np.arange(n, dtype=np.int64)
+    wide = np.int32 if n < 1 << 31 else np.int64  # 4 bytes per byte of text where that will do
+    idx = np.arange(n, dtype=wide)
     # before each byte, the run of backslashes that ends there: a quote after an odd run is escaped
     plain = np.maximum.accumulate(np.where(b != _BACKSLASH, idx, -1))  # the last non-backslash so far
-    run = np.zeros(n, dtype=np.int64)
+    run = np.zeros(n, dtype=wide)
     run[1:] = idx[:-1] - plain[:-1]
+    del idx, plain
     quotes = (b == _QUOTE) & (run % 2 == 0)
-    inside = np.cumsum(quotes, dtype=np.int64) % 2 == 1  # after an opening quote, up to its closing one
-    steps = np.isin(b, _OPEN).astype(np.int64) - np.isin(b, _CLOSE).astype(np.int64)
+    del run
+    inside = np.cumsum(quotes, dtype=wide) % 2 == 1  # after an opening quote, up to its closing one
+    steps = np.isin(b, _OPEN).astype(np.int8) - np.isin(b, _CLOSE).astype(np.int8)
     steps[inside] = 0
-    return max(0, int(np.cumsum(steps).max()))
+    return max(0, int(np.cumsum(steps, dtype=wide).max()))
 
 
 def parse_manifest(raw: bytes | memoryview | np.ndarray) -> dict[str, Any]:
