@@ -45,7 +45,7 @@ $(BASE): pyproject.toml Makefile
 # hicache modules import come from the `engines` extra (docs/vllm.md, docs/sglang.md)
 $(STAMP): $(BASE)
 	$(IBVERBS)
-	$(BIN)/pip install -q "$(TORCH)" -e ".[obj,observe,plot,test,nixl,p2p,mooncake,engines,encrypt]" -e ./examples/kvtiers-sqlite
+	$(BIN)/pip install -q "$(TORCH)" -e ".[obj,observe,plot,test,nixl,p2p,mooncake,engines,encrypt,compress]" -e ./examples/kvtiers-sqlite
 	$(BIN)/pip install -q --no-deps "$(TORCH)" $(ENGINES)
 	touch $(STAMP)
 

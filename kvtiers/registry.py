@@ -295,10 +295,13 @@ def open_tier(
     """Check ``options`` and construct the tier ``type_name`` (a registered name, an import
     path ``pkg.module:Class`` or a class) on ``ctx``; return its :class:`TierHandle`.
 
-    The option ``"encrypt"`` is the core's, for any tier: it is taken out, and the tier is
-    opened behind :mod:`kvtiers.encryption`'s sealing wrapper (docs/security.md)."""
+    The options ``"compress"`` and ``"encrypt"`` are the core's, for any tier: they are taken
+    out, and the tier is opened behind :mod:`kvtiers.compression`'s compressing wrapper
+    (docs/compression.md) in front of :mod:`kvtiers.encryption`'s sealing wrapper
+    (docs/security.md): chunks are compressed, then sealed, then stored."""
     options = dict(options or {})
     encrypt = options.pop("encrypt", None)
+    compress = options.pop("compress", None)
     admit = options.pop("admit", None)  # the manager's cascade reads it (kvtiers.engine.admission): kept on the handle
     if isinstance(type_name, type):
         name = f"{type_name.__module__}:{type_name.__qualname__}"
@@ -309,7 +312,10 @@ def open_tier(
     check_options(info.name, info.cls, options)
     if admit is not None:
         parse_admit(info.name, admit)  # a bad "admit" is an error at open
-    handle = _open_handle(info, options, ctx, encrypt, registry)
+    if compress is not None:
+        handle = _open_compressed(info, options, ctx, encrypt, compress, registry)
+    else:
+        handle = _open_handle(info, options, ctx, encrypt, registry)
     handle.admit = admit
     return handle
 
@@ -325,6 +331,17 @@ def _open_handle(info: TierInfo, options: dict[str, Any], ctx: TierContext, encr
         inner = TierHandle(info, tier, sealing.ctx, sealing.options)
         return TierHandle(info, tier, ctx, options, hooks=sealing.wrap(inner))
     return TierHandle(info, construct_tier(info, options, ctx), ctx, options)
+
+
+def _open_compressed(info: TierInfo, options: dict[str, Any], ctx: TierContext, encrypt: Any, compress: Any,
+                     registry: Registry | None) -> TierHandle:
+    """The tier (sealed with ``encrypt``) on a staging arena of pieces, the compressing
+    wrapper in front (kvtiers.compression)."""
+    from .compression import Compression
+
+    compression = Compression.prepare(info.name, compress, ctx)
+    inner = _open_handle(info, options, compression.ctx, encrypt, registry)
+    return TierHandle(info, inner.tier, ctx, options, hooks=compression.wrap(inner))
 
 
 def construct_tier(info: TierInfo, options: Mapping[str, Any], ctx: TierContext) -> Any:

@@ -6,6 +6,7 @@ import os
 import pathlib
 
 from kvtiers import Lookup
+from kvtiers.compression import medium_namespace
 
 from ..harness import CheckSkipped, Harness, Instance, NotCertified, fail, qkey
 from ..rules import check
@@ -125,7 +126,7 @@ def _corrupt_with_hook(h: Harness, corrupt) -> None:
     damaged = keys[::2]
     for k in damaged:
         try:
-            corrupt(h.options(), h.namespace(t.slot_bytes), k)
+            corrupt(h.options(), medium_namespace(h.options(), h.namespace(t.slot_bytes), t.slot_bytes), k)
         except NotImplementedError as e:  # e.g. a production server that takes no fault injection
             raise NotCertified(f"conformance_corrupt was refused by the backend ({type(e).__name__}: {e}): "
                                "the corruption path was not tested") from None
