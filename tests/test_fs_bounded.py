@@ -10,7 +10,7 @@ import time
 
 from kvtiers_fs import layout, snapshot
 from kvtiers_fs.keytable import dir_of, fingerprint, fingerprints
-from test_fs_helpers import SLOT, Env, chunk_files, resolve, wait_for
+from test_fs_helpers import SLOT, chunk_files, resolve, two_envs, wait_for
 
 from kvtiers import Job, Lookup
 
@@ -114,8 +114,7 @@ def test_a_file_being_read_is_never_evicted(env, monkeypatch):
 def test_unlink_by_another_instance_while_reading_is_safe(tmp_path, monkeypatch):
     """POSIX keeps an unlinked file's data for descriptors already open: a load that
     opened the file before another instance evicted it still gets the exact bytes."""
-    a, b = Env(str(tmp_path)), Env(str(tmp_path))
-    try:
+    with two_envs(tmp_path) as (a, b):
         ta = a.open()
         assert ta.scanned.wait(30)  # (a listing after b's eviction would forget "shared" unreported)
         assert a.store(ta, [b"shared"]).ok
@@ -138,14 +137,10 @@ def test_unlink_by_another_instance_while_reading_is_safe(tmp_path, monkeypatch)
         r = a.load(ta, [b"shared"])
         assert r.failed_keys == (b"shared",)
         assert (b"shared", "missing") in a.removed
-    finally:
-        a.close()
-        b.close()
 
 
 def test_two_bounded_instances_on_one_root_stay_correct(tmp_path):
-    a, b = Env(str(tmp_path)), Env(str(tmp_path))
-    try:
+    with two_envs(tmp_path) as (a, b):
         ta, tb = a.open(max_bytes=6 * FILE), b.open(max_bytes=6 * FILE)
         for i in range(6):
             ka = [b"a%d-%d" % (i, j) for j in range(3)]
@@ -160,9 +155,6 @@ def test_two_bounded_instances_on_one_root_stay_correct(tmp_path):
         assert [ta.is_cleaner, tb.is_cleaner] == [True, False]
         ta._scan_once(clean=False, full=False)
         assert len(chunk_files(str(tmp_path))) <= 6
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_chunk_being_stored_is_neither_counted_twice_nor_evicted():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from kvtiers_fs import FsTier
 from tier_helpers import resolve_lookup, wait_job  # the test_fs_* files import wait_job from here
@@ -80,6 +82,17 @@ class Env:
         for t in self.tiers:
             if not t._closed:
                 t.close()
+
+
+@contextmanager
+def two_envs(root) -> Iterator[tuple[Env, Env]]:
+    """Two instances of the tier on one root directory, each with its own arena; both closed after."""
+    a, b = Env(str(root)), Env(str(root))
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
 
 
 def resolve(tier, keys, timeout: float = 5.0) -> list[Lookup]:

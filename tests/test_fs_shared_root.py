@@ -11,7 +11,7 @@ import time
 
 import pytest
 from kvtiers_fs import gc, layout
-from test_fs_helpers import SLOT, Env, chunk_files, resolve, wait_for
+from test_fs_helpers import SLOT, Env, chunk_files, resolve, two_envs, wait_for
 
 from kvtiers import Lookup
 
@@ -255,8 +255,7 @@ def test_a_writer_in_another_pid_namespace_keeps_its_temp_file(tmp_path):
 
 def test_a_rescan_learns_the_others_files_and_removals(tmp_path):
     file_bytes = layout.file_bytes(SLOT)
-    a, b = Env(str(tmp_path)), Env(str(tmp_path))
-    try:
+    with two_envs(tmp_path) as (a, b):
         tb = b.open()
         ta = a.open(max_bytes=8 * file_bytes, rescan_seconds=0.05)
         assert ta.scanned.wait(30)
@@ -275,9 +274,6 @@ def test_a_rescan_learns_the_others_files_and_removals(tmp_path):
         wait_for(lambda: theirs[2] not in ta.index and ta.index.used == 7 * file_bytes, timeout=10,
                  what="the rescan to notice")
         assert resolve(ta, [theirs[2]]) == [Lookup.MISS]
-    finally:
-        a.close()
-        b.close()
 
 
 def test_merge_scan_orders_by_mtime_or_own_use_and_keeps_what_changed_meanwhile():
@@ -304,8 +300,7 @@ def test_probes_and_loads_of_the_others_chunks_never_make_an_instance_evict_them
     own stores must not evict those fresh chunks (they are not the oldest in the namespace:
     A's old ones are); its next rescan evicts the oldest, A's old chunks, first."""
     file_bytes = layout.file_bytes(SLOT)
-    a, b = Env(str(tmp_path)), Env(str(tmp_path))
-    try:
+    with two_envs(tmp_path) as (a, b):
         ta = a.open()
         tb = b.open(max_bytes=13 * file_bytes, rescan_seconds=3600.0)
         assert tb.scanned.wait(30)  # B's view: empty
@@ -327,6 +322,3 @@ def test_probes_and_loads_of_the_others_chunks_never_make_an_instance_evict_them
         evicted = [k for k, why in b.removed if why == "evicted"]
         assert len(evicted) == 11 and set(evicted[:10]) == set(old)  # oldest first
         assert len(left) == 13 and set(left) >= {k.hex() + ".bin" for k in mine}
-    finally:
-        a.close()
-        b.close()

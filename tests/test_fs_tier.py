@@ -10,7 +10,7 @@ import time
 
 import pytest
 from kvtiers_fs import FsTier, direct, layout
-from test_fs_helpers import SLOT, Env, chunk_files, open_fds, pattern, resolve, tier_threads, wait_for
+from test_fs_helpers import SLOT, Env, chunk_files, open_fds, pattern, resolve, tier_threads, two_envs, wait_for
 
 import kvtiers
 from kvtiers import Arena, Job, Lookup, Namespace, TierContext
@@ -109,8 +109,7 @@ def test_existing_chunk_is_success_without_rewrite(env):
 
 
 def test_two_instances_share_a_root(tmp_path):
-    a, b = Env(str(tmp_path)), Env(str(tmp_path))
-    try:
+    with two_envs(tmp_path) as (a, b):
         ta, tb = a.open(), b.open()
         keys = [b"shared-%d" % i for i in range(8)]
         assert tb.lookup(keys[:1]) == [RETRY]  # unknown: probed off-thread
@@ -132,21 +131,14 @@ def test_two_instances_share_a_root(tmp_path):
         assert len([f for f in chunk_files(str(tmp_path)) if "626f7468" in f]) == 8
         assert a.load(ta, same).ok
         a.check(same)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_negative_ttl_zero_sees_other_instances_at_once(tmp_path):
-    a, b = Env(str(tmp_path)), Env(str(tmp_path))
-    try:
+    with two_envs(tmp_path) as (a, b):
         ta, tb = a.open(), b.open(negative_ttl=0.0)
         assert resolve(tb, [b"late"]) == [MISS]  # RETRY still resolves with no negative cache
         assert a.store(ta, [b"late"]).ok
         assert resolve(tb, [b"late"]) == [HIT]
-    finally:
-        a.close()
-        b.close()
 
 
 def test_lookup_is_fast_and_does_no_io_on_the_callers_thread(env, monkeypatch):
