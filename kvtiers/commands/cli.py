@@ -87,6 +87,8 @@ def cli(verbose: int) -> None:
         "arena": ("kvtiers.commands.bench.arena:arena", "Device<->arena chunk copies against np.copyto."),
         "lmcache": ("kvtiers.commands.bench.lmcache:lmcache",
                     "LMCache's server bench through the kvtiers fs L2 adapter vs LMCache's own fs adapter."),
+        "compress": ("kvtiers.commands.bench.compress:compress",
+                     "A tier with and without \"compress\": ratio, store and load GB/s on KV-like bytes."),
         "asynctier": ("kvtiers.commands.bench.asynctier:asynctier",
                       "Cost per key of the AsyncTier base class (no I/O)."),
         "serve": ("kvtiers.commands.bench.serve:serve", "Offloading on a real vllm serve under vLLM's own client."),
