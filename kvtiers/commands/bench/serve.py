@@ -35,6 +35,7 @@ from typing import Any
 
 import click
 
+from . import serve_identity
 from . import serve_metrics as sm
 from . import serve_multiturn as mtc
 from . import serve_run as sr
@@ -164,8 +165,9 @@ def _one_server(cfg: sr.Config, repeat: int, settings: sr.ServeSettings, work: W
                 size = "conversations" if workload == "multi-turn" else "prefixes"
                 bar.advance(note=f"{cfg.name} r{repeat} {workload} {prefixes} {size} C={conc}: "
                                  f"{res.get('request_throughput', 0):.2f} req/s")
-            run["greedy"] = sr.greedy_outputs(srv.base_url, settings.model, sr.greedy_prompts(settings),
-                                              settings.output_len)
+            run["greedy"], run["greedy_logprobs"] = sr.greedy_answers(
+                srv.base_url, settings.model, sr.greedy_prompts(settings), settings.output_len,
+                top_k=serve_identity.TOP_K)
         except OSError as e:  # the server stopped answering: say why, and go on with the next one
             if srv.alive() and not sr.engine_error(log):
                 raise
@@ -251,11 +253,7 @@ def _mean_dicts(ds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _identity(report: dict[str, Any]) -> None:
-    runs = [r for r in report["runs"] if r.get("greedy") is not None]
-    ref = runs[0]["greedy"] if runs else None
-    differ = sorted({f"{r['config']} r{r['repeat']}" for r in runs if r["greedy"] != ref})
-    report["identity"] = {"reference": f"{runs[0]['config']} r0" if runs else None, "prompts": len(ref or []),
-                          "identical": not differ, "differ": differ}
+    serve_identity.identity(report)
 
 
 def _soak_out(rep: dict[str, Any], plot_file: str | None, as_json: bool) -> None:

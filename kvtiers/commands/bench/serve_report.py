@@ -83,11 +83,7 @@ def render(rep: dict[str, Any]) -> str:
                          f"{cached}; {_tiers_text(r['tiers'])}" + (f"; {extra}" if extra else ""))
     ident = rep["identity"]
     lines.append("")
-    if ident["identical"]:
-        lines.append(f"greedy tokens: identical across every configuration ({ident['prompts']} prompts, "
-                     f"reference {ident['reference']})")
-    else:
-        lines.append(f"greedy tokens: DIFFER from {ident['reference']} in {', '.join(ident['differ'])}")
+    lines.extend(identity_lines(ident))
     for run in rep["runs"]:
         if run.get("error"):
             lines.append(f"FAILED: {run['error']}")
@@ -126,3 +122,19 @@ def plot(rep: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def identity_lines(ident: dict[str, Any]) -> list[str]:
+    """The correctness check's lines: token ids, and top-k logprobs where they were compared."""
+    lp = ident.get("logprobs")
+    what = "greedy tokens and top-k logprobs" if lp else "greedy tokens"
+    if ident["identical"]:
+        lines = [f"{what}: identical across every configuration ({ident['prompts']} prompts, "
+                 f"reference {ident['reference']})"]
+    else:
+        lines = [f"{what}: DIFFER from {ident['reference']} in {', '.join(ident['differ'])}"]
+    if lp:
+        worst = max(lp["max_diff"].values(), default=0.0)
+        lines.append(f"  top-{lp['top_k']} logprobs: largest difference from the reference {worst:.4g}, "
+                     f"tolerance {lp['tolerance']:.4g} (the plain runs' own: repeats, computed vs cached prefix)")
+    return lines

@@ -27,8 +27,8 @@ from typing import Any
 from ...launcher import ChildProcess, LaunchError, free_port, http_answers
 from ..vllm_engine import ENGINE_ENV, offload_config, prompt_family
 
-__all__ = ["BUILTIN", "Config", "ServeSettings", "VllmServer", "bench_cell", "configs_for", "greedy_outputs",
-           "check_tier", "engine_error", "shm_regions", "tier_entry"]
+__all__ = ["BUILTIN", "Config", "ServeSettings", "VllmServer", "bench_cell", "configs_for", "greedy_answers",
+           "greedy_outputs", "check_tier", "engine_error", "shm_regions", "tier_entry"]
 
 #: configurations that are not "host arena + one kvtiers tier"; ``ceiling``: no offloading, a
 #: device cache that holds the largest working set (:func:`ceiling_blocks`)
@@ -253,16 +253,39 @@ def greedy_prompts(settings: ServeSettings, n: int = 3) -> list[list[int]]:
 def greedy_outputs(base_url: str, model: str, prompts: list[list[int]], max_tokens: int = 16,
                    timeout: float = 300.0) -> list[list[int] | str]:
     """Each prompt's greedy output (token ids where the server returns them, else text)."""
+    return greedy_answers(base_url, model, prompts, max_tokens, timeout, top_k=0)[0]
+
+
+def greedy_answers(base_url: str, model: str, prompts: list[list[int]], max_tokens: int = 16,
+                   timeout: float = 300.0, top_k: int = 5,
+                   ) -> tuple[list[list[int] | str], list[list[dict[int, float]]]]:
+    """Each prompt's greedy output (token ids where the server returns them, else text) and,
+    with ``top_k`` > 0, the ``top_k`` most likely tokens and their logprobs at each generated
+    position (token id -> logprob)."""
     outs: list[list[int] | str] = []
+    tops: list[list[dict[int, float]]] = []
     for p in prompts:
-        body = json.dumps({"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
-                           "ignore_eos": True, "return_token_ids": True}).encode()
-        req = urllib.request.Request(base_url + "/v1/completions", data=body,
+        req_body: dict[str, Any] = {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
+                                    "ignore_eos": True, "return_token_ids": True}
+        if top_k:
+            req_body.update(logprobs=top_k, return_tokens_as_token_ids=True)
+        req = urllib.request.Request(base_url + "/v1/completions", data=json.dumps(req_body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
             choice = json.loads(r.read())["choices"][0]
         outs.append(choice.get("token_ids") or choice.get("text", ""))
-    return outs
+        if top_k:
+            per_pos = (choice.get("logprobs") or {}).get("top_logprobs") or []
+            tops.append([{_token_id(t): float(lp) for t, lp in (pos or {}).items()} for pos in per_pos])
+    return outs, tops
+
+
+def _token_id(token: str) -> int:
+    """``token_id:123`` (vLLM's ``return_tokens_as_token_ids``) -> 123."""
+    head, _, num = token.rpartition(":")
+    if head != "token_id" or not num.lstrip("-").isdigit():
+        raise ValueError(f"vLLM answered a logprob token {token!r}, not 'token_id:N'")
+    return int(num)
 
 
 def warm_up(base_url: str, model: str) -> None:
