@@ -22,3 +22,33 @@ def test_admit_on_a_vllm_secondary_tier_is_a_one_line_error(tmp_path) -> None:
     with pytest.raises(ConfigError) as e:
         lookup_wait.make_manager(str(tmp_path), 16, {"admit": {"min_offers": 2}})
     assert "option 'admit' is not applied under vLLM's tiering" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_reuse_ceiling_reaches_vllms_metrics(tmp_path) -> None:
+    """The vLLM adapter counts the chunks vLLM stores (its cascade) and loads (from the primary
+    tier, ``refresh``; promotions) and reports ``kvtiers_reuse_ceiling`` per window in its
+    stats, which vLLM's Prometheus logger exports on /metrics beside the tier's hit counts
+    (docs/observability.md#the-reuse-ceiling)."""
+    import numpy as np
+    from test_vllm_namespace import MODULE, ROW, Engine
+    from test_vllm_stats_series import rendered
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    from kvtiers.integrations.vllm import KvtiersOffloadingSpec
+
+    tier_cfg = {"type": "kvtiers_fs", "module_path": MODULE, "root_dir": str(tmp_path / "kv")}
+    rng = np.random.default_rng(0)
+    chunks = {make_offload_key(rng.bytes(32), 0): rng.bytes(ROW) for _ in range(5)}
+    e = Engine(tier_cfg, spec=KvtiersOffloadingSpec)
+    try:
+        e.store(chunks)
+        (tier,) = e.m.secondary_tiers
+        tier.refresh(list(chunks)[:2], None)  # two of them loaded again from the primary tier
+        stats = [e.m.get_stats()]
+    finally:
+        e.close()
+    assert tier.reuse.offers == 7
+    m = rendered(stats, [tier_cfg])
+    for window in ("15m", "1h", "1d"):
+        assert m[f'kvtiers_reuse_ceiling{{tier="kvtiers_fs",window="{window}"}}'] == pytest.approx(2 / 7, abs=0.01)
+    assert m['kvtiers_tier_write_bytes_total{tier="kvtiers_fs"}'] == 5 * ROW

@@ -105,6 +105,7 @@ JOB_FAILURES = "kvtiers_tier_job_failures"
 IN_FLIGHT = "kvtiers_tier_jobs_in_flight"
 TIER_BACKLOG = "kvtiers_tier_backlog"
 EVICTIONS = "kvtiers_tier_evictions"
+REUSE_CEILING = "kvtiers_reuse_ceiling"
 HOST_SLOTS = "kvtiers_host_slots"
 HOST_USED = "kvtiers_host_used_slots"
 HOST_PINNED = "kvtiers_host_pinned_slots"
@@ -128,6 +129,9 @@ def tier_series_definitions() -> dict[str, OffloadingMetricMetadata]:
         documentation="Accepted jobs not reported yet, as the tier says (backlog hook).", labelnames=(TIER_LABEL,))
     defs[EVICTIONS] = OffloadingCounterMetadata(
         documentation="Chunks a tier removed on its own (ctx.removed), by reason.", labelnames=(TIER_LABEL, "reason"))
+    defs[REUSE_CEILING] = OffloadingGaugeMetadata(  # kvtiers.engine.reuse
+        documentation="Share of chunk offers that repeat an earlier one within the window: the hit rate an "
+                      "unbounded cache would reach (HyperLogLog estimate).", labelnames=(TIER_LABEL, "window"))
     return defs
 
 
@@ -194,6 +198,12 @@ class TierSeries:
 
     def backlog(self, stats: Any, backlog: int) -> None:
         stats.set_gauge(TIER_BACKLOG, backlog, labelvalues=(self.label,))
+
+    def reuse(self, stats: Any, ceilings: dict[str, float | None]) -> None:
+        """The reuse ceiling per window (kvtiers.engine.reuse), once there were offers."""
+        for window, value in ceilings.items():
+            if value is not None:
+                stats.set_gauge(REUSE_CEILING, value, labelvalues=(self.label, window))
 
 
 def host_stats(primary: Any, loads: Counter[str] | None = None) -> Any:

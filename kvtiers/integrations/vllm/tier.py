@@ -71,6 +71,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...encryption.tenants import as_tenant
+from ...engine.reuse import ReuseEstimator
 from ...errors import ConfigError
 from ...metrics import TierObserver
 from ...registry import TierHandle, open_tier
@@ -193,6 +194,7 @@ class KvtiersTier(SecondaryTierManager):
         self.handle.add_wrapper(observer, name="kvtiers-metrics")
         ctx.add_removed_listener(observer.removed)
         self._series = TierSeries(tier_type, observer)
+        self.reuse = ReuseEstimator()  # the reuse ceiling of the keys vLLM stores and loads (docs/observability.md)
         log.info("vLLM secondary tier %r: kvtiers tier %r, namespace %s, %d chunks of %d bytes",
                  tier_type, name, self.namespace.digest, len(self.arena), self.arena.slot_bytes)
         if not HAS_CONFIG_INFO:
@@ -276,7 +278,9 @@ class KvtiersTier(SecondaryTierManager):
 
     def refresh(self, keys: Iterable[OffloadKey], req_context: ReqContext | None) -> None:
         """Mark ``keys`` (vLLM's) recently used in the kvtiers tier, as the request's tenant."""
-        self._touch([self._key(k) for k in keys], tenant_of(req_context))
+        tier_keys = [self._key(k) for k in keys]
+        self.reuse.offer(tier_keys)  # a load from the primary tier offers its chunks
+        self._touch(tier_keys, tenant_of(req_context))
 
     def _touch(self, keys: list[bytes], tenant: str | None) -> None:
         if not keys or self._closed:
@@ -299,6 +303,7 @@ class KvtiersTier(SecondaryTierManager):
 
     def _submit(self, tj: TransferJob, submit: Any) -> None:
         keys = tuple(self._key(k) for k in tj.keys)
+        self.reuse.offer(keys)  # a store (vLLM's cascade) or a promotion offers its chunks
         self._jobs[tj.job_id] = _Pending(tj, keys)
         try:
             if self._closed:
@@ -401,6 +406,7 @@ class KvtiersTier(SecondaryTierManager):
         stats = self._stats.take(backlog)
         self._series.take(stats)
         self._series.backlog(stats, backlog)
+        self._series.reuse(stats, self.reuse.summary())
         return stats
 
     # vLLM 0.33's info-metric hooks; vLLM 0.32 has none and never calls them (see compat.py)
