@@ -112,7 +112,7 @@ class AsyncTier:
 
     ``put``/``get_into`` and the batch calls must stop touching their buffers once
     cancelled. A bounded tier reports what it drops with :meth:`evicted`.
-    docs/writing-a-tier.md says when each attribute is read.
+    docs/asynctier.md says when each attribute is read.
     """
 
     levels = frozenset({"core"})
