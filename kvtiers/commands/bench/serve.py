@@ -158,8 +158,9 @@ def _one_server(cfg: sr.Config, repeat: int, settings: sr.ServeSettings, work: W
                 cell = {"workload": workload, "prefixes": prefixes, "concurrency": conc, "seed": seed,
                         "bench": {k: res.get(k) for k in BENCH_FIELDS}, "load": [load0, sr.load_now()]}
                 run["cells"].append(cell)
-                d = sm.delta(before, sm.scrape(srv.base_url))
-                cell["metrics"] = sm.summarize(d)
+                after = sm.scrape(srv.base_url)
+                d = sm.delta(before, after)
+                cell["metrics"] = sm.summarize(d, gauges=after)  # gauges: the reuse ceiling as it stands
                 cell["metrics_delta"] = {k: v for k, v in d.items() if "kv_offload" in k or "kvtiers" in k
                                          or "prompt_tokens" in k or "prefix_cache" in k}
                 size = "conversations" if workload == "multi-turn" else "prefixes"

@@ -62,7 +62,7 @@ def _tier_name(label: str) -> str:
     return label.split(":", 1)[1] if ":" in label else label
 
 
-def summarize(d: dict[str, float]) -> dict[str, Any]:
+def summarize(d: dict[str, float], gauges: dict[str, float] | None = None) -> dict[str, Any]:
     """The table's figures from one cell's :func:`delta`.
 
     ``prompt_tokens``: by vLLM's source (``local_compute``, ``local_cache_hit``,
@@ -71,6 +71,8 @@ def summarize(d: dict[str, float]) -> dict[str, Any]:
     queries and hits, bytes read and written (vLLM's tiering counters), with kvtiers' own
     ``kvtiers_tier_*`` counters under ``kvtiers`` where exported; ``promotion_alloc_failures``;
     ``lookup_async_delay_s`` / ``lookup_async_waits``: vLLM's time spent waiting on lookups.
+    ``gauges`` (the scrape after the cell): each tier's ``reuse_ceiling`` by window, the hit rate
+    an unbounded cache would reach (``kvtiers_reuse_ceiling``, docs/observability.md).
     """
     s: dict[str, Any] = {"prompt_tokens": {}, "cached_by_source": {}, "tiers": {}, "promotion_alloc_failures": 0.0,
                          "lookup_async_delay_s": 0.0, "lookup_async_waits": 0.0}
@@ -101,4 +103,9 @@ def summarize(d: dict[str, float]) -> dict[str, Any]:
             t = s["tiers"].setdefault(_tier_name(tier), {}).setdefault("kvtiers", {})
             field = base.removeprefix("kvtiers_tier_")
             t[field] = t.get(field, 0.0) + v
+    for key, v in (gauges or {}).items():
+        name, labels = _split(key)
+        if name == "kvtiers_reuse_ceiling" and "window" in labels:
+            t = s["tiers"].setdefault(_tier_name(labels.get("tier", "?")), {})
+            t.setdefault("reuse_ceiling", {})[labels["window"]] = v
     return s

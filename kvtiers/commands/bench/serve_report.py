@@ -18,8 +18,10 @@ def _tiers_text(tiers: dict[str, Any]) -> str:
     for name, t in tiers.items():
         hits = t.get("hits", 0.0)
         q = t.get("queries", 0.0)
+        ceiling = t.get("reuse_ceiling", {}).get("15m")  # what an unbounded cache would hit (kvtiers_reuse_ceiling)
         parts.append(f"{name}: {hits:.0f}/{q:.0f} hits, {_mib(t.get('read_bytes', 0.0))} MiB in, "
-                     f"{_mib(t.get('write_bytes', 0.0))} MiB out")
+                     f"{_mib(t.get('write_bytes', 0.0))} MiB out"
+                     + (f", reuse ceiling {ceiling:.0%} (15 min)" if ceiling is not None else ""))
     return "; ".join(parts) or "-"
 
 
