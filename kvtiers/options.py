@@ -20,6 +20,8 @@ from .errors import ConfigError
 CORE_OPTIONS = ("encrypt",)
 #: ``admit`` (:mod:`kvtiers.engine.admission`, docs/admission.md): the manager's, checked at open
 CORE_OPTIONS += ("admit",)
+#: ``compress`` (:mod:`kvtiers.compression`, docs/compression.md), accepted for any tier
+CORE_OPTIONS += ("compress",)
 ADMIT_WHEN = ("stored", "evicted")
 
 
