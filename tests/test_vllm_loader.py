@@ -21,16 +21,20 @@ Each engine's log line from the loader shows the kernels vLLM packed and the gat
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from vllm_engines import describe, engines, needs_vllm_cpu, tokens
+from vllm_engines import AT_ONCE, ROOT, VLLM_PY, describe, engines, needs_vllm_cpu, tokens
 
 from kvtiers.commands.tinymodel import make_tiny_model
-from kvtiers.commands.vllm_engine import prompt_family
+from kvtiers.commands.vllm_engine import ENGINE_ENV, prompt_family
+from kvtiers.integrations.vllm.weights_sleep import ASLEEP_ERROR
 
 pytestmark = [needs_vllm_cpu, pytest.mark.timeout(1800)]
 
@@ -73,6 +77,28 @@ def loader_job(model: Path, mode: str, root: Path, tp: int = 1, env: dict | None
             "env": env, "settle_s": 1, "weights_sleep": mode == "publish"}
 
 
+#: docs/vllm.md's ``LLM(...)`` path, forking a name nobody published from a directory without weights
+UNPUBLISHED = """import sys
+from vllm import LLM
+
+if __name__ == "__main__":
+    LLM(sys.argv[1], load_format="kvtiers", max_model_len=256, enforce_eager=True, model_loader_extra_config={
+        "mode": "fork", "name": "nobody-published-this", "revision": "v1",
+        "tiers": [{"type": "fs", "root_dir": sys.argv[2]}]})
+"""
+
+
+def failed_start(argv: list[str], workdir: Path, name: str) -> dict:
+    """Run an engine start that must fail (``argv`` in vLLM's environment, one of the engines
+    at once): its exit status and everything it printed, stdout and stderr interleaved."""
+    env = {**os.environ, **ENGINE_ENV, "KVTIERS_BUILD_DIR": str(ROOT / "build")}
+    with AT_ONCE:
+        proc = subprocess.run(argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=900, stdin=subprocess.DEVNULL)
+    (workdir / f"{name}.log").write_text(proc.stdout)
+    return {"rc": proc.returncode, "output": proc.stdout}
+
+
 def run_engines(workdir: Path) -> dict:
     """A and A2 (TP=2, no AMX) publish at the same time, then B and B2 fork at the same time."""
     model = make_tiny_model(**SHAPE)
@@ -86,8 +112,20 @@ def run_engines(workdir: Path) -> dict:
                    "a2": ("loader-A2", loader_job(model, "publish", t2, tp=2, env=no_amx))}, workdir)
     out.update(engines({"b": ("loader-B", loader_job(bare, "fork", t1)),
                         "b2": ("loader-B2", loader_job(bare, "fork", t2, tp=2, env=no_amx))}, workdir))
+    script = workdir / "unpublished.py"
+    script.write_text(UNPUBLISHED)
+    extra = json.dumps({"mode": "fork", "name": "nobody-published-this",
+                        "tiers": [{"type": "fs", "root_dir": str(t1)}]})
+    kvtiers_cli = str(Path(VLLM_PY).parent / "kvtiers")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        llm = pool.submit(failed_start, [str(VLLM_PY), str(script), str(bare), str(t1)], workdir, "unpublished-llm")
+        serve = pool.submit(failed_start, [kvtiers_cli, "vllm", "serve", str(bare), "--load-format", "kvtiers",
+                                           "--model-loader-extra-config", extra, "--max-model-len", "256",
+                                           "--enforce-eager", "--port", "0"], workdir, "unpublished-serve")
+    out["unpublished"] = {"llm": llm.result(), "serve": serve.result()}
     out["logs"] = {k: (workdir / f"loader-{k.upper()}.log").read_text(errors="replace") for k in ("a", "a2", "b", "b2")}
     out["bare_files"] = sorted(f.name for f in bare.iterdir())
+    out["bare_bytes"] = sum(f.stat().st_size for f in bare.rglob("*") if f.is_file())
     out["gated_pids"] = {int(p) for p in (gate / "pids").read_text().split()}
     return out
 
@@ -108,8 +146,39 @@ def kernels(log: str) -> list[tuple[int, str, dict, str]]:
 
 
 def test_the_forking_engine_has_no_weight_files(runs):
-    assert not [f for f in runs["bare_files"] if f.endswith((".safetensors", ".bin", ".pt"))]
-    assert "config.json" in runs["bare_files"]
+    """B's model directory holds under 1 MB in all (the model is ~80 MB of bfloat16): nothing
+    there could hold its weights; and vLLM's loader in B never reached a checkpoint."""
+    assert runs["bare_bytes"] < 1_000_000 and "config.json" in runs["bare_files"], runs["bare_files"]
+    for key in ("b", "b2"):
+        log = runs["logs"][key]
+        assert "Loading safetensors checkpoint shards" not in log and "Loading weights took" not in log
+        assert "loading the checkpoint" not in log and "forked model" in log
+
+
+def test_a_request_while_asleep_is_refused_and_the_engine_wakes(runs):
+    """The docs' sleep, then a request: LLM.generate raises the documented error, no layer ran
+    (the engine did not die), and the wake and the same greedy tokens follow in the same engine."""
+    for key in ("a", "a2"):
+        run = runs[key]
+        assert run["weights"]["asleep_request"] == {"error": f"RuntimeError: {ASLEEP_ERROR}"}, run["weights"]
+        before, after = woken(run)
+        assert after == before and len(after) == 2, describe(run)
+        assert "EngineDeadError" not in runs["logs"][key] and "setStorage" not in runs["logs"][key]
+
+
+@pytest.mark.parametrize("path", ["llm", "serve"])
+def test_an_unpublished_name_ends_with_the_line_that_says_what_to_do(runs, path):
+    """Forking a name nobody published, with no checkpoint, through docs/vllm.md's LLM(...) and
+    `kvtiers vllm serve`: the last line printed is the loader's, saying what to do."""
+    res = runs["unpublished"][path]
+    lines = [ln for ln in res["output"].splitlines() if ln.strip()]
+    assert res["rc"] != 0 and lines, res
+    last = lines[-1]
+    assert last.startswith("RuntimeError: kvtiers load format: cannot fork model 'nobody-published-this "
+                           "[vllm-0.32/LlamaForCausalLM]'"), lines[-5:]
+    assert last.endswith("publish the model first (an engine with mode 'publish', the same name, revision and "
+                         "tensor-parallel size, on these tiers), or start from a model directory with its weight "
+                         "files"), last
 
 
 def test_a_fork_from_the_fs_tier_answers_the_publishers_tokens(runs):
