@@ -13,6 +13,7 @@ import torch
 from test_manager import blocks_of, chunk_blocks, key, make_manager, poison, settle, store_all
 
 from kvtiers import Lookup
+from kvtiers import hookimpl as kvtiers_hookimpl
 from kvtiers.engine.admission import OfferCounter
 from kvtiers.errors import ConfigError
 
@@ -201,3 +202,40 @@ def test_a_short_serving_trace_writes_half_or_less_to_fs(tmp_path):
     assert admitted["hit_rate"] >= 0.6 * everything["hit_rate"] > 0  # the first offer of each shared chunk is given up
     exact = 1 - len({k for r in trace.requests for k in r}) / trace.offers
     assert abs(everything["reuse_ceiling"] - exact) <= 0.0244
+
+
+class FailingStores:
+    """A memory tier whose stores fail (fault injection): a write-back that fails must not
+    keep the slot or hang the store that needed it."""
+
+    def __init__(self, ctx, **kw):
+        from kvtiers.memory import MemoryTier
+
+        self.inner = MemoryTier(ctx, **kw)
+
+    @kvtiers_hookimpl
+    def lookup(self, keys):
+        return self.inner.lookup(keys)
+
+    @kvtiers_hookimpl
+    def submit_store(self, job):
+        raise OSError("disk gone")
+
+    @kvtiers_hookimpl
+    def submit_load(self, job):
+        self.inner.submit_load(job)
+
+    @kvtiers_hookimpl
+    def get_finished_jobs(self):
+        return self.inner.get_finished_jobs()
+
+
+def test_a_failed_write_back_frees_the_slot_and_the_store_goes_on(managers):
+    mgr, _, _ = managers(4, tiers=[(FailingStores, {"admit": {"when": "evicted"}}, "bad")])
+    store_all(mgr, [key(i) for i in range(4)])
+    res = store_all(mgr, [key(i) for i in range(4, 8)], 4)
+    assert res.ok and res.skipped_keys == (), res
+    settle(mgr)
+    assert mgr.lookup([key(0)]).num_chunks == 0  # never written, evicted: a miss, not a wrong HIT
+    assert mgr.lookup([key(i) for i in range(4, 8)]).num_chunks == 4
+    assert mgr.stats.tier_errors["bad"] >= 4
