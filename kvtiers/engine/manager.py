@@ -126,7 +126,7 @@ class TieringManager:
         self._stores = StorePath(self.cache, self._tiers, self._transfers, self._loads, self._events, self.stats,
                                  self.chunk_bytes)
         self._stores.wave_timeout = tier_job_timeout  # a later store wave waits this long for a free slot
-        #: the reuse ceiling of the chunk keys offered to :meth:`store` (kvtiers.engine.reuse)
+        #: the reuse ceiling of the chunk keys offered to :meth:`store` and :meth:`load` (kvtiers.engine.reuse)
         self.reuse = self._stores.reuse
         # what a completed device copy or tier job means is up to the path that started it
         # (called weakly: the paths hold the book and the tier set, see _weakly)
