@@ -23,7 +23,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 class TierSpec:
     """Hooks a tier implements. ``lookup``, ``submit_store``, ``submit_load`` and
-    ``get_finished_jobs`` are required; ``close``, ``touch`` and ``backlog`` optional."""
+    ``get_finished_jobs`` are required; ``close``, ``touch``, ``backlog``, ``pin`` and
+    ``unpin`` optional."""
 
     @hookspec(firstresult=True)
     def lookup(self, keys: Sequence[bytes]) -> list[Lookup]:
@@ -82,6 +83,21 @@ class TierSpec:
     @hookspec(firstresult=True)
     def backlog(self) -> int:
         """Number of accepted jobs not yet reported (for back-pressure)."""
+
+    @hookspec(firstresult=True)
+    def pin(self, keys: Sequence[bytes], seconds: float | None) -> str | None:
+        """Optional: keep ``keys`` from eviction for ``seconds`` (``None``: until :meth:`unpin`).
+
+        All or nothing: return ``None`` when every key is pinned (a key pinned already keeps
+        the later end), or one line saying why none was (a key not stored here; the pinned
+        total would pass the tier's share of its bound, so eviction could no longer keep the
+        bound). Rule 13: a pinned key is never evicted before its time by this instance, and
+        pins never make the tier exceed its bound. Pins live in the instance's memory: they
+        end with ``close``. Never blocks on I/O. A tier without it is never pinned."""
+
+    @hookspec(firstresult=True)
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        """Optional (with :meth:`pin`): end the pins of ``keys`` now; unknown keys are ignored."""
 
 
 class TierClassSpec:
@@ -188,5 +204,6 @@ class RegistrationSpec:
         """
 
 
-TIER_HOOKS = ("lookup", "submit_store", "submit_load", "get_finished_jobs", "close", "touch", "backlog")
+TIER_HOOKS = ("lookup", "submit_store", "submit_load", "get_finished_jobs", "close", "touch", "backlog", "pin",
+              "unpin")
 REQUIRED_TIER_HOOKS = ("lookup", "submit_store", "submit_load", "get_finished_jobs")

@@ -276,6 +276,21 @@ class TierHandle:
     def backlog(self) -> int:
         return self._hook.backlog() or 0
 
+    @property
+    def takes_pins(self) -> bool:
+        """Whether the tier (or the wrapper in front of it) implements the optional ``pin`` hook."""
+        return bool(self._hook.pin.get_hookimpls())
+
+    def pin(self, keys: Sequence[bytes], seconds: float | None) -> str | None:
+        """The optional ``pin`` hook: ``None`` when pinned, else why not (also for a tier without it)."""
+        if not self.takes_pins:
+            return f"tier {self.name!r} does not take pins (no pin hook)"
+        return self._hook.pin(keys=keys, seconds=seconds)
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        if self._hook.unpin.get_hookimpls():
+            self._hook.unpin(keys=keys)
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True

@@ -203,6 +203,14 @@ class SealedTier:
         self.inner.touch(keys)
 
     @hookimpl
+    def pin(self, keys: Sequence[bytes], seconds: float | None) -> str | None:
+        return self.inner.pin(keys, seconds)  # (the same keys below: a tier without the hook says so)
+
+    @hookimpl
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        self.inner.unpin(keys)
+
+    @hookimpl
     def backlog(self) -> int:
         return self._pending
 

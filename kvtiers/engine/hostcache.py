@@ -4,7 +4,9 @@ A slot is *pinned* (reference-counted) while a transfer or a request uses it: a 
 copy into or out of it, a tier store reading it, a promotion writing it, a load waiting
 for it. Pinned slots are never evicted, also when the request that pinned them was
 cancelled: the pin is released when the transfer ends. Unpinned, ready slots are evicted
-in the order an :mod:`~kvtiers.engine.policies` policy chooses.
+in the order an :mod:`~kvtiers.engine.policies` policy chooses, skipping keys a *lifetime*
+pin holds (``held``, set by the manager from :mod:`~kvtiers.engine.pins`; a different thing
+from these transfer pins).
 
 An entry is in one of three states:
 
@@ -63,6 +65,9 @@ class HostCache:
         #: slot to copy the chunk down first (write-back admission, kvtiers.engine.admission)
         self.write_back: Callable[[bytes, int], bool] | None = None
         self.is_dirty: Callable[[bytes], bool] = lambda key: False  # waiting for write-back
+        #: ``held(key)``: a lifetime pin holds ``key`` (kvtiers.engine.pins): never a victim before its time.
+        #: Apart from the transfer pins above (``pin``/``unpin``: reference counts on slots)
+        self.held: Callable[[bytes], bool] = lambda key: False
 
     # -- queries ---------------------------------------------------------------------
     def __contains__(self, key: bytes) -> bool:
@@ -114,7 +119,7 @@ class HostCache:
         return False
 
     def _evictable(self, key: bytes) -> bool:
-        return self._state.get(key) == READY and self._refs[self._slot_of[key]] == 0
+        return self._state.get(key) == READY and self._refs[self._slot_of[key]] == 0 and not self.held(key)
 
     def _clean_evictable(self) -> Callable[[bytes], bool]:
         """:meth:`_evictable`, asking ``write_back`` first: a chunk it starts copying down is

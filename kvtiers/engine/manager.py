@@ -41,6 +41,7 @@ from .build import build_from_config
 from .events import EventBus, log
 from .hostcache import HostCache
 from .loads import LoadPath
+from .pins import LifetimePins, PinResult, check_ttl, parse_pin_options
 from .policies import make_policy
 from .services import ServiceSet
 from .stores import StorePath, chunk_limit
@@ -97,6 +98,7 @@ class TieringManager:
         host: Any = None,
         tier_job_timeout: float = 30.0,
         layout: Any = None,
+        pins: Mapping[str, Any] | None = None,
     ) -> None:
         self.arena = arena
         self.dma = dma
@@ -117,6 +119,10 @@ class TieringManager:
             len(arena), make_policy(eviction_policy, len(arena)), store_threshold=store_threshold,
             on_evict=self._events.host_evicted,
         )
+        # lifetime pins (pin/unpin, kvtiers.engine.pins): at most max_share of the slots, so eviction keeps room
+        max_ttl, max_share = parse_pin_options(pins)
+        self.pins = LifetimePins(int(max_share * len(arena)), max_ttl=max_ttl)
+        self.cache.held = self.pins.held
         self.stats = ManagerStats()
         self._events.counts = self.stats.events  # chunk keys per (kind, medium), as listeners saw them
         # the parts share the cache, the stats and the event bus; each owns the rest of its state
@@ -250,6 +256,58 @@ class TieringManager:
         for key in keys:
             self.cache.touch(key)
         self._tiers.touch(keys)
+
+    def pin(self, keys: Sequence[bytes], *, ttl: float | None = None, hard: bool = False,
+            tiers: Sequence[str] | None = None) -> PinResult:
+        """Keep the chunks ``keys`` (a prefix: a system prompt) from eviction for ``ttl`` seconds
+        (a soft pin, at most the ``max_ttl`` option) or, with ``hard=True``, until :meth:`unpin`:
+        in the host cache and in each tier of ``tiers`` (default: every tier) that implements the
+        optional ``pin`` hook. Each medium pins all the keys or refuses with a reason (its pinned
+        share would pass its cap) in the :class:`~kvtiers.engine.pins.PinResult`; pinning a key
+        again keeps the later end. A bad ``ttl`` or tier name, and keys that neither the host
+        cache holds nor a tier pinned, are a ``ValueError`` of one line (nothing stays pinned).
+        docs/pins.md."""
+        keys = tuple(dict.fromkeys(check_keys(keys)))
+        seconds = check_ttl(ttl, hard, self.pins.max_ttl)
+        names = [t.name for t in self._tiers.tiers]
+        if tiers is not None:
+            unknown = [n for n in tiers if n not in names]
+            if unknown:
+                raise ValueError(f"pin: unknown tier {unknown[0]!r} (tiers: {', '.join(names) or 'none'})")
+            names = list(tiers)
+        self._progress()
+        asked: dict[str, str | None] = {}
+        for tier in self._tiers.tiers:
+            if tier.name in names:
+                try:
+                    asked[tier.name] = tier.handle.pin(keys, seconds)
+                except Exception as e:  # a tier's fault is its refusal, never the engine's
+                    self._tiers.failed(tier, "pin", e)
+                    asked[tier.name] = f"{type(e).__name__}: {e}"
+        absent = [k for k in keys if k not in self.cache]
+        if absent and not any(why is None for why in asked.values()):
+            for tier in self._tiers.tiers:  # (none pinned; unpin is harmless)
+                if tier.name in asked:
+                    tier.handle.unpin(keys)
+            why = "; ".join(f"{n}: {w}" for n, w in asked.items())
+            raise ValueError(f"pin: {len(absent)} of {len(keys)} key(s) are stored nowhere that could pin them "
+                             f"(first {absent[0].hex()[:16]}): not in the host cache{'; ' + why if why else ''}")
+        host = self.pins.add(keys, seconds)
+        until = None if seconds is None else self.pins.clock() + seconds
+        return PinResult(keys, until, host, asked)
+
+    def unpin(self, keys: Sequence[bytes], *, tiers: Sequence[str] | None = None) -> int:
+        """End the lifetime pins of ``keys`` (soft or hard) in the host cache and in the tiers
+        (``tiers``: default every tier); returns how many the host cache held."""
+        keys = tuple(check_keys(keys))
+        n = self.pins.remove(keys)
+        for tier in self._tiers.tiers:
+            if tiers is None or tier.name in tiers:
+                try:
+                    tier.handle.unpin(keys)
+                except Exception as e:
+                    self._tiers.failed(tier, "unpin", e)
+        return n
 
     def store(self, keys: Sequence[bytes], device_blocks: Sequence[Any], request: Request | None = None,
               *, first_chunk: int = 0, state_slots: Sequence[int] | None = None,

@@ -72,7 +72,8 @@ class BoundMixin:
         share, index = self._share, self.index
 
         def busy(key: bytes) -> bool:
-            return fingerprint(key) in index.reading or key in index.writing
+            fp = fingerprint(key)
+            return fp in index.reading or key in index.writing or index.pinned(fp)
 
         gone = []
         for key, n in share.take(share.excess(), skip=busy):

@@ -72,6 +72,8 @@ class Index:
         # index; bounded (cleared when full), emptied of a key (or cleared) by any removal
         self.hot: dict[bytes, None] = {}
         self.removals = 0  # counts removals, so a lookup never caches a key removed meanwhile
+        #: ``pinned(fp)``: a lifetime pin holds the key (kvtiers_fs.pins): never a victim before its time
+        self.pinned: Callable[[int], bool] = lambda fp: False
 
     @property
     def used(self) -> int:
@@ -319,14 +321,15 @@ class Index:
     # -- eviction ----------------------------------------------------------------------
     def victims(self, n: int) -> list[tuple[int, float]]:
         """Up to ``n`` eviction candidates ``(fingerprint, clock)``, least recently used
-        first, none being read or stored; still in the index until :meth:`evicted`."""
+        first, none being read, stored or pinned; still in the index until :meth:`evicted`."""
         out: list[tuple[int, float]] = []
         with self.lock:
             for _ in range(2):
                 while self._cand and len(out) < n:
                     fp, clock = self._cand.pop()
-                    if fp in self.reading or fp in self._writing_fp or self.table.get(fp) != clock:
-                        continue  # pinned, being stored, used since or gone
+                    if fp in self.reading or fp in self._writing_fp or self.table.get(fp) != clock \
+                            or self.pinned(fp):
+                        continue  # read, being stored, used since, gone or pinned for a time
                     out.append((fp, clock))
                 if len(out) >= n:
                     break
@@ -342,7 +345,7 @@ class Index:
         """Drop victim ``key`` if it is still as :meth:`victims` gave it (not used, read or
         stored since); True if the caller may now delete its file."""
         with self.lock:
-            if self.table.get(fp) != clock or fp in self.reading or fp in self._writing_fp:
+            if self.table.get(fp) != clock or fp in self.reading or fp in self._writing_fp or self.pinned(fp):
                 return False
             self._remove(fp, key)
             self._dropped(fp)

@@ -38,6 +38,7 @@ from .chunkio import ChunkIO, _JobState
 from .index import HOT_BATCH, HOT_KEYS, Index, Prober
 from .keytable import fingerprints
 from .lease import Lease, read_passes
+from .pins import PIN_SHARE, PinTable
 from .pool import Pool
 from .share import Share, budget_for
 from .walker import Walker
@@ -145,6 +146,9 @@ class FsTier(BoundMixin, ChunkIO):
             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (_direct.O_DIRECT if direct_mode else 0)
         )
         self.index = Index(negative_ttl, self.file_bytes)
+        # lifetime pins (pin/unpin hooks): at most PIN_SHARE of max_bytes, so eviction keeps the bound
+        self.pins = PinTable(None if max_bytes is None else int(PIN_SHARE * max_bytes) // self.file_bytes)
+        self.index.pinned = self.pins.held
         tag = ctx.namespace.digest[:6]
         self._reads = Pool(f"kvtiers-fs-read-{tag}", n_read_threads)
         self._writes = Pool(f"kvtiers-fs-write-{tag}", n_write_threads)
@@ -400,6 +404,23 @@ class FsTier(BoundMixin, ChunkIO):
     @hookimpl
     def backlog(self) -> int:
         return self._pending
+
+    @hookimpl
+    def pin(self, keys: Sequence[bytes], seconds: float | None) -> str | None:
+        """Keep ``keys`` (stored here) from eviction by this instance for ``seconds`` (None: until
+        unpinned); refused whole for keys not stored here, past the pin cap, or when another
+        instance evicts for this bounded root (kvtiers_fs.pins)."""
+        keys = check_keys(keys)
+        if self.max_bytes is not None and not self.is_cleaner:
+            return "fs tier: this instance is not the cleaner of its bounded root: another instance evicts there"
+        absent = [k for k in keys if k not in self.index]
+        if absent:
+            return f"fs tier: {len(absent)} of {len(keys)} key(s) not stored here (first {absent[0].hex()[:16]})"
+        return self.pins.add(keys, seconds)
+
+    @hookimpl
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        self.pins.remove(check_keys(keys))
 
     @hookimpl
     def close(self) -> None:

@@ -1,0 +1,194 @@
+"""Pins with a lifetime (docs/pins.md, issue 54 item 3): the real manager (CPU tensors, the DMA
+engine) and the real fs tier. Time is a clock each test advances (``mgr.pins.clock``, the fs
+tier's ``pins.clock``), so no assert depends on how fast the machine is."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from kvtiers_fs import layout as fs_layout
+from test_manager import key, make_manager, settle, store_all
+
+from kvtiers import Lookup
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def managers():
+    made = []
+
+    def make(*a, **kw):
+        m = make_manager(*a, **kw)
+        made.append(m[0])
+        return m
+
+    yield make
+    for m in made:
+        m.close(timeout=5)
+
+
+def answers(tier, keys) -> list[Lookup]:
+    """The tier's answers to ``keys``, asked again while any is RETRY (rule 1: within 5 s)."""
+    deadline = time.monotonic() + 10
+    while True:
+        got = tier.handle.lookup(keys)
+        if Lookup.RETRY not in got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.01)
+
+
+def in_host(mgr, keys) -> list[bool]:
+    return [k in mgr.cache for k in keys]
+
+
+def test_a_soft_pin_keeps_chunks_in_the_host_until_its_time(managers):
+    mgr, _, _ = managers(4)
+    clock = mgr.pins.clock = Clock()
+    store_all(mgr, [key(i) for i in range(4)])
+    res = mgr.pin([key(0), key(1)], ttl=60)
+    assert res.host is None and res.pinned == ["host"] and res.until == clock.now + 60
+    store_all(mgr, [key(i) for i in range(4, 8)], 4)  # LRU would take key(0) and key(1) first
+    assert in_host(mgr, [key(0), key(1)]) == [True, True]
+    assert sum(in_host(mgr, [key(i) for i in range(2, 8)])) == 2
+    clock.now += 59
+    store_all(mgr, [key(i) for i in range(8, 10)], 8)
+    assert in_host(mgr, [key(0), key(1)]) == [True, True]  # not before its time
+    clock.now += 2
+    store_all(mgr, [key(i) for i in range(10, 12)], 10)
+    assert in_host(mgr, [key(0), key(1)]) == [False, False]  # its time is over: LRU again
+    assert mgr.pins.expire() == [key(0), key(1)] and mgr.pins.expired == 2 and len(mgr.pins) == 0
+
+
+def test_a_hard_pin_holds_until_unpin(managers):
+    mgr, _, _ = managers(4)
+    clock = mgr.pins.clock = Clock()
+    store_all(mgr, [key(0), key(1)])
+    res = mgr.pin([key(0)], hard=True)
+    assert res.until is None and res.host is None
+    clock.now += 10 * 86400
+    store_all(mgr, [key(i) for i in range(2, 8)], 2)
+    assert key(0) in mgr.cache
+    assert mgr.unpin([key(0)]) == 1 and mgr.pins.unpinned == 1
+    store_all(mgr, [key(i) for i in range(8, 12)], 8)
+    assert key(0) not in mgr.cache
+
+
+def test_a_pin_past_the_host_cap_is_refused_whole_with_a_reason(managers):
+    mgr, _, _ = managers(4, pins={"max_share": 0.5})
+    store_all(mgr, [key(i) for i in range(4)])
+    res = mgr.pin([key(0), key(1), key(2)], ttl=10)
+    assert res.pinned == [] and "would hold 3 of at most 2" in res.refused["host"]
+    assert len(mgr.pins) == 0 and mgr.pins.refused == 3
+    assert mgr.pin([key(0), key(1)], ttl=10).host is None
+    assert "at most 2" in mgr.pin([key(2)], ttl=10).host  # the cap counts what is pinned already
+    store_all(mgr, [key(i) for i in range(4, 12)], 4)  # every store still finds room: 2 slots stay evictable
+    assert in_host(mgr, [key(10), key(11)]) == [True, True]
+
+
+@pytest.mark.parametrize(("kw", "said"), [
+    ({"ttl": -1}, "pin: ttl must be positive, got -1"),
+    ({"ttl": 0}, "pin: ttl must be positive, got 0"),
+    ({"ttl": 3601}, "pin: ttl 3601 s is longer than max_ttl 3600 s"),
+    ({"ttl": float("nan")}, "pin: ttl must be a finite number of seconds, got nan"),
+    ({"ttl": "60"}, "pin: ttl must be a finite number of seconds, got '60'"),
+    ({}, "pin: a soft pin needs ttl=<seconds> (or hard=True to hold until unpin)"),
+    ({"ttl": 5, "hard": True}, "pin: a hard pin has no ttl (got ttl=5); it holds until unpin"),
+    ({"ttl": 5, "tiers": ["nvme"]}, "pin: unknown tier 'nvme' (tiers: none)"),
+])
+def test_bad_pins_are_one_line_errors(managers, kw, said):
+    mgr, _, _ = managers(4, pins={"max_ttl": 3600})
+    store_all(mgr, [key(0)])
+    with pytest.raises(ValueError) as e:
+        mgr.pin([key(0)], **kw)
+    assert str(e.value) == said
+    assert len(mgr.pins) == 0
+
+
+def test_unknown_keys_and_options_are_one_line_errors(managers):
+    mgr, _, _ = managers(4)
+    store_all(mgr, [key(0)])
+    with pytest.raises(ValueError, match=r"^pin: 1 of 2 key\(s\) are stored nowhere that could pin them") as e:
+        mgr.pin([key(0), key(9)], ttl=5)
+    assert "\n" not in str(e.value) and len(mgr.pins) == 0
+    for opts, said in (({"max_ttl": 0}, "max_ttl must be a positive number"), ({"max_share": 1}, "max_share must"),
+                       ({"ttl": 5}, "unknown option(s) ttl")):
+        with pytest.raises(ValueError, match=said.replace("(", r"\(").replace(")", r"\)")):
+            make_manager(2, pins=opts)
+
+
+def fs_tier(tmp_path, mgr, files: int):
+    fb = fs_layout.file_bytes(mgr.arena.slot_bytes)
+    return {"root_dir": str(tmp_path / "kv"), "max_bytes": files * fb, "rescan_seconds": None}
+
+
+def test_the_fs_tier_never_evicts_a_pinned_chunk_before_its_time(managers, tmp_path):
+    mgr, _, _ = managers(8)
+    mgr.add_tier("fs", fs_tier(tmp_path, mgr, 4))
+    fs = mgr.tiers[0]
+    clock = fs.handle.tier.pins.clock = Clock()
+    first = [key(i) for i in range(4)]
+    store_all(mgr, first)
+    settle(mgr)
+    res = mgr.pin(first[:2], ttl=30)
+    assert res.pinned == ["host", "fs"], res
+    for n in (4, 6):  # LRU would evict first[0] and first[1] first
+        store_all(mgr, [key(n), key(n + 1)], n)
+        settle(mgr)
+    assert answers(fs, first[:2]) == [Lookup.HIT, Lookup.HIT]
+    assert answers(fs, first[2:]) == [Lookup.MISS, Lookup.MISS]
+    assert fs.handle.tier.index.used <= 4 * fs_layout.file_bytes(mgr.arena.slot_bytes)  # the bound holds
+    clock.now += 31
+    store_all(mgr, [key(8), key(9)], 8)
+    settle(mgr)
+    assert answers(fs, first[:2]) == [Lookup.MISS, Lookup.MISS]  # its time is over
+
+
+def test_the_fs_tier_refuses_pins_it_cannot_keep(managers, tmp_path):
+    mgr, _, _ = managers(8)
+    mgr.add_tier("fs", fs_tier(tmp_path, mgr, 4))
+    store_all(mgr, [key(i) for i in range(4)])
+    settle(mgr)
+    res = mgr.pin([key(i) for i in range(3)], ttl=30, tiers=["fs"])
+    assert res.host is None  # 3 of the host's 4 (8 slots x 0.5)
+    assert "would hold 3 of at most 2 (0.5 of max_bytes)" in res.refused["fs"]
+    assert len(mgr.tiers[0].handle.tier.pins) == 0
+    with pytest.raises(ValueError, match=r"^pin: 1 of 2 key\(s\) are stored nowhere .*fs: fs tier: 1 of 2 key\(s\) "
+                       r"not stored here"):
+        mgr.pin([key(0), b"never stored"], ttl=5)
+
+
+def test_a_tier_without_the_hook_says_so_and_unpin_reaches_the_tiers(managers, tmp_path):
+    mgr, _, _ = managers(8, tiers=["memory"])
+    mgr.add_tier("fs", {"root_dir": str(tmp_path / "kv")})
+    store_all(mgr, [key(0)])
+    settle(mgr)
+    res = mgr.pin([key(0)], hard=True)
+    assert res.tiers == {"memory": "tier 'memory' does not take pins (no pin hook)", "fs": None}
+    assert res.pinned == ["host", "fs"]
+    fs = mgr.tiers[1].handle.tier
+    assert len(fs.pins) == 1
+    mgr.unpin([key(0)])
+    assert len(fs.pins) == 0 and len(mgr.pins) == 0
+
+
+def test_an_encrypted_fs_tier_takes_pins_through_the_sealing_wrapper(managers, tmp_path):
+    import os
+
+    keyfile = tmp_path / "k.key"
+    keyfile.write_bytes(os.urandom(32))
+    keyfile.chmod(0o600)
+    mgr, _, _ = managers(8)
+    mgr.add_tier("fs", {"root_dir": str(tmp_path / "kv"), "encrypt": {"key_file": str(keyfile), "key_id": "k1"}})
+    store_all(mgr, [key(0)])
+    settle(mgr)
+    assert mgr.pin([key(0)], ttl=5).pinned == ["host", "fs"]
+    with pytest.raises(ValueError, match="fs: fs tier: 1 of 1 key"):  # the fs tier's own answer, through the wrapper
+        mgr.pin([b"elsewhere"], ttl=5)
