@@ -239,3 +239,22 @@ def test_a_failed_write_back_frees_the_slot_and_the_store_goes_on(managers):
     assert mgr.lookup([key(0)]).num_chunks == 0  # never written, evicted: a miss, not a wrong HIT
     assert mgr.lookup([key(i) for i in range(4, 8)]).num_chunks == 4
     assert mgr.stats.tier_errors["bad"] >= 4
+
+
+def test_a_closed_manager_with_write_back_is_freed_without_the_garbage_collector():
+    """The host cache asks the store path about write-backs through a weak reference: a strong
+    one made a cycle that only a collection freed, with the store path's DMA engine and tiers."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        mgr, _, _ = make_manager(4, tiers=[("memory", {"admit": {"when": "evicted"}})])
+        store_all(mgr, [key(0)])
+        mgr.close()
+        stores = weakref.ref(mgr._stores)
+        del mgr
+        assert stores() is None
+    finally:
+        gc.enable()

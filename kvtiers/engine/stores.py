@@ -17,6 +17,7 @@ wave is on the host: until then the engine keeps its device blocks.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 
 from ..types import Lookup
@@ -54,7 +55,8 @@ class StorePath:
         self._dirty: dict[bytes, tuple[str | None, list[Tier]]] = {}  # key -> (tenant, write-back tiers)
         self._writing_back: set[bytes] = set()  # keys whose write-back job has not ended
         self._submitting = False  # inside a write-back's submit: a job ending at once must not start a wave
-        cache.write_back = self._write_back
+        write_back = weakref.WeakMethod(self._write_back)  # weakly: no cycle keeps a closed manager's arena
+        cache.write_back = lambda key, slot: (fn := write_back()) is not None and fn(key, slot)
         cache.is_dirty = self._dirty.__contains__
         self.reuse = ReuseEstimator()  # the reuse ceiling of the keys offered (kvtiers.engine.reuse)
 
