@@ -7,6 +7,7 @@ not compress: each takes two pieces, so every check also runs a chunk's further 
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -95,3 +96,27 @@ class TestCompressedObj(TierTests):
     @pytest.fixture
     def tier_config(self, s3_server):
         return "obj", {**options_for(s3_server), "compress": ZSTD}
+
+
+def test_conformance_cli_takes_compress_in_config(tmp_path):
+    """``kvtiers conformance TYPE --config`` with ``"compress"``, from the command line in a
+    real child process: the fs tier passes its core rules compressed, every chunk it kept
+    (``--keep``) is in the encoded format, and a lossy codec without ``"lossy": true`` is a
+    one-line error (exit 2)."""
+    from test_conformance_cli import run
+
+    from kvtiers.compression import HEADER, read_header
+
+    root = tmp_path / "kv"
+    config = {"root_dir": str(root), "compress": ZSTD}
+    p = run("fs", "--config", json.dumps(config), "--level", "core", "--examples", "5", "--seed", "3", "--keep")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.strip().splitlines()[-1].startswith("summary: PASSED: 10 passed, 0 failed")
+    firsts = [c for c in root.rglob("*.bin") if c.read_bytes()[:4] == b"KVZ1"]
+    assert len(firsts) > 100
+    assert {read_header(c.read_bytes()[:HEADER.size])[0] for c in firsts} == {1}  # zstd
+    bad = {"root_dir": str(root), "compress": {"codec": "fp8"}}
+    p = run("fs", "--config", json.dumps(bad), "--level", "core", "--examples", "5")
+    assert p.returncode == 2, p.stdout + p.stderr
+    err = p.stderr.strip()
+    assert "\n" not in err and "compress: codec 'fp8' changes the bytes (lossy)" in err, err
