@@ -195,3 +195,22 @@ def test_sync_load_off_with_one_line_naming_what_the_connector_lacks(monkeypatch
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "OffloadingConnectorScheduler.update_state_after_alloc" in lines[0]
     assert "kvtiers_sync_load is off" in lines[0]
+
+
+def test_a_store_event_carries_its_request_where_vllm_has_the_field() -> None:
+    import dataclasses
+
+    from vllm.v1.kv_offload.base import OffloadingEvent
+
+    e = Engine({"type": "kvtiers", "module_path": MODULE, "tier": "memory", "enable_kv_events": True})
+    try:
+        chunks = chunks_for(2, seed=9)
+        e.store("req-ev", chunks)
+        (stored,) = [ev for ev in e.tier.take_events() if not ev.removed]
+        assert set(stored.keys) == set(chunks)
+        has = "req_context" in {f.name for f in dataclasses.fields(OffloadingEvent)}
+        assert compat.EVENT_REQ_CONTEXT is has
+        if has:  # vLLM 0.34: the store's request
+            assert stored.req_context is not None and stored.req_context.req_id == "req-ev"
+    finally:
+        e.close()

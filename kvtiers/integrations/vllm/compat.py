@@ -19,6 +19,8 @@ adapter uses, except (each found here by what the installed vLLM has):
   promotion while its I/O may still write the primary rows. The adapter never needs it: it
   reports a job only once the kvtiers tier has (the tier contract: a slot is the tier's
   until its job is reported), so a failed promotion's rows are free when vLLM hears of it.
+- ``OffloadingEvent.req_context`` (:data:`EVENT_REQ_CONTEXT`, 0.34): a store event carries
+  its request's context; the adapter sets it where vLLM has the field.
 - ``_create_req_context``: ``(req)`` on 0.32 and 0.33, ``(req, scheduler)`` on 0.34; the
   tenant wrapper passes every argument on.
 """
@@ -46,6 +48,9 @@ DEVICE_POINTERS: type | None = getattr(_base, "DevicePointers", None)
 #: whether vLLM's secondary tiers still have a ``touch`` it may call (0.32, 0.33)
 HAS_TOUCH: bool = hasattr(SecondaryTierManager, "touch")
 
+#: whether an ``OffloadingEvent`` carries the request context of a store (0.34)
+EVENT_REQ_CONTEXT: bool = "req_context" in {f.name for f in dataclasses.fields(_base.OffloadingEvent)}
+
 #: whether a tier's ``JobResult`` can defer the release of a failed promotion's rows (0.34)
 HAS_DEFERRED_RELEASE: bool = "deferred_release" in {f.name for f in dataclasses.fields(JobResult)}
 
@@ -60,5 +65,5 @@ def missing(obj: Any, names: tuple[str, ...]) -> list[str]:
     return [n for n in names if not hasattr(obj, n)]
 
 
-__all__ = ["DEVICE_POINTERS", "HAS_CONFIG_INFO", "HAS_DEFERRED_RELEASE", "HAS_TOUCH", "ConfigInfoMapping",
-           "is_device_pointers", "missing"]
+__all__ = ["DEVICE_POINTERS", "EVENT_REQ_CONTEXT", "HAS_CONFIG_INFO", "HAS_DEFERRED_RELEASE", "HAS_TOUCH",
+           "ConfigInfoMapping", "is_device_pointers", "missing"]

@@ -78,7 +78,7 @@ from ...registry import TierHandle, open_tier
 from ...types import PAGE, Arena, Job, Lookup, Namespace, TierContext
 from ...types import JobResult as TierResult
 from ..keys import tier_key
-from .compat import HAS_CONFIG_INFO, ConfigInfoMapping
+from .compat import EVENT_REQ_CONTEXT, HAS_CONFIG_INFO, ConfigInfoMapping
 from .metrics import TierSeries, TierStats, metric_definitions, tier_series_definitions
 from .namespace import namespace_fields
 from .tenant import install as install_tenants
@@ -350,8 +350,9 @@ class KvtiersTier(SecondaryTierManager):
             stored = [ek for ek, k in zip(tj.keys, keys, strict=True) if k not in failed]
             self._failed_loads.difference_update(k for k in keys if k not in failed)
             if self._events is not None and stored:
+                ctx = {"req_context": tj.req_context} if EVENT_REQ_CONTEXT else {}  # vLLM 0.34
                 self._events.append(OffloadingEvent(keys=stored, medium=self.medium, removed=False,
-                                                    locality=self.locality))
+                                                    locality=self.locality, **ctx))
         return JobResult(
             job_id=tj.job_id,
             success=not failed,
