@@ -32,10 +32,14 @@ _QWEN3_NEXT = dict(linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_num_
 #: published models' shapes by name, made by :func:`make_named_model` with random weights and the
 #: local tokenizer (2048 tokens). ``smollm2-135m``: HuggingFaceTB/SmolLM2-135M's config (Llama,
 #: 30 layers, hidden 576, 9 heads, 3 KV heads, MLP 1536; 108.6M parameters with this vocabulary
-#: and an untied output layer): 22.5 KiB of bf16 KV per token
+#: and an untied output layer): 22.5 KiB of bf16 KV per token. Its weights are drawn with a
+#: standard deviation of 0.2, not transformers' 0.02: at 0.02 the residual stream is the last
+#: token's embedding, so the next token is a function of the last one and greedy decoding settles
+#: on one token repeated, whatever the prompt; at 0.2 attention moves the logits and the answers
+#: differ from prompt to prompt (tests/test_tinymodel_varies.py)
 SHAPES: dict[str, dict] = {
     "smollm2-135m": dict(arch="llama", hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
-                         intermediate_size=1536, max_position_embeddings=8192),
+                         intermediate_size=1536, max_position_embeddings=8192, initializer_range=0.2),
 }
 _DONE = ".kvtiers-tinymodel"  # written last: a directory without it is incomplete
 
@@ -60,6 +64,7 @@ def make_tiny_model(
     seed: int = 0,
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
+    initializer_range: float | None = None,
 ) -> Path:
     """Make (or find in the cache) a ``arch``-shaped causal LM and return its directory.
 
@@ -74,6 +79,9 @@ def make_tiny_model(
     ``layer_types`` (one per layer, ``"full_attention"`` or ``"sliding_attention"``) with
     ``sliding_window`` (tokens) makes a hybrid: its sliding layers attend to the last
     ``sliding_window`` tokens only (vLLM honours them: one KV cache group per kind).
+
+    ``initializer_range``: the standard deviation of the random weights (None: transformers'
+    default for ``arch``, 0.02 for llama). It is part of the model's identity (its directory).
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"make_tiny_model: arch {arch!r} is not one of {sorted(ARCHITECTURES)}")
@@ -98,6 +106,11 @@ def make_tiny_model(
             raise ValueError(f"make_tiny_model: sliding layers need sliding_window (tokens) > 0, "
                              f"got {sliding_window!r}")
         params.update(layer_types=list(layer_types), sliding_window=sliding_window)
+    if initializer_range is not None:  # only then: other models keep their digest
+        if not isinstance(initializer_range, (int, float)) or not 0 < initializer_range < 10:
+            raise ValueError(f"make_tiny_model: initializer_range must be a number in (0, 10), "
+                             f"got {initializer_range!r}")
+        params["initializer_range"] = float(initializer_range)
     if out_dir is None:
         digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
         out = build_dir() / "models" / f"tiny-{arch}-{digest}"
@@ -177,6 +190,8 @@ def _save_model(path: Path, p: dict, vocab: int) -> None:
         num_key_value_heads=p["num_kv_heads"], max_position_embeddings=p["max_position_embeddings"],
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
     )
+    if "initializer_range" in p:
+        config.initializer_range = p["initializer_range"]
     config.architectures = [ARCHITECTURES[p["arch"]]]
     if "layer_types" in p:
         config.layer_types = p["layer_types"]
