@@ -71,6 +71,7 @@ class Config:
     ignored: tuple[str, ...] = ()
     kv_events: dict[str, Any] | None = None  # checked by kvtiers.engine.kvevents (docs/observability.md)
     metrics: dict[str, Any] | None = None  # checked by kvtiers.metrics
+    pins: dict[str, Any] | None = None  # lifetime pins' max_ttl, max_share: checked by kvtiers.engine.pins
     # blocks a plugin registered (register_manager_blocks), e.g. "serve" (kvtiers_p2p, docs/p2p.md):
     # name -> its object (or null), checked by the plugin when the manager is built
     blocks: dict[str, Any] = field(default_factory=dict)
@@ -109,6 +110,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "tiers": (lambda v: isinstance(v, list), "a list of tier objects"),
     "kv_events": (lambda v: v is None or isinstance(v, dict), "an object (KV event publishing) or null"),
     "metrics": (lambda v: v is None or isinstance(v, dict), "an object (Prometheus metrics) or null"),
+    "pins": (lambda v: v is None or isinstance(v, dict), "an object (max_ttl, max_share: docs/pins.md) or null"),
 }
 
 

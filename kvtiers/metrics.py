@@ -148,6 +148,11 @@ class _Families:
         self.reuse_ceiling = G("kvtiers_reuse_ceiling", "Share of chunk offers that repeat an earlier one within the "
                                "window: the hit rate an unbounded cache would reach (HyperLogLog estimate).",
                                ["window"], registry=registry, multiprocess_mode="livemax")
+        self.pin_events = C("kvtiers_pin_chunks", "Chunk keys of lifetime pins (docs/pins.md), by medium (host or "
+                            "a tier) and event: pinned, refused, unpinned, expired (host only).",
+                            ["medium", "event"], **r)
+        self.pinned = G("kvtiers_host_lifetime_pinned_chunks", "Chunk keys a lifetime pin holds in the host cache.",
+                        **live)
         self.custom: dict[str, tuple[str, Any, tuple[str, ...]]] = {}  # name -> (kind, family, labelnames)
         self.lock = threading.Lock()
 
@@ -527,6 +532,14 @@ class ManagerMetrics:
                 for decision in ("admitted", "declined", "deferred"):
                     self._delta(f.admission.labels(tier=t.name, decision=decision), f"admit:{t.name}:{decision}",
                                 getattr(adm, decision))
+        pins = getattr(mgr, "pins", None)  # lifetime pins (kvtiers.engine.pins)
+        if pins is not None:
+            pins.expire()
+            f.pinned.set(len(pins))
+            for event in ("pinned", "refused", "unpinned", "expired"):
+                self._delta(f.pin_events.labels(medium="host", event=event), f"pin:host:{event}", getattr(pins, event))
+            for (medium, event), n in list(pins.tier_counts.items()):
+                self._delta(f.pin_events.labels(medium=medium, event=event), f"pin:{medium}:{event}", n)
         reuse = getattr(mgr, "reuse", None)  # the reuse ceiling (kvtiers.engine.reuse)
         if reuse is not None:
             for window, value in reuse.summary().items():

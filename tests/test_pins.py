@@ -192,3 +192,56 @@ def test_an_encrypted_fs_tier_takes_pins_through_the_sealing_wrapper(managers, t
     assert mgr.pin([key(0)], ttl=5).pinned == ["host", "fs"]
     with pytest.raises(ValueError, match="fs: fs tier: 1 of 1 key"):  # the fs tier's own answer, through the wrapper
         mgr.pin([b"elsewhere"], ttl=5)
+
+
+def test_pins_are_counted_in_metrics(tmp_path):
+    """kvtiers_pin_chunks_total{medium,event} and kvtiers_host_lifetime_pinned_chunks (docs/pins.md)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from tier_helpers import CopyDma
+
+    from kvtiers import Arena
+    from kvtiers.engine.manager import TieringManager
+    from kvtiers.metrics import attach_metrics
+
+    reg = CollectorRegistry()
+    mgr = TieringManager(arena=Arena.allocate(6, 4096), dma=CopyDma())  # at most 3 pinned
+    mgr.add_tier("memory", name="mem")
+    mgr.add_tier("fs", {"root_dir": str(tmp_path / "kv")})
+    clock = mgr.pins.clock = Clock()
+    attach_metrics(mgr, {"interval": 0}, registry=reg)
+    keys = [bytes([i]) for i in range(4)]
+    mgr.wait([mgr.store(keys, [[0]] * 4)])
+    settle(mgr)
+    assert mgr.pin(keys[:2], ttl=10).pinned == ["host", "fs"]
+    assert mgr.pin(keys[2:3], hard=True).host is None
+    assert mgr.pin(keys, hard=True).host is not None  # 4 of at most 3: refused
+    mgr.unpin(keys[2:3])
+    clock.now += 11
+    mgr.poll()  # a manager call: the metrics refresh
+    mgr.close()
+    found = {(s.name, tuple(sorted(s.labels.items()))): s.value
+             for fam in text_string_to_metric_families(generate_latest(reg).decode()) for s in fam.samples}
+
+    def n(medium, event):
+        return found.get(("kvtiers_pin_chunks_total", (("event", event), ("medium", medium))), 0)
+
+    assert (n("host", "pinned"), n("host", "refused"), n("host", "unpinned"), n("host", "expired")) == (3, 4, 1, 2)
+    assert (n("fs", "pinned"), n("mem", "refused"), n("fs", "unpinned")) == (7, 7, 1)
+    assert found["kvtiers_host_lifetime_pinned_chunks", ()] == 0
+
+
+def test_the_config_takes_a_pins_block(tmp_path):
+    from test_manager import kv_caches
+
+    from kvtiers.engine.manager import TieringManager
+    from kvtiers.errors import ConfigError
+
+    kv = kv_caches()
+    cfg = {"host_bytes": 1 << 20, "blocks_per_chunk": 2, "pins": {"max_ttl": 60, "max_share": 0.25}}
+    with TieringManager.from_config(cfg, kv) as mgr:
+        assert mgr.pins.max_ttl == 60 and mgr.pins.cap == len(mgr.arena) // 4
+    with pytest.raises(ConfigError, match=r"^pins: max_share must be a fraction in \[0, 1\), got 2$"):
+        TieringManager.from_config({**cfg, "pins": {"max_share": 2}}, kv)
+    with pytest.raises(ConfigError, match="'pins' expects an object"):
+        TieringManager.from_config({**cfg, "pins": 5}, kv)

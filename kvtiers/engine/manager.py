@@ -292,6 +292,8 @@ class TieringManager:
             why = "; ".join(f"{n}: {w}" for n, w in asked.items())
             raise ValueError(f"pin: {len(absent)} of {len(keys)} key(s) are stored nowhere that could pin them "
                              f"(first {absent[0].hex()[:16]}): not in the host cache{'; ' + why if why else ''}")
+        for name, why in asked.items():
+            self.pins.tier_counts[name, "pinned" if why is None else "refused"] += len(keys)
         host = self.pins.add(keys, seconds)
         until = None if seconds is None else self.pins.clock() + seconds
         return PinResult(keys, until, host, asked)
@@ -305,6 +307,7 @@ class TieringManager:
             if tiers is None or tier.name in tiers:
                 try:
                     tier.handle.unpin(keys)
+                    self.pins.tier_counts[tier.name, "unpinned"] += len(keys)
                 except Exception as e:
                     self._tiers.failed(tier, "unpin", e)
         return n

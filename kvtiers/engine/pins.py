@@ -19,9 +19,12 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..errors import ConfigError
 
 DEFAULT_MAX_TTL = 86400.0  # seconds: the longest soft pin, unless the options say otherwise
 DEFAULT_MAX_SHARE = 0.5  # of the host slots (and of a bounded tier's bytes) pinned at most
@@ -73,17 +76,17 @@ def check_ttl(ttl: float | None, hard: bool, max_ttl: float) -> float | None:
 
 def parse_pin_options(options: Mapping[str, Any] | None) -> tuple[float, float]:
     """``{"max_ttl": seconds, "max_share": fraction}`` -> ``(max_ttl, max_share)``; one-line
-    ``ValueError`` for an unknown field or a bad value."""
+    :class:`~kvtiers.errors.ConfigError` for an unknown field or a bad value."""
     opts = dict(options or {})
     unknown = sorted(set(opts) - {"max_ttl", "max_share"})
     if unknown:
-        raise ValueError(f"pins: unknown option(s) {', '.join(unknown)} (known: max_ttl, max_share)")
+        raise ConfigError(f"pins: unknown option(s) {', '.join(unknown)} (known: max_ttl, max_share)")
     max_ttl = opts.get("max_ttl", DEFAULT_MAX_TTL)
     share = opts.get("max_share", DEFAULT_MAX_SHARE)
     if isinstance(max_ttl, bool) or not isinstance(max_ttl, (int, float)) or not max_ttl > 0:
-        raise ValueError(f"pins: max_ttl must be a positive number of seconds, got {max_ttl!r}")
+        raise ConfigError(f"pins: max_ttl must be a positive number of seconds, got {max_ttl!r}")
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
-        raise ValueError(f"pins: max_share must be a fraction in [0, 1), got {share!r}")
+        raise ConfigError(f"pins: max_share must be a fraction in [0, 1), got {share!r}")
     return float(max_ttl), float(share)
 
 
@@ -91,7 +94,8 @@ class LifetimePins:
     """Keys pinned for a time (``math.inf``: hard), at most ``cap`` at once.
 
     ``held(key)`` is what the host cache asks before it evicts ``key``. Counts: ``pinned``
-    (keys newly pinned or renewed), ``unpinned``, ``expired``, ``refused`` (keys of refused pins).
+    (keys newly pinned or renewed), ``unpinned``, ``expired``, ``refused`` (keys of refused pins),
+    for the host cache; ``tier_counts`` for the tiers.
     """
 
     def __init__(self, cap: int, *, max_ttl: float = DEFAULT_MAX_TTL,
@@ -102,6 +106,9 @@ class LifetimePins:
         self._until: dict[bytes, float] = {}
         self._heap: list[tuple[float, bytes]] = []  # (deadline, key); stale entries skipped
         self.pinned = self.unpinned = self.expired = self.refused = 0
+        #: chunk keys per ``(tier, event)`` (``pinned``, ``refused``, ``unpinned``: asked to unpin), as the
+        #: manager saw the tiers answer; a tier's own expiries are its own (the fs tier: ``pins.expired``)
+        self.tier_counts: Counter[tuple[str, str]] = Counter()
 
     def __len__(self) -> int:
         return len(self._until)
