@@ -138,5 +138,5 @@ def identity_lines(ident: dict[str, Any]) -> list[str]:
     if lp:
         worst = max(lp["max_diff"].values(), default=0.0)
         lines.append(f"  top-{lp['top_k']} logprobs: largest difference from the reference {worst:.4g}, "
-                     f"tolerance {lp['tolerance']:.4g} (the plain runs' own: repeats, computed vs cached prefix)")
+                     f"tolerance {lp['tolerance']:.4g} (the plain configuration's repeats; 0 with one: exact)")
     return lines
