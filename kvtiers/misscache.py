@@ -10,7 +10,7 @@ only after about ``capacity`` newer ones, and a forgotten key is simply probed a
 then its answer). It holds no Python object per key, so a stream of evictions that never ends
 leaves neither a growing dict nor memory pinned by long-lived keys behind (the fs tier's
 10-minute soak lost 1.5x RSS to a dict of evicted keys that was halved and refilled; see
-docs/bench.md#soak). The fs tier's index and :class:`MissCache` both use it.
+docs/measured-tiers.md#soak-the-fs-tier-for-10-minutes). The fs tier's index and :class:`MissCache` both use it.
 
 :class:`MissCache` adds the probes in flight, for :class:`kvtiers.AsyncTier` and the p2p tier;
 the caller holds its own lock around every call.

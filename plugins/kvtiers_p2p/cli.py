@@ -44,7 +44,7 @@ def p2p() -> None:
 @click.option("--curve-secret", type=click.Path(dir_okay=False), help="The server's secret key file (CurveZMQ).")
 @click.option("--allow", "allow_dir", type=click.Path(),
               help="CurveZMQ: a directory of allowed clients' public key files (any namespace), or an allowlist "
-                   "file binding each client key to its namespaces (docs/p2p.md).")
+                   "file binding each client key to its namespaces (docs/p2p-security.md).")
 @click.option("--nixl", is_flag=True, help="Also serve loads over NIXL (UCX) to clients with backend 'nixl'.")
 @click.option("--nixl-strict", is_flag=True,
               help="With --nixl: refuse to start if NIXL's canary crashes or hangs (default: serve over ZMQ only, "

@@ -184,7 +184,7 @@ class SessionTable:
 
     def _active_ns(self) -> set[str] | None:
         """With tenants, the namespaces with a session (eviction keeps their share); else
-        None (least recently used first: every client is trusted, docs/p2p.md)."""
+        None (least recently used first: every client is trusted, docs/p2p-security.md)."""
         if self.tenants is None:
             return None
         return {s.ns for s in self.sessions.values()}
