@@ -224,6 +224,13 @@ def test_config_errors() -> None:
         backend(HostPool("page_first", head_dim=8), {"tier": "memory", "zero_copy": True})  # 256-byte pieces
 
 
+def test_admit_is_refused_not_ignored(tmp_path) -> None:
+    """"admit" is applied by the manager's cascade only: SGLang opens the tier directly, so the
+    option would do nothing; it is one line naming it (was: accepted and ignored)."""
+    with pytest.raises(ConfigError, match=r"option 'admit' is not applied .*SGLang"):
+        backend(HostPool("page_first"), {"tier": "fs", "root_dir": str(tmp_path), "admit": {"min_offers": 2}})
+
+
 # --- interface v2: hybrid models' side pools, with SGLang's own PoolTransfer and hit policies ---
 
 PoolName, PoolHitPolicy, PoolTransfer = hicache.PoolName, hicache.PoolHitPolicy, hicache.PoolTransfer

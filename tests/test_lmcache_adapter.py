@@ -675,6 +675,8 @@ def test_params_and_keys_without_lmcache():
                       ({"tier": {"type": "fs", "root": "/x"}}, "unknown option 'root'"),
                       ({"tier": {"type": "fs", "root_dir": "/x"}, "staging_slots": 0}, "staging_slots"),
                       ({"tier": {"type": "fs", "root_dir": "/x"}, "extra": 1}, "unknown adapter_params key 'extra'"),
+                      ({"tier": {"type": "fs", "root_dir": "/x", "admit": {"min_offers": 2}}},
+                       "option 'admit' is not applied .*LMCache"),  # the manager's cascade only: not ignored
                       ({}, "needs \"tier\"")):
         with pytest.raises(ConfigError, match=says):
             parse_params(bad)

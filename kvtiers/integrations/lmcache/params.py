@@ -71,6 +71,9 @@ def parse_params(d: Any) -> AdapterParams:
     tier = parse_tier_entry(dict(entry), "tier", WHAT)  # the same entry as in any kvtiers config
     info = get_registry().tier_info(tier.type)  # an unknown tier: one line now, not at the first chunk
     options = dict(tier.options)
+    if "admit" in options:  # the manager's cascade applies it (docs/admission.md); this opens the tier itself
+        raise ConfigError(f"{WHAT}: tier {tier.type!r}: option 'admit' is not applied under LMCache "
+                          "(the adapter opens the tier itself, with no kvtiers cascade); remove it")
     encrypt = options.pop("encrypt", None)
     check_options(info.name, info.cls, options)
     if encrypt is not None:

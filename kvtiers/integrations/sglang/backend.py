@@ -65,6 +65,9 @@ class KvtiersStorage(HiCacheStorage):
         self.staging_pages = int(extra.pop("staging_pages", 64))
         self.lookup_wait_s = float(extra.pop("lookup_wait_s", 0.5))
         self.options = extra
+        if "admit" in extra:  # the manager's cascade applies it (docs/admission.md); this opens the tier itself
+            raise ConfigError(f"kvtiers HiCache backend: tier {self.tier_name!r}: option 'admit' is not applied "
+                              "under SGLang (it opens the tier itself, with no kvtiers cascade); remove it")
         info = get_registry().tier_info(self.tier_name)  # unknown tier: an error now, not at the first page
         from ...options import check_options
 
