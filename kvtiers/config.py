@@ -72,6 +72,7 @@ class Config:
     kv_events: dict[str, Any] | None = None  # checked by kvtiers.engine.kvevents (docs/observability.md)
     metrics: dict[str, Any] | None = None  # checked by kvtiers.metrics
     pins: dict[str, Any] | None = None  # lifetime pins' max_ttl, max_share: checked by kvtiers.engine.pins
+    recompute_when_faster: bool = True  # skip a tier's load that would take longer than the prefill (engine/costs.py)
     # blocks a plugin registered (register_manager_blocks), e.g. "serve" (kvtiers_p2p, docs/p2p.md):
     # name -> its object (or null), checked by the plugin when the manager is built
     blocks: dict[str, Any] = field(default_factory=dict)
@@ -111,6 +112,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "kv_events": (lambda v: v is None or isinstance(v, dict), "an object (KV event publishing) or null"),
     "metrics": (lambda v: v is None or isinstance(v, dict), "an object (Prometheus metrics) or null"),
     "pins": (lambda v: v is None or isinstance(v, dict), "an object (max_ttl, max_share: docs/pins.md) or null"),
+    "recompute_when_faster": (lambda v: isinstance(v, bool), "true or false"),
 }
 
 

@@ -153,6 +153,9 @@ class _Families:
                             ["medium", "event"], **r)
         self.pinned = G("kvtiers_host_lifetime_pinned_chunks", "Chunk keys a lifetime pin holds in the host cache.",
                         **live)
+        self.load_decisions = C("kvtiers_load_decisions", "Lookups whose chunks from a tier were loaded, or left to "
+                                "the engine to recompute because the load was expected to take longer "
+                                "(recompute_when_faster).", ["tier", "decision"], **r)
         self.custom: dict[str, tuple[str, Any, tuple[str, ...]]] = {}  # name -> (kind, family, labelnames)
         self.lock = threading.Lock()
 
@@ -540,6 +543,10 @@ class ManagerMetrics:
                 self._delta(f.pin_events.labels(medium="host", event=event), f"pin:host:{event}", getattr(pins, event))
             for (medium, event), n in list(pins.tier_counts.items()):
                 self._delta(f.pin_events.labels(medium=medium, event=event), f"pin:{medium}:{event}", n)
+        costs = getattr(mgr, "costs", None)  # load or recompute (kvtiers.engine.costs)
+        if costs is not None:
+            for (tier, decision), n in list(costs.decisions.items()):
+                self._delta(f.load_decisions.labels(tier=tier, decision=decision), f"cost:{tier}:{decision}", n)
         reuse = getattr(mgr, "reuse", None)  # the reuse ceiling (kvtiers.engine.reuse)
         if reuse is not None:
             for window, value in reuse.summary().items():

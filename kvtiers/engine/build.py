@@ -102,6 +102,7 @@ def build_from_config(
             store_threshold=cfg.store_threshold, offload_prompt_only=cfg.offload_prompt_only,
             max_offload_tokens=cfg.max_offload_tokens, namespace=namespace, host=host,
             tier_job_timeout=tier_job_timeout, layout=layout, pins=cfg.pins,
+            recompute_when_faster=cfg.recompute_when_faster,
         )
         for t in cfg.tiers:
             mgr.add_tier(t.type, t.options, name=t.name)

@@ -15,6 +15,7 @@ import time
 from collections import defaultdict
 
 from ..types import Lookup
+from .costs import LoadCosts
 from .events import HOST, EventBus, log
 from .hostcache import LOADING, READY, HostCache
 from .tiers import Tier, TierJob, TierSet
@@ -42,6 +43,8 @@ class LoadPath:
         self._chunk_bytes = chunk_bytes
         self._waiting: dict[int, Transfer] = {}  # loads waiting for fills
         self._waiters: dict[bytes, list[Transfer]] = defaultdict(list)  # key being filled -> loads
+        self.costs: LoadCosts | None = None  # load or recompute (kvtiers.engine.costs): set by the manager
+        self.tokens_per_chunk: int | None = None
 
     def pending(self) -> int:
         """Loads waiting for fills."""
@@ -84,6 +87,10 @@ class LoadPath:
                 continue
             retry = pending[i]
             break
+        if self.costs is not None and out:
+            end = self.costs.cut(out, self.tokens_per_chunk, HOST)
+            if end < len(out):  # a tier's load would lose: the engine recomputes from there
+                out, retry = out[:end], False
         return LookupResult(len(out), tuple(out), retry)
 
     def start_wave(self, tr: Transfer, keys: list[bytes]) -> None:

@@ -38,6 +38,7 @@ from ..encryption.tenants import check_tenant, note_tenant
 from ..registry import TierHandle, open_tier
 from ..types import Arena, Namespace, TierContext, check_keys
 from .build import build_from_config
+from .costs import LoadCosts
 from .events import EventBus, log
 from .hostcache import HostCache
 from .loads import LoadPath
@@ -99,6 +100,7 @@ class TieringManager:
         tier_job_timeout: float = 30.0,
         layout: Any = None,
         pins: Mapping[str, Any] | None = None,
+        recompute_when_faster: bool = True,
     ) -> None:
         self.arena = arena
         self.dma = dma
@@ -141,6 +143,12 @@ class TieringManager:
         self._tiers.on_job_end("store", _weakly(self._stores.tier_stored))
         self._tiers.on_job_end("load", _weakly(self._loads.promoted))
         self._tiers.on_job_lost(_weakly(self._loads.lost))
+        #: load or recompute (kvtiers.engine.costs): each tier's load time and the engine's prefill time,
+        #: learned while serving; a lookup does not offer a tier's chunks whose load would lose
+        self.costs = LoadCosts(enabled=bool(recompute_when_faster))
+        self._tiers.on_load_timed = self.costs.observe_load
+        self._loads.costs = self.costs
+        self._loads.tokens_per_chunk = tokens_per_chunk
         self.kv_events: Any = None  # the KVEventBridge once KV events are published (kvtiers.engine.kvevents)
         self.metrics: Any = None  # the ManagerMetrics once metrics are attached (kvtiers.metrics)
         # services a plugin attached through a config block it registered (register_manager_blocks),
@@ -249,6 +257,13 @@ class TieringManager:
         result = self._loads.lookup(keys, tenant)
         self._events.flush()
         return result
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed the KV of ``tokens`` prompt tokens in ``seconds`` (a prefill, or
+        the prefill share of a step). With the tiers' load times, this is what :meth:`lookup` weighs
+        to leave out a tier's chunks that would load slower than they recompute
+        (``recompute_when_faster``, docs/configuration.md). Needs ``tokens_per_chunk``."""
+        self.costs.observe_prefill(operator.index(tokens), float(seconds))
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark ``keys`` as used, in the host cache and in every tier (eviction order)."""

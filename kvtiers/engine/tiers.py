@@ -59,6 +59,8 @@ class TierSet:
         self._job_ids = itertools.count(1)
         self._on_end: dict[str, Callable[[TierJob, set[bytes]], None]] = {}
         self._on_lost: Callable[[TierJob, str], None] | None = None
+        #: told ``(tier name, chunks, seconds)`` of each load job with loaded chunks (kvtiers.engine.costs)
+        self.on_load_timed: Callable[[str, int, float], None] | None = None
 
     def on_job_end(self, kind: str, fn: Callable[[TierJob, set[bytes]], None]) -> None:
         """Call ``fn(job, failed_keys)`` when a job of ``kind`` ends (reported, or failed to
@@ -227,4 +229,6 @@ class TierSet:
         if ok:
             seconds = res.seconds if 0 < res.seconds <= now - tj.t0 + 1e-3 else now - tj.t0
             self._stats.paths[path].add(res.nbytes, len(ok), tj.t0, tj.t0 + seconds)
+            if tj.kind == "load" and self.on_load_timed is not None:
+                self.on_load_timed(tj.tier.name, len(ok), seconds)
         self._on_end[tj.kind](tj, failed)

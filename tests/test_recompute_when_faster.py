@@ -1,0 +1,122 @@
+"""Load or recompute (issue 55 item 3, kvtiers/engine/costs.py): a lookup does not offer a
+tier's chunks whose load is expected to take longer than the engine's prefill of their tokens,
+once the manager has measured both; off with ``recompute_when_faster: false``; a fast tier is
+loaded as before. Real manager, real fs tier; the slowness is the injected fault
+(kvtiers/commands/bench/slowtier.py holds the fs tier's load results back). The prefill times
+are reported through the public API (``observe_prefill``), so each decision is deterministic:
+the delays are 100x apart from the recompute times, never a tight wall-clock bound."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from test_manager import chunk_blocks, key, make_manager, settle, store_all
+
+from kvtiers.commands.bench.slowtier import slow_down
+from kvtiers.config import parse_config
+from kvtiers.engine.costs import MIN_SAMPLES, CostFit, LoadCosts
+from kvtiers.errors import ConfigError
+from kvtiers.metrics import attach_metrics
+
+TOKENS_PER_CHUNK = 32  # test_manager's TOKENS_PER_BLOCK x BPC
+
+
+def fs_manager(tmp_path, *, delay_s: float = 0.0, **kw):
+    """Two host slots and a real fs tier; keys 0-7 stored one by one, so 0-5 are on fs only."""
+    mgr, kv, _ = make_manager(2, tiers=[("fs", {"root_dir": str(tmp_path / "fs")}, "fs")], **kw)
+    if delay_s:
+        slow_down(mgr.tiers[0].handle, delay_s=delay_s)
+    for i in range(8):
+        store_all(mgr, [key(i)], first_block_chunk=i)
+        settle(mgr)
+    return mgr
+
+
+def learn(mgr, *, per_token_s: float) -> None:
+    """MIN_SAMPLES real loads from fs (keys 0-7, each absent from the host when loaded) and
+    MIN_SAMPLES prefills reported at ``per_token_s`` seconds a token."""
+    for i in range(MIN_SAMPLES):
+        look = mgr.lookup([key(i)])
+        assert look.sources == ("fs",), (i, look)  # nothing decided yet: loaded as without the feature
+        (res,) = mgr.wait([mgr.load([key(i)], [chunk_blocks(40 + i)])], timeout=30)
+        assert res.ok and res.sources == {key(i): "fs"}
+        mgr.observe_prefill(TOKENS_PER_CHUNK * (1 + i % 4), TOKENS_PER_CHUNK * (1 + i % 4) * per_token_s)
+    settle(mgr)
+    assert mgr.costs.loads["fs"].samples >= MIN_SAMPLES
+
+
+def test_a_slow_tier_is_not_waited_for_once_measured(tmp_path) -> None:
+    mgr = fs_manager(tmp_path, delay_s=0.1)
+    with mgr:
+        learn(mgr, per_token_s=1e-6)  # a chunk recomputes in 32 us; it loads in >= 100 ms
+        look = mgr.lookup([key(i) for i in range(4)])
+        assert look.num_chunks == 0 and look.sources == () and not look.retry
+        assert mgr.costs.decisions[("fs", "recompute")] >= 1
+        assert mgr.costs.decisions[("fs", "load")] == 0
+        # the host's chunks are never cut: keys 6, 7 are in the host cache after their loads
+        host_look = mgr.lookup([key(MIN_SAMPLES - 2), key(MIN_SAMPLES - 1)])
+        assert host_look.sources == ("host", "host")
+
+
+def test_off_the_slow_tier_is_loaded_as_before(tmp_path) -> None:
+    mgr = fs_manager(tmp_path, delay_s=0.1, recompute_when_faster=False)
+    with mgr:
+        learn(mgr, per_token_s=1e-6)
+        look = mgr.lookup([key(i) for i in range(4)])
+        assert look.sources == ("fs",) * 4
+        assert not mgr.costs.decisions
+        # the fits learned all the same: the decision it would make
+        assert mgr.costs.decide("fs", 4, 4 * TOKENS_PER_CHUNK) == "recompute"
+
+
+def test_a_fast_tier_changes_nothing(tmp_path) -> None:
+    mgr = fs_manager(tmp_path)
+    with mgr:
+        learn(mgr, per_token_s=0.01)  # a chunk recomputes in 0.32 s; fs loads it in milliseconds
+        look = mgr.lookup([key(i) for i in range(4)])
+        assert look.sources == ("fs",) * 4
+        assert mgr.costs.decisions[("fs", "load")] >= 1 and mgr.costs.decisions[("fs", "recompute")] == 0
+
+
+def test_the_cut_is_at_the_slow_tiers_first_chunk_and_counted_on_metrics(tmp_path) -> None:
+    mgr = fs_manager(tmp_path)
+    with mgr:
+        reg = CollectorRegistry()
+        attach_metrics(mgr, {"interval": 0}, registry=reg)
+        for _ in range(MIN_SAMPLES):  # injected through the public observe API: deterministic
+            mgr.costs.observe_load("fs", 1, 0.5)
+            mgr.observe_prefill(TOKENS_PER_CHUNK, 0.001)
+        keys = [key(6), key(7), key(0), key(1)]  # host, host, fs, fs
+        look = mgr.lookup(keys)
+        assert look.sources == ("host", "host")
+        mgr.metrics.tick(force=True)
+        text = generate_latest(reg).decode()
+        assert 'kvtiers_load_decisions_total{decision="recompute",tier="fs"} 1.0' in text
+
+
+def test_the_fits() -> None:
+    fit = CostFit()
+    for n in (1, 2, 4, 8) * 4:
+        fit.add(n, 0.010 + 0.002 * n)  # 10 ms a job, 2 ms a chunk
+    latency, per = fit.terms()
+    assert latency == pytest.approx(0.010, rel=1e-6) and per == pytest.approx(0.002, rel=1e-6)
+    same = CostFit()
+    for _ in range(4):
+        same.add(4, 0.04)  # one size only: a ratio
+    assert same.terms() == (0.0, pytest.approx(0.01))
+    costs = LoadCosts(min_samples=2)
+    costs.observe_load("t", 1, 1.0)
+    costs.observe_prefill(32, 0.001)
+    assert costs.decide("t", 1, 32) is None  # too few samples: load as today
+    costs.observe_load("t", 1, 1.0)
+    costs.observe_prefill(32, 0.001)
+    assert costs.decide("t", 1, 32) == "recompute"
+    assert costs.decide("t", 1, 32 * 10_000) == "load"  # 10 s of prefill against 1 s of load
+
+
+def test_the_option() -> None:
+    base = {"host_bytes": 1 << 20}
+    assert parse_config(base).recompute_when_faster is True
+    assert parse_config({**base, "recompute_when_faster": False}).recompute_when_faster is False
+    with pytest.raises(ConfigError, match="'recompute_when_faster' expects true or false, got str 'no'"):
+        parse_config({**base, "recompute_when_faster": "no"})
