@@ -6,41 +6,23 @@ real DMA engine on CPU tensors."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
+import test_manager
 import torch
 from test_manager import blocks_of, chunk_blocks, key, make_manager, poison, settle, store_all
+from tier_helpers import resolve_lookup
 
 from kvtiers import Lookup
 from kvtiers import hookimpl as kvtiers_hookimpl
 from kvtiers.engine.admission import OfferCounter
 from kvtiers.errors import ConfigError
 
-
-@pytest.fixture
-def managers():
-    """``make_manager`` (tests/test_manager.py), each closed at the end."""
-    made = []
-
-    def make(*a, **kw):
-        m = make_manager(*a, **kw)
-        made.append(m[0])
-        return m
-
-    yield make
-    for m in made:
-        m.close(timeout=5)
+managers = test_manager.managers  # the fixture: make_manager, each closed at the end
 
 
 def answers(tier, keys) -> list[Lookup]:
     """The tier's answers to ``keys``, asked again while any is RETRY (rule 1: within 5 s)."""
-    deadline = time.monotonic() + 10
-    while True:
-        got = tier.handle.lookup(keys)
-        if Lookup.RETRY not in got or time.monotonic() > deadline:
-            return got
-        time.sleep(0.01)
+    return resolve_lookup(tier.handle, keys, timeout=10)
 
 
 def load_back(mgr, kv, keys, first: int):

@@ -4,11 +4,11 @@ tier's ``pins.clock``), so no assert depends on how fast the machine is."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
+import test_manager
 from kvtiers_fs import layout as fs_layout
 from test_manager import key, make_manager, settle, store_all
+from tier_helpers import resolve_lookup
 
 from kvtiers import Lookup
 
@@ -21,28 +21,12 @@ class Clock:
         return self.now
 
 
-@pytest.fixture
-def managers():
-    made = []
-
-    def make(*a, **kw):
-        m = make_manager(*a, **kw)
-        made.append(m[0])
-        return m
-
-    yield make
-    for m in made:
-        m.close(timeout=5)
+managers = test_manager.managers  # the fixture: make_manager, each closed at the end
 
 
 def answers(tier, keys) -> list[Lookup]:
     """The tier's answers to ``keys``, asked again while any is RETRY (rule 1: within 5 s)."""
-    deadline = time.monotonic() + 10
-    while True:
-        got = tier.handle.lookup(keys)
-        if Lookup.RETRY not in got or time.monotonic() > deadline:
-            return got
-        time.sleep(0.01)
+    return resolve_lookup(tier.handle, keys, timeout=10)
 
 
 def in_host(mgr, keys) -> list[bool]:
