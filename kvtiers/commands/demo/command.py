@@ -85,7 +85,7 @@ def demo(turns: int, conversations: int, directory: str | None, keep: bool, conf
         from .pd import pd_command
 
         return pd_command(prompts=conversations, seed=seed, device=device, as_json=as_json, tier="mooncake")
-    if scenario == "weights":  # model weights through the tiers (docs/engine.md, Weights)
+    if scenario == "weights":  # model weights through the tiers (docs/weights.md)
         require("kvtiers demo --scenario weights", "torch", "transformers", "safetensors")
         from .weights import weights_command
 
