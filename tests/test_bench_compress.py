@@ -33,3 +33,32 @@ def test_bench_compress_bad_codec_is_one_line(tmp_path, capsys):
                "--chunks", "2", "--rounds", "1", "--codec", '{"codec": "gzip"}'])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err and "unknown codec 'gzip'" in err, err
+
+
+def test_bench_compress_from_an_fs_root(tmp_path, capsys):
+    """``--from-fs ROOT``: the chunks an fs tier keeps (as a vLLM engine's offload leaves
+    them), at their own size; made here by a plain fs tier from bf16 KV-like bytes."""
+    import time
+
+    from kvtiers import Arena, Job, Namespace, TierContext
+    from kvtiers.commands.bench.compress import kv_bf16
+    from kvtiers.registry import open_tier
+
+    ctx = TierContext(Arena.allocate(4, 65536), Namespace({"chunk_bytes": 65536, "dtype": "bfloat16"}))
+    src = kv_bf16(4 * 65536, 3)
+    for i in range(4):
+        ctx.arena[i][:] = src[i * 65536:(i + 1) * 65536].tobytes()
+    h = open_tier("fs", {"root_dir": str(tmp_path / "kv")}, ctx)
+    h.submit_store(Job(1, tuple(b"c%d" % i for i in range(4)), (0, 1, 2, 3)))
+    while not (done := h.get_finished_jobs()):
+        time.sleep(0.001)
+    assert done[0].ok
+    h.close()
+    rc = main(["bench", "compress", "memory", "--from-fs", str(tmp_path / "kv"), "--rounds", "1", "--json",
+               "--codec", '{"codec": "zstd"}'])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    report = json.loads(out)
+    assert report["chunks"] == 4 and report["chunk_bytes"] == 65536
+    rows = {r["run"]: r for r in report["results"]}
+    assert rows["zstd"]["exact"] and rows["zstd"]["ratio"] >= 1.25

@@ -5,7 +5,8 @@ bytes the tier got (pieces), and each codec's GB/s against the uncompressed run
 
 The chunks are bf16 values drawn per head from a normal distribution, each head scaled by its
 own factor (the shape of K and V after a model's projections), or ``--data random``
-(incompressible). Lossless runs check every byte of every load; an fp8 run reports its
+(incompressible), or ``--from-fs ROOT``: the chunks an fs tier keeps under ROOT (e.g. what a
+vLLM engine offloaded), at their own size. Lossless runs check every byte of every load; an fp8 run reports its
 largest error over the stated bound (``max_err_over_bound``, at most 1).
 
 numpy only (the KV bytes are made without torch); the ``compress`` extra for zstd and lz4.
@@ -17,6 +18,7 @@ import json
 import statistics
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -48,9 +50,35 @@ def _fp8_error(orig: Any, got: Any, block: int = 128) -> float:
     return float(np.max(np.abs(y - x) / np.where(bound > 0, bound, 1)))
 
 
+def fs_chunks(root: str) -> tuple[int, Any, str]:
+    """``(chunk bytes, the chunks as one numpy uint8 array, dtype)`` of the fs tier's namespace
+    under ``root`` with the most chunk files (each file's first ``chunk_bytes`` from its
+    ``config.json``: the chunk, without the tier's trailer)."""
+    import numpy as np
+
+    from ...errors import ConfigError
+
+    best: tuple[int, Path] | None = None
+    for cfg in Path(root).glob("*/config.json"):
+        n = sum(1 for _ in cfg.parent.rglob("*.bin"))
+        if n and (best is None or n > best[0]):
+            best = (n, cfg)
+    if best is None:
+        raise ConfigError(f"--from-fs {root}: no fs namespace with chunk files under it")
+    fields = json.loads(best[1].read_text())["fields"]
+    size = int(fields.get("chunk_bytes") or fields.get("slot_bytes") or 0)
+    if size <= 0 or size % 4096:
+        raise ConfigError(f"--from-fs {root}: its config.json names no chunk size (chunk_bytes) of whole pages")
+    files = sorted(best[1].parent.rglob("*.bin"))
+    data = b"".join(f.read_bytes()[:size] for f in files)
+    if len(data) != size * len(files):
+        raise ConfigError(f"--from-fs {root}: a chunk file shorter than {size} bytes")
+    return size, np.frombuffer(data, np.uint8), str(fields.get("dtype", "bfloat16")).removeprefix("torch.")
+
+
 def run_compress_bench(tier_type: str, options: dict[str, Any] | None, codecs: list[dict[str, Any]], *,
                        chunk_bytes: int = 1 << 20, chunks: int = 64, rounds: int = 3, data: str = "kv",
-                       keys_per_job: int = 16) -> dict[str, Any]:
+                       keys_per_job: int = 16, from_fs: str | None = None) -> dict[str, Any]:
     """Measure ``tier_type`` with ``options`` plain and with each ``"compress"`` object of
     ``codecs``, in ``rounds`` interleaved rounds of ``chunks`` chunks; the report's
     ``results`` has one row per run: store/load GB/s (median), their ratio to the plain
@@ -65,11 +93,16 @@ def run_compress_bench(tier_type: str, options: dict[str, Any] | None, codecs: l
     if not options:
         scratch = tempfile.TemporaryDirectory(prefix="kvtiers-bench-compress-")
         options = default_options(tier_type, scratch.name)
+    dtype = "bfloat16"
+    if from_fs is not None:
+        chunk_bytes, src, dtype = fs_chunks(from_fs)
+        chunks, data = len(src) // chunk_bytes, f"fs:{from_fs}"
     arena = Arena.allocate(chunks, chunk_bytes)
     flat = np.frombuffer(arena.buffer, np.uint8)
-    src = kv_bf16(len(flat), 7) if data == "kv" else np.random.default_rng(7).integers(0, 256, len(flat), np.uint8)
+    if from_fs is None:
+        src = kv_bf16(len(flat), 7) if data == "kv" else np.random.default_rng(7).integers(0, 256, len(flat), np.uint8)
     ctx = TierContext(arena, Namespace({"kvtiers_bench": "compress", "chunk_bytes": chunk_bytes, "data": data,
-                                        "dtype": "bfloat16", "run": time.time_ns()}))
+                                        "dtype": dtype, "run": time.time_ns()}))
     runs: dict[str, dict[str, Any]] = {"plain": {}}
     for c in codecs:
         name = c.get("codec", "zstd") + (f"-{c['level']}" if "level" in c else "")
@@ -99,7 +132,7 @@ def run_compress_bench(tier_type: str, options: dict[str, Any] | None, codecs: l
                     times.setdefault((name, "store"), []).append(t1 - t0)
                     times.setdefault((name, "load"), []).append(t3 - t2)
                 lossy = runs[name].get("compress", {}).get("lossy", False)
-                if lossy and data == "kv":
+                if lossy and data != "random" and dtype == "bfloat16":
                     worst[name] = max(worst.get(name, 0.0), _fp8_error(src, flat))
                 elif not lossy and not np.array_equal(flat, src):
                     exact[name] = False
@@ -155,9 +188,11 @@ def format_report(report: dict[str, Any]) -> str:
 @click.option("--rounds", type=click.IntRange(1), default=3, show_default=True, help="Measured rounds.")
 @click.option("--data", type=click.Choice(["kv", "random"]), default="kv", show_default=True,
               help="bf16 KV-like values, or random (incompressible) bytes.")
+@click.option("--from-fs", "from_fs", type=click.Path(file_okay=False, exists=True), default=None,
+              help="The chunks an fs tier keeps under this root (e.g. a vLLM engine's), instead of --data.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def compress(tier_type: str, config_text: str | None, config_file: str | None, codecs: tuple[str, ...],
-             chunk_bytes: int, chunks: int, rounds: int, data: str, as_json: bool) -> None:
+             chunk_bytes: int, chunks: int, rounds: int, data: str, from_fs: str | None, as_json: bool) -> None:
     """The same tier with and without "compress" on KV-like bytes: ratio, store and load GB/s
     of each codec against the uncompressed run, in one run."""
     from ...config import parse_json_option
@@ -180,5 +215,5 @@ def compress(tier_type: str, config_text: str | None, config_file: str | None, c
     if chunk_bytes % 4096:
         raise ConfigError(f"--chunk-bytes must be a multiple of 4096, got {chunk_bytes}")
     report = run_compress_bench(tier_type, options, specs, chunk_bytes=chunk_bytes, chunks=chunks, rounds=rounds,
-                                data=data)
+                                data=data, from_fs=from_fs)
     click.echo(json.dumps(report, indent=1) if as_json else format_report(report))
