@@ -323,28 +323,26 @@ class SealedTier:
         self._pool.submit(run)
 
     def _seal(self, piece: _Piece) -> list[tuple[bytes, str, str]]:
-        outer, items = piece
-        arena, staging, d8, sel = self.ctx.arena, self.staging, self.digest8, outer.sel
-        default = (self.keyring, None)
-        errs = []
-        for k, s, t in items:
-            kr, tenant = sel.get(k, default) if sel else default
-            try:
-                seal_into(kr, d8, k, arena[s], staging[t], tenant)
-            except Exception as e:
-                errs.append((k, "error", f"{type(e).__name__}: {e}"))
-        return errs
+        d8 = self.digest8
+        return self._each(piece, lambda kr, k, slot, staged, tenant: seal_into(kr, d8, k, slot, staged, tenant))
 
     def _open(self, piece: _Piece) -> list[tuple[bytes, str, str]]:
+        d8 = self.digest8
+        return self._each(piece, lambda kr, k, slot, staged, tenant: open_into(kr, d8, k, staged, slot, tenant))
+
+    def _each(self, piece: _Piece, crypt: Callable[..., None]) -> list[tuple[bytes, str, str]]:
+        """``crypt(keyring, key, arena slot, staging slot, tenant)`` for each item of ``piece``
+        (its tenant's keyring where the piece selects one); ``(key, reason, message)`` of each
+        that failed."""
         outer, items = piece
-        arena, staging, d8, sel = self.ctx.arena, self.staging, self.digest8, outer.sel
+        arena, staging, sel = self.ctx.arena, self.staging, outer.sel
         default = (self.keyring, None)
         errs = []
         for k, s, t in items:
             kr, tenant = sel.get(k, default) if sel else default
             try:
-                open_into(kr, d8, k, staging[t], arena[s], tenant)
-            except OpenFailed as e:
+                crypt(kr, k, arena[s], staging[t], tenant)
+            except OpenFailed as e:  # only opening raises it
                 errs.append((k, e.reason, str(e)))
             except Exception as e:
                 errs.append((k, "error", f"{type(e).__name__}: {e}"))
