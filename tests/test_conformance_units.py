@@ -48,7 +48,7 @@ def test_parse_levels() -> None:
 def test_every_rule_level_has_a_check_and_ids_carry_the_rule() -> None:
     checks = all_checks()
     assert {(c.rule, c.level) for c in checks} == set(RULE_LEVELS)
-    assert set(RULES) == set(range(1, 13))
+    assert set(RULES) == set(range(1, 14))
     for c in checks:
         assert c.test_name.startswith(f"test_rule{c.rule:02d}_"), c.test_name
         assert c.doc, f"{c.test_name} has no docstring"
@@ -80,7 +80,7 @@ def test_report_lines_and_summary() -> None:
     assert lines[4, "core"] == ("rule 4 failure-is-a-result [core]: PASS "
                                 "(2 of 3 checks skipped: not an AsyncTier; no directory)")
     assert rep.failed and rep.status(5) == "FAIL"
-    assert rep.summary().startswith("summary: FAILED: 2 passed, 1 failed, 12 skipped "
+    assert rep.summary().startswith("summary: FAILED: 2 passed, 1 failed, 13 skipped "
                                     "(checks: 3 passed, 1 failed, 3 skipped; levels core)")
     assert rep.summary().endswith("seed 42")
 

@@ -22,13 +22,14 @@ RULES: dict[int, str] = {
     10: "crash-safety",
     11: "bounded-capacity",
     12: "hostile-keys",
+    13: "pins-hold",
 }
 
 #: (rule, level) pairs the suite has checks for, in report order.
 RULE_LEVELS: list[tuple[int, str]] = [
     (1, "core"), (2, "core"), (2, "durable"), (2, "shared"), (3, "core"), (4, "core"),
     (5, "core"), (6, "core"), (7, "core"), (7, "shared"), (8, "core"), (9, "core"),
-    (10, "durable"), (11, "bounded"), (12, "core"),
+    (10, "durable"), (11, "bounded"), (12, "core"), (13, "bounded"),
 ]
 
 

@@ -11,6 +11,7 @@ from . import (  # noqa: F401
     jobs,
     late_writes,
     lookup,
+    pins,
     shared,
     stateful,
 )
