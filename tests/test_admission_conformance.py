@@ -13,13 +13,15 @@ is reused) is checked through the manager in tests/test_admission.py."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
+import tier_helpers
 from kvtiers_conformance import DEFAULT_LIMITS, TierTests
 from s3_fixture import options_for
+from tier_helpers import key_file, p2p_entry
 
 pytest_plugins = ["s3_fixture"]
+p2p_server = tier_helpers.p2p_server  # one peer server for the module
 
 ADMIT = {"min_offers": 2}
 
@@ -37,11 +39,8 @@ class TestAdmittedSealedFs(TierTests):
 
     @pytest.fixture
     def tier_config(self, tmp_path):
-        key = tmp_path / "kvtiers.key"
-        key.write_bytes(os.urandom(32))
-        key.chmod(0o600)
         return "fs", {"root_dir": str(tmp_path / "kv"), "admit": {"when": "evicted"},
-                      "encrypt": {"key_file": str(key), "key_id": "conformance"}}
+                      "encrypt": {"key_file": str(key_file(tmp_path)), "key_id": "conformance"}}
 
 
 class TestAdmittedSqliteExample(TierTests):
@@ -53,23 +52,12 @@ class TestAdmittedSqliteExample(TierTests):
         return "sqlite", {"path": str(tmp_path / "kv.sqlite3"), "admit": ADMIT}
 
 
-@pytest.fixture(scope="module")
-def p2p_server():
-    pytest.importorskip("zmq")
-    from kvtiers_p2p.spawn import start_server
-
-    srv = start_server(capacity=256 << 20, extra=["--test-faults"])  # rule 4's conformance_corrupt
-    yield srv
-    srv.stop()  # by its own PID
-
-
 class TestAdmittedP2P(TierTests):
     limits = DEFAULT_LIMITS.replace(examples=10)
 
     @pytest.fixture
     def tier_config(self, p2p_server):
-        assert p2p_server.proc.poll() is None, "the peer server died during an earlier check"
-        return "p2p", {"host": "127.0.0.1", "port": p2p_server.port, "admit": ADMIT}
+        return p2p_entry(p2p_server, admit=ADMIT)
 
 
 @pytest.mark.slow

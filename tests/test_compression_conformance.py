@@ -8,13 +8,15 @@ not compress: each takes two pieces, so every check also runs a chunk's further 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
+import tier_helpers
 from kvtiers_conformance import DEFAULT_LIMITS, TierTests
 from s3_fixture import options_for
+from tier_helpers import key_file, p2p_entry
 
 pytest_plugins = ["s3_fixture"]
+p2p_server = tier_helpers.p2p_server  # one peer server for the module
 
 ZSTD = {"codec": "zstd"}
 
@@ -43,11 +45,8 @@ class TestCompressedSealedFs(TierTests):
 
     @pytest.fixture
     def tier_config(self, tmp_path):
-        key = tmp_path / "kvtiers.key"
-        key.write_bytes(os.urandom(32))
-        key.chmod(0o600)
         return "fs", {"root_dir": str(tmp_path / "kv"), "compress": {"codec": "lz4"},
-                      "encrypt": {"key_file": str(key)}}
+                      "encrypt": {"key_file": str(key_file(tmp_path))}}
 
 
 class TestCompressedMemory(TierTests):
@@ -65,16 +64,6 @@ class TestCompressedSqliteExample(TierTests):
         return "sqlite", {"path": str(tmp_path / "kv.sqlite3"), "compress": ZSTD}
 
 
-@pytest.fixture(scope="module")
-def p2p_server():
-    pytest.importorskip("zmq")
-    from kvtiers_p2p.spawn import start_server
-
-    srv = start_server(capacity=256 << 20, extra=["--test-faults"])  # rule 4's conformance_corrupt
-    yield srv
-    srv.stop()  # by its own PID
-
-
 class TestCompressedP2P(TierTests):
     """The p2p tier, one peer server in a child process (keys salted per check)."""
 
@@ -82,8 +71,7 @@ class TestCompressedP2P(TierTests):
 
     @pytest.fixture
     def tier_config(self, p2p_server):
-        assert p2p_server.proc.poll() is None, "the peer server died during an earlier check"
-        return "p2p", {"host": "127.0.0.1", "port": p2p_server.port, "compress": ZSTD}
+        return p2p_entry(p2p_server, compress=ZSTD)
 
 
 @pytest.mark.slow

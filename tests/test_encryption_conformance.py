@@ -6,20 +6,17 @@ core seals and opens around them."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from kvtiers_conformance import DEFAULT_LIMITS, TierTests
 from s3_fixture import options_for
+from tier_helpers import key_file
 
 pytest_plugins = ["s3_fixture"]
 
 
 def _encrypt(tmp_path) -> dict:
-    key = tmp_path / "kvtiers.key"
-    key.write_bytes(os.urandom(32))
-    key.chmod(0o600)
-    return {"key_file": str(key), "key_id": "conformance"}
+    return {"key_file": str(key_file(tmp_path)), "key_id": "conformance"}
 
 
 class TestEncryptedFs(TierTests):

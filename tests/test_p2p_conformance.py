@@ -11,16 +11,12 @@ import pytest
 
 pytest.importorskip("zmq")
 
+import tier_helpers  # noqa: E402
 from kvtiers_conformance import DEFAULT_LIMITS, TierTests, run_conformance  # noqa: E402
 from kvtiers_p2p import spawn  # noqa: E402
-from kvtiers_p2p.spawn import start_server  # noqa: E402
+from tier_helpers import p2p_entry  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def server():
-    srv = start_server(capacity=256 << 20, extra=["--test-faults"])  # rule 4's conformance_corrupt
-    yield srv
-    srv.stop()  # by its own PID
+server = tier_helpers.p2p_server  # one peer server for the module
 
 
 class TestP2PConformance(TierTests):
@@ -30,8 +26,7 @@ class TestP2PConformance(TierTests):
 
     @pytest.fixture
     def tier_config(self, server):
-        assert server.proc.poll() is None, "the peer server died during an earlier check"
-        return "p2p", {"host": "127.0.0.1", "port": server.port}
+        return p2p_entry(server)
 
 
 def test_conformance_config_starts_a_server_per_check():

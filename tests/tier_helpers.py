@@ -51,6 +51,33 @@ def resolve_lookup(tier: Any, keys: Sequence[bytes], timeout: float = 15.0) -> l
         time.sleep(0.002)
 
 
+def key_file(directory: Path, name: str = "kvtiers.key") -> Path:
+    """A fresh 32-byte key at ``directory/name``, mode 0600 (a wider one is refused)."""
+    key = Path(directory) / name
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    return key
+
+
+@pytest.fixture(scope="module")
+def p2p_server() -> Iterator[Any]:
+    """One ``kvtiers p2p serve`` child for a module's checks, with ``--test-faults`` (rule 4's
+    conformance_corrupt); skipped without pyzmq. Take it into a module as ``p2p_server =
+    tier_helpers.p2p_server``."""
+    pytest.importorskip("zmq")
+    from kvtiers_p2p.spawn import start_server
+
+    srv = start_server(capacity=256 << 20, extra=["--test-faults"])
+    yield srv
+    srv.stop()  # by its own PID
+
+
+def p2p_entry(server: Any, **options: Any) -> tuple[str, dict]:
+    """The tier entry of a p2p tier on ``server`` (``p2p_server``), ``options`` beside it."""
+    assert server.proc.poll() is None, "the peer server died during an earlier check"
+    return "p2p", {"host": "127.0.0.1", "port": server.port, **options}
+
+
 @contextmanager
 def mounted_tmpfs(path: Any, size: str) -> Iterator[str]:
     """A tmpfs of ``size`` (e.g. ``"4m"``) mounted at the new directory ``path``, unmounted
