@@ -12,9 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvtiers_fs.tier import FsTier  # noqa: E402
+from test_weights_stale import publish_manifest  # noqa: E402
 
 from kvtiers import JobResult, hookimpl  # noqa: E402
-from kvtiers.engine import weights as weights_mod  # noqa: E402
 from kvtiers.engine.weights import ModelWeights  # noqa: E402
 from kvtiers.engine.weights_chunks import MANIFEST_MAGIC, json_depth  # noqa: E402
 
@@ -45,17 +45,11 @@ def test_json_depth_of_escaped_quotes_is_one_pass():
 @pytest.mark.timeout(60)  # the regex it replaced took about 40 minutes on this
 def test_a_forged_manifest_of_escaped_quotes_is_damaged_at_once(tmp_path):
     m, root = model(), tmp_path / "fs"
-    real = weights_mod.manifest_bytes
 
     def forged(doc):
         return struct.pack("<8sQ", MANIFEST_MAGIC, len(ESCAPED_QUOTES)) + ESCAPED_QUOTES
 
-    weights_mod.manifest_bytes = forged  # what a hostile publisher stores: the tier's checksum passes
-    try:
-        with ModelWeights(m, fs_config(root), name="forged", revision="v1", chunk_bytes=CHUNK) as w:
-            ident = w.publish()
-    finally:
-        weights_mod.manifest_bytes = real
+    ident = publish_manifest(m, fs_config(root), "forged", forged, CHUNK)  # what a hostile publisher stores
     twin = {k: torch.empty_like(v) for k, v in m.items()}
     with pytest.raises(LookupError, match="manifest of model 'forged' revision 'v1'.* is damaged: Unterminated"):
         ModelWeights.fork(twin, fs_config(root), ident)

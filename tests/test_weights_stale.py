@@ -26,6 +26,21 @@ def fs_config(root):
     return {"host_blocks_factor": 1.0, "tiers": [{"type": "fs", "root_dir": str(root)}]}
 
 
+def publish_manifest(m, config, name, manifest_bytes, chunk_bytes=CHUNK):
+    """Publish ``m`` as ``name`` revision v1 with ``manifest_bytes(doc)`` stored for its
+    manifest, as a buggy or hostile publisher would: the bytes the tier keeps are what it was
+    given, so its checksum passes. The identity."""
+    from kvtiers.engine import weights as weights_mod
+
+    real = weights_mod.manifest_bytes
+    weights_mod.manifest_bytes = manifest_bytes
+    try:
+        with ModelWeights(m, config, name=name, revision="v1", chunk_bytes=chunk_bytes) as w:
+            return w.publish()
+    finally:
+        weights_mod.manifest_bytes = real
+
+
 def chunk_files(root):
     return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
                   if not f.endswith((".json", ".snapshot", ".lock", ".lease")) and "tmp" not in f)
@@ -123,8 +138,6 @@ def test_a_damaged_manifest_at_fork_is_a_lookup_error(tmp_path, how):
     from kvtiers.engine.weights_chunks import MANIFEST_MAGIC
 
     m, root = model(), tmp_path / "fs"
-    # publish a damaged manifest the way a buggy or hostile publisher would: the bytes the tier
-    # keeps are what the publisher gave it, so the tier's checksum passes
     real = weights_mod.manifest_bytes
 
     def damaged(doc):
@@ -143,12 +156,7 @@ def test_a_damaged_manifest_at_fork_is_a_lookup_error(tmp_path, how):
         body = json.dumps({"tensors": [1, 2, 3]}).encode()  # valid JSON of another shape
         return struct.pack("<8sQ", MANIFEST_MAGIC, len(body)) + body
 
-    weights_mod.manifest_bytes = damaged
-    try:
-        with ModelWeights(m, fs_config(root), name="dmg", revision="v1", chunk_bytes=CHUNK) as w:
-            ident = w.publish()
-    finally:
-        weights_mod.manifest_bytes = real
+    ident = publish_manifest(m, fs_config(root), "dmg", damaged)
     twin = {k: torch.empty_like(v) for k, v in m.items()}
     with pytest.raises(LookupError, match="manifest of model 'dmg' revision 'v1'.* is damaged"):
         ModelWeights.fork(twin, fs_config(root), ident)
