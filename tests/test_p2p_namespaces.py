@@ -18,15 +18,16 @@ zmq = pytest.importorskip("zmq")
 
 from kvtiers_p2p import protocol as P  # noqa: E402
 from kvtiers_p2p.store import SLAB_BYTES  # noqa: E402
-from test_p2p_attacks import BOUND_S, GOOD_NS, Good  # noqa: E402
+from test_p2p_attacks import BOUND_S, GOOD_NS, Good, tier  # noqa: E402
 from test_p2p_lockout import dealer, hello, served  # noqa: E402
 from tier_helpers import resolve_lookup as resolve  # noqa: E402
 from tier_helpers import server_stats  # noqa: E402
 from tier_helpers import wait_job as wait  # noqa: E402
 
-from kvtiers import Job, Lookup  # noqa: E402
+from kvtiers import Job, Lookup, Namespace  # noqa: E402
 
 KiB = 1 << 10
+OTHER_NS = Namespace({"test": "p2p-namespaces-other-size"})
 SIZES_CAPACITY = 9 * SLAB_BYTES  #: a slab for each of 8 chunk sizes and the good client's
 
 
@@ -242,3 +243,42 @@ def test_a_full_size_table_never_reclaims_a_size_another_peer_uses_for_a_newcome
         user.still_holds()
     stats = server_stats(log)
     assert (stats["reclaimed"], stats["reaped"]) == (1, 1), stats
+
+
+def test_one_client_keeps_two_chunk_sizes_at_once(tmp_path):
+    """One client (127.0.0.1) with two real tiers open at once on a 16 MiB server: 64 KiB
+    chunks in one namespace, 4 KiB in another (a ModelWeights and its head record, say).
+    Storing the second size, and then more of each, leaves every chunk of both loadable,
+    byte for byte, and the server evicts nothing: far below the capacity, the first size's
+    pool must not have mapped it all (then the second size evicted every chunk of the first)."""
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
+    with served(log=log) as (srv, ctx, good):
+        big, small = Good(srv.port, 64 * KiB), Good(srv.port, 4 * KiB)
+        good += [big, small]
+        small.h.close()  # the second one in a namespace of its own (one namespace has one chunk size)
+        small.h = tier(srv.port, small.arena, OTHER_NS)
+        jobs = iter(range(1, 1000))
+
+        def store(g: Good, keys: list[bytes]) -> None:
+            for k in keys:
+                jid = next(jobs)
+                g.h.submit_store(Job(jid, (k,), (0,)))
+                assert wait(g.h, jid).ok
+
+        def loadable(g: Good, keys: list[bytes]) -> None:
+            assert resolve(g.h, keys) == [Lookup.HIT] * len(keys), "a chunk of one size was dropped"
+            for k in keys:
+                jid = next(jobs)
+                g.arena[1][:] = bytes(g.arena.slot_bytes)
+                g.h.submit_load(Job(jid, (k,), (1,)))
+                r = wait(g.h, jid)
+                assert r.ok and bytes(g.arena[1]) == bytes(g.arena[0]), r.error
+
+        store(big, [b"big-%d" % i for i in range(4)])
+        store(small, [b"small-0"])  # the second size: a pool of its own
+        loadable(big, [b"big-%d" % i for i in range(4)])
+        store(big, [b"big-4"])
+        store(small, [b"small-1"])
+        loadable(big, [b"big-%d" % i for i in range(5)])
+        loadable(small, [b"small-0", b"small-1"])
+    assert server_stats(log)["evictions"] == 0

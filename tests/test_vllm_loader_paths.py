@@ -223,13 +223,7 @@ def test_an_engine_of_another_tensor_parallel_size_finds_no_record(paths):
     assert "no tier holds a publish" in err
 
 
-#: a p2p server evicts a peer's chunks of one size when the same peer opens a namespace of another
-#: size (a ModelWeights of 64 KiB chunks, then the head records' 4 KiB page): the fork finds no manifest
-P2P_EVICTS = pytest.mark.xfail(strict=True, reason="the p2p server drops the weights' chunks once the head "
-                               "record (another chunk size, same peer) is stored (issue 51 item 14)")
-
-
-@pytest.mark.parametrize("kind", ["obj", pytest.param("p2p", marks=P2P_EVICTS), "sqlite"])
+@pytest.mark.parametrize("kind", ["obj", "p2p", "sqlite"])
 def test_any_tier_publishes_and_forks(paths, kind):
     """The obj tier on a real SeaweedFS server, a real p2p server's memory, and a third-party tier
     (examples/kvtiers-sqlite): each alone holds the weights a fork then takes, byte for byte."""
