@@ -74,6 +74,11 @@ class CostFit:
                 return my, 0.0
         return 0.0, self._y / self._x
 
+    @property
+    def mean_size(self) -> float:
+        """The weighted mean size of the samples (0 before any)."""
+        return self._x / self._w if self._w > 0 else 0.0
+
     def predict(self, size: float) -> float:
         """Expected seconds for ``size`` units."""
         latency, per_unit = self.terms()

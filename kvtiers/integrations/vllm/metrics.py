@@ -106,6 +106,7 @@ IN_FLIGHT = "kvtiers_tier_jobs_in_flight"
 TIER_BACKLOG = "kvtiers_tier_backlog"
 EVICTIONS = "kvtiers_tier_evictions"
 REUSE_CEILING = "kvtiers_reuse_ceiling"
+LOAD_DECISIONS = "kvtiers_load_decisions"
 HOST_SLOTS = "kvtiers_host_slots"
 HOST_USED = "kvtiers_host_used_slots"
 HOST_PINNED = "kvtiers_host_pinned_slots"
@@ -132,6 +133,10 @@ def tier_series_definitions() -> dict[str, OffloadingMetricMetadata]:
     defs[REUSE_CEILING] = OffloadingGaugeMetadata(  # kvtiers.engine.reuse
         documentation="Share of chunk offers that repeat an earlier one within the window: the hit rate an "
                       "unbounded cache would reach (HyperLogLog estimate).", labelnames=(TIER_LABEL, "window"))
+    defs[LOAD_DECISIONS] = OffloadingCounterMetadata(  # kvtiers.engine.costs
+        documentation="Chunk lookups a tier answered HIT (load) or MISS because the load was expected to take "
+                      "longer than recomputing (recompute), recompute_when_faster.",
+        labelnames=(TIER_LABEL, "decision"))
     return defs
 
 
@@ -204,6 +209,12 @@ class TierSeries:
         for window, value in ceilings.items():
             if value is not None:
                 stats.set_gauge(REUSE_CEILING, value, labelvalues=(self.label, window))
+
+    def decisions(self, stats: Any, decisions: Counter) -> None:
+        """Load-or-recompute decisions since the last call (kvtiers.engine.costs)."""
+        for (_, decision), n in self._delta("decisions", Counter(decisions)).items():
+            if n:
+                stats.increase_counter(LOAD_DECISIONS, n, labelvalues=(self.label, decision))
 
 
 def host_stats(primary: Any, loads: Counter[str] | None = None) -> Any:

@@ -71,6 +71,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...encryption.tenants import as_tenant
+from ...engine.costs import LoadCosts
 from ...engine.reuse import ReuseEstimator
 from ...errors import ConfigError
 from ...metrics import TierObserver
@@ -81,6 +82,7 @@ from ..keys import tier_key
 from .compat import EVENT_REQ_CONTEXT, HAS_CONFIG_INFO, ConfigInfoMapping
 from .metrics import TierSeries, TierStats, metric_definitions, tier_series_definitions
 from .namespace import namespace_fields
+from .step_costs import install as install_step_costs
 from .tenant import install as install_tenants
 from .tenant import tenant_of
 
@@ -99,6 +101,15 @@ MEDIUM = {"memory": Medium.CPU, "p2p": Medium.CPU}
 class _Pending:
     job: TransferJob
     keys: tuple[bytes, ...]  # the tier's keys, in the job's order
+    t0: float = 0.0  # submitted (perf_counter)
+
+
+def _tokens_per_chunk(spec: Any) -> int | None:
+    """Tokens per chunk of vLLM's offloading spec (blocks per chunk x tokens per block), or None."""
+    try:
+        return int(spec.blocks_per_chunk) * max(int(t) for t in spec.tokens_per_block)
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 def primary_arena(primary_kv_view: memoryview) -> tuple[Arena, memoryview]:
@@ -195,6 +206,16 @@ class KvtiersTier(SecondaryTierManager):
         ctx.add_removed_listener(observer.removed)
         self._series = TierSeries(tier_type, observer)
         self.reuse = ReuseEstimator()  # the reuse ceiling of the keys vLLM stores and loads (docs/observability.md)
+        # load or recompute (kvtiers.engine.costs): this tier's promotions timed here, the engine's steps
+        # by .step_costs; a HIT whose load would take longer than its prefill answers MISS
+        extra = getattr(offloading_spec, "extra_config", None) or {}
+        enabled = extra.get("recompute_when_faster", True)
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"'recompute_when_faster' must be true or false, got {enabled!r}")
+        self.costs = LoadCosts(enabled=enabled)
+        self.tokens_per_chunk = _tokens_per_chunk(offloading_spec)
+        if enabled and self.tokens_per_chunk:
+            install_step_costs()
         log.info("vLLM secondary tier %r: kvtiers tier %r, namespace %s, %d chunks of %d bytes",
                  tier_type, name, self.namespace.digest, len(self.arena), self.arena.slot_bytes)
         if not HAS_CONFIG_INFO:
@@ -242,9 +263,25 @@ class KvtiersTier(SecondaryTierManager):
             self._series.lookup_took(t1 - t0)
         if answer is Lookup.RETRY and self._retry_spent_s < self.retry_wait_s:
             answer = self._settle(k, t1, tenant)
+        if answer is Lookup.HIT and self._recompute_faster():
+            return LookupResult.MISS  # its load would take longer than its prefill: vLLM recomputes it
         if answer is Lookup.HIT:  # served: recently used (see the module, "Recency")
             self._touch([k], tenant)
         return _ANSWER[answer]
+
+    def _recompute_faster(self) -> bool:
+        """Whether a chunk of this tier loads slower than it recomputes (kvtiers.engine.costs), for
+        a promotion of this tier's usual size; counts the decision once the costs are known."""
+        costs, tpc = self.costs, self.tokens_per_chunk
+        if not costs.enabled or not tpc:
+            return False
+        fit = costs.loads.get(self.tier_type)
+        n = max(1, round(fit.mean_size)) if fit is not None else 1
+        decision = costs.decide(self.tier_type, n, n * tpc)
+        if decision is None:
+            return False
+        costs.decisions[(self.tier_type, decision)] += 1
+        return decision == "recompute"
 
     def _settle(self, k: bytes, t0: float, tenant: str | None) -> Lookup:
         """Ask ``k`` (``tenant``'s) again until it is not RETRY or this step's ``retry_wait_ms``
@@ -304,7 +341,7 @@ class KvtiersTier(SecondaryTierManager):
     def _submit(self, tj: TransferJob, submit: Any) -> None:
         keys = tuple(self._key(k) for k in tj.keys)
         self.reuse.offer(keys)  # a store (vLLM's cascade) or a promotion offers its chunks
-        self._jobs[tj.job_id] = _Pending(tj, keys)
+        self._jobs[tj.job_id] = _Pending(tj, keys, time.perf_counter())
         try:
             if self._closed:
                 raise RuntimeError("tier is shut down")
@@ -344,6 +381,10 @@ class KvtiersTier(SecondaryTierManager):
         successful = None
         if tj.is_promotion:
             self._failed_loads.update(failed)
+            if len(failed) < len(keys):  # what a load of this size takes (kvtiers.engine.costs)
+                took = time.perf_counter() - pending.t0
+                seconds = res.seconds if 0 < res.seconds <= took + 1e-3 else took
+                self.costs.observe_load(self.tier_type, len(keys) - len(failed), seconds)
             if failed and len(failed) < len(keys):
                 successful = tuple(ek for ek, k in zip(tj.keys, keys, strict=True) if k not in failed)
         else:
@@ -408,6 +449,7 @@ class KvtiersTier(SecondaryTierManager):
         self._series.take(stats)
         self._series.backlog(stats, backlog)
         self._series.reuse(stats, self.reuse.summary())
+        self._series.decisions(stats, self.costs.decisions)
         return stats
 
     # vLLM 0.33's info-metric hooks; vLLM 0.32 has none and never calls them (see compat.py)

@@ -1,0 +1,110 @@
+"""Load or recompute under vLLM's tiering (issue 55 item 3): a kvtiers secondary tier whose
+promotions take longer than the engine's prefill answers MISS (vLLM recomputes), counted as
+``kvtiers_load_decisions``; ``recompute_when_faster: false`` in ``kv_connector_extra_config``
+keeps promoting; the step meter takes the engine's step times and skips idle gaps.
+
+Real vLLM tiering manager and real fs tier (tests/test_integration_vllm.py's ``Engine``); the
+slowness is the injected fault (kvtiers/commands/bench/slowtier.py). The prefill cost is
+reported through the public fit (``tier.costs.observe_prefill``), 100x away from the load
+time, so the decisions are deterministic."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is installed by `make test`")
+
+import numpy as np  # noqa: E402
+from test_integration_vllm import MODULE, ROW, chunks_for, offloading_config  # noqa: E402
+from test_integration_vllm import Engine as _Engine  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult  # noqa: E402
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+
+from kvtiers.commands.bench.slowtier import slow_down  # noqa: E402
+from kvtiers.engine.costs import MIN_SAMPLES  # noqa: E402
+from kvtiers.integrations.vllm import metrics  # noqa: E402
+from kvtiers.integrations.vllm.step_costs import StepMeter  # noqa: E402
+
+
+class Engine(_Engine):
+    """test_integration_vllm's engine, with more keys in ``kv_connector_extra_config``."""
+
+    def __init__(self, tier: dict, extra: dict | None = None) -> None:
+        self.spec = TieringOffloadingSpec(offloading_config({"secondary_tiers": [tier], **(extra or {})}))
+        self.m = self.spec.get_manager()
+        self.rows = np.frombuffer(self.m.primary_tier.get_kv_memoryview(), dtype=np.uint8).reshape(-1, ROW)
+        self.tier = self.m.secondary_tiers[0]
+
+
+def slow_engine(tmp_path, **kw) -> tuple[Engine, list[bytes], dict[bytes, bytes]]:
+    """MIN_SAMPLES + 4 chunks cascaded to fs by one engine; a second engine on the same
+    directory (empty primary) with the fs tier's loads held back 0.1 s, which has promoted the
+    first MIN_SAMPLES one by one (its load samples) and been told a chunk prefills in 16 us."""
+    tier = {"type": "kvtiers_fs", "root_dir": str(tmp_path / "kv"), "module_path": MODULE}
+    chunks = chunks_for(MIN_SAMPLES + 4, seed=5)
+    a = Engine(tier)
+    try:
+        a.store("w", chunks)
+    finally:
+        a.close()
+    b = Engine(tier, **kw)
+    slow_down(b.tier.handle, delay_s=0.1)
+    keys = list(chunks)
+    for i in range(MIN_SAMPLES):
+        got, seen = b.load(f"r{i}", [keys[i]])
+        assert got == {keys[i]: chunks[keys[i]]} and LookupResult.HIT_PENDING in seen  # promoted as today
+        b.tier.costs.observe_prefill(b.tier.tokens_per_chunk, 1e-6 * b.tier.tokens_per_chunk)
+    assert b.tier.costs.loads[b.tier.tier_type].samples == MIN_SAMPLES
+    return b, keys, chunks
+
+
+def test_a_slow_tier_answers_miss_once_measured(tmp_path) -> None:
+    e, keys, chunks = slow_engine(tmp_path)
+    try:
+        got, seen = e.load("late", keys[MIN_SAMPLES:])
+        assert got == {} and set(seen) == {LookupResult.MISS}  # vLLM recomputes them
+        assert e.tier.costs.decisions[(e.tier.tier_type, "recompute")] >= 4
+        stats = e.m.get_stats().reduce()
+        assert stats[f"{metrics.LOAD_DECISIONS}:('kvtiers_fs', 'recompute')"] >= 4
+    finally:
+        e.close()
+
+
+def test_off_the_slow_tier_is_promoted(tmp_path) -> None:
+    e, keys, chunks = slow_engine(tmp_path, extra={"recompute_when_faster": False})
+    try:
+        got, _ = e.load("late", keys[MIN_SAMPLES:])
+        assert got == {k: chunks[k] for k in keys[MIN_SAMPLES:]}
+        assert not e.tier.costs.decisions
+    finally:
+        e.close()
+
+
+def test_the_step_meter_fits_steps_and_skips_idle_gaps() -> None:
+    class Tier:  # what the meter needs of a KvtiersTier: its costs
+        from kvtiers.engine.costs import LoadCosts
+
+        costs = LoadCosts()
+
+    tier = Tier()
+    meter = StepMeter([tier], min_samples=4)
+    t = 0.0
+    for tokens in [64, 128, 256, 512] * 3:  # 1 ms a step + 10 us a token
+        meter.step(tokens, now=t)
+        t += 0.001 + 1e-5 * tokens
+    meter.step(64, now=t)
+    assert tier.costs.prefill is meter.prefill and meter.prefill.samples == 12
+    latency, per = meter.prefill.terms()
+    assert latency == pytest.approx(0.001, rel=1e-3) and per == pytest.approx(1e-5, rel=1e-3)
+    meter.step(0, now=t + 60.0)  # a minute idle after a 64-token step: not a step
+    assert meter.skipped == 1 and meter.prefill.samples == 12
+    meter.step(64, now=t + 61.0)  # a step of no tokens is no sample either
+    assert meter.prefill.samples == 12
+
+
+def test_a_bad_option_is_one_line(tmp_path) -> None:
+    from kvtiers.errors import ConfigError
+
+    tier = {"type": "kvtiers_fs", "root_dir": str(tmp_path / "kv"), "module_path": MODULE}
+    with pytest.raises(ConfigError, match="'recompute_when_faster' must be true or false, got 'no'"):
+        Engine(tier, extra={"recompute_when_faster": "no"})
