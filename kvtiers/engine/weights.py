@@ -127,6 +127,25 @@ class WeightsStep:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+
+def tier_hits(tier: Any, keys: list[bytes], wait_s: float = 5.0) -> set[bytes]:
+    """The keys of ``keys`` that ``tier`` (a manager's tier) answers HIT for, those answered
+    RETRY asked again for up to ``wait_s``; a tier whose lookup raises holds nothing more."""
+    hits: set[bytes] = set()
+    ask, deadline = list(keys), time.monotonic() + wait_s
+    while ask:
+        try:
+            answers = tier.handle.lookup(ask)
+        except Exception:  # noqa: BLE001 - a faulty tier holds nothing
+            break
+        hits.update(k for k, a in zip(ask, answers, strict=True) if a is Lookup.HIT)
+        ask = [k for k, a in zip(ask, answers, strict=True) if a is Lookup.RETRY]
+        if not ask or time.monotonic() > deadline:
+            break
+        time.sleep(0.005)
+    return hits
+
+
 class ModelWeights:
     """A model's tensors (an ``nn.Module``: its parameters and buffers; or a mapping name ->
     tensor) and a tier stack from a kvtiers JSON config (a mapping, JSON text or a file path).
@@ -414,38 +433,14 @@ class ModelWeights:
         """The keys every tier answers HIT for (RETRY asked again for up to 5 s)."""
         held = set(keys)
         for tier in self.manager.tiers:
-            ask, deadline, hits = list(held), time.monotonic() + 5.0, set()
-            while ask:
-                try:
-                    answers = tier.handle.lookup(ask)
-                except Exception:  # noqa: BLE001 - a faulty tier holds nothing
-                    break
-                hits.update(k for k, a in zip(ask, answers, strict=True) if a is Lookup.HIT)
-                ask = [k for k, a in zip(ask, answers, strict=True) if a is Lookup.RETRY]
-                if ask and time.monotonic() > deadline:
-                    break
-                if ask:
-                    time.sleep(0.005)
-            held &= hits
+            held &= tier_hits(tier, list(held))
             if not held:
                 break
         return held
 
     def _in_tier(self, key: bytes) -> bool:
         """Whether some tier answers HIT for ``key`` (RETRY asked again for up to 5 s)."""
-        for tier in self.manager.tiers:
-            deadline = time.monotonic() + 5.0
-            while True:
-                try:
-                    (a,) = tier.handle.lookup([key])
-                except Exception:  # noqa: BLE001 - a faulty tier simply does not hold it
-                    break
-                if a is Lookup.HIT:
-                    return True
-                if a is not Lookup.RETRY or time.monotonic() > deadline:
-                    break
-                time.sleep(0.005)
-        return False
+        return any(tier_hits(tier, [key]) for tier in self.manager.tiers)
 
     def _fill(self, keys: list[bytes]) -> dict[str, int]:
         """Load every data chunk (under ``keys``) into the model's storages; chunks per source."""

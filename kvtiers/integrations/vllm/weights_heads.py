@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ...engine.weights import ModelWeights, WeightsIdentity
+from ...engine.weights import ModelWeights, WeightsIdentity, tier_hits
 from ...engine.weights_chunks import json_depth
 from ...types import PAGE
 
@@ -235,29 +235,11 @@ class Heads:
         out: set[bytes] = set()
         for tier in self._w.manager.tiers:
             for i in range(0, len(keys), _ASK):
-                out |= self._tier_hits(tier, [k for k in keys[i : i + _ASK] if k not in out])
+                out |= tier_hits(tier, [k for k in keys[i : i + _ASK] if k not in out])
         return out
 
     def _tier_holds(self, tier: Any, keys: list[bytes]) -> bool:
-        return self._tier_hits(tier, keys) == set(keys)
-
-    @staticmethod
-    def _tier_hits(tier: Any, keys: list[bytes]) -> set[bytes]:
-        from ...types import Lookup
-
-        hits: set[bytes] = set()
-        ask, deadline = list(keys), time.monotonic() + 5.0
-        while ask:
-            try:
-                answers = tier.handle.lookup(ask)
-            except Exception:  # noqa: BLE001 - a faulty tier holds nothing
-                break
-            hits.update(k for k, a in zip(ask, answers, strict=True) if a is Lookup.HIT)
-            ask = [k for k, a in zip(ask, answers, strict=True) if a is Lookup.RETRY]
-            if not ask or time.monotonic() > deadline:
-                break
-            time.sleep(0.005)
-        return hits
+        return tier_hits(tier, keys) == set(keys)
 
     def _where(self) -> str:
         rev = f"revision {self.revision!r}" if self.revision is not None else "no revision"
