@@ -68,6 +68,7 @@ class HostCache:
         #: ``held(key)``: a lifetime pin holds ``key`` (kvtiers.engine.pins): never a victim before its time.
         #: Apart from the transfer pins above (``pin``/``unpin``: reference counts on slots)
         self.held: Callable[[bytes], bool] = lambda key: False
+        self._held_seen: list[bytes] = []
 
     # -- queries ---------------------------------------------------------------------
     def __contains__(self, key: bytes) -> bool:
@@ -139,6 +140,20 @@ class HostCache:
 
         return evictable
 
+    def _skip_held(self, evictable: Callable[[bytes], bool]) -> Callable[[bytes], bool]:
+        """``evictable``, noting the keys a lifetime pin held: the policy is told they were
+        used once it has chosen (``policy.touch``), so the next search does not walk past
+        them again (with half the slots pinned at the LRU end, every eviction would)."""
+        held = self._held_seen = []
+
+        def check(key: bytes) -> bool:
+            if self.held(key):
+                held.append(key)
+                return False
+            return evictable(key)
+
+        return check
+
     def allocate(self, key: bytes, state: str) -> int | None:
         """Give ``key`` (absent) a slot in ``state`` with one pin, evicting if needed.
 
@@ -153,7 +168,10 @@ class HostCache:
         if self._free:
             slot = self._free.pop()
         else:
-            victim = self.policy.victim(self._evictable if self.write_back is None else self._clean_evictable())
+            victim = self.policy.victim(self._skip_held(
+                self._evictable if self.write_back is None else self._clean_evictable()))
+            for k in self._held_seen:  # (after the search: a policy's order must not change during it)
+                self.policy.touch(k)
             if victim is None:
                 self.policy.remove(key)
                 return None

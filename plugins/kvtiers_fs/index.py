@@ -324,14 +324,19 @@ class Index:
         first, none being read, stored or pinned; still in the index until :meth:`evicted`."""
         out: list[tuple[int, float]] = []
         with self.lock:
-            for _ in range(2):
+            # twice, and again while pinned keys are moved up (each round moves those it offered)
+            for i in range(2 + len(self.table) // 256):
+                moved = False
                 while self._cand and len(out) < n:
                     fp, clock = self._cand.pop()
-                    if fp in self.reading or fp in self._writing_fp or self.table.get(fp) != clock \
-                            or self.pinned(fp):
-                        continue  # read, being stored, used since, gone or pinned for a time
+                    if fp in self.reading or fp in self._writing_fp or self.table.get(fp) != clock:
+                        continue  # read, being stored, used since or gone
+                    if self.pinned(fp):  # pinned for a time: counted as used now, so the oldest
+                        self._set(fp, self._now())  # ones left to evict are not all pinned ones
+                        moved = True
+                        continue
                     out.append((fp, clock))
-                if len(out) >= n:
+                if len(out) >= n or (i >= 1 and not moved):
                     break
                 fps, clocks = self.table.oldest(max(4 * n, 256))
                 taken = {f for f, _ in out}
