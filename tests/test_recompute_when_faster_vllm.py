@@ -5,8 +5,8 @@ keeps promoting; the step meter takes the engine's step times and skips idle gap
 
 Real vLLM tiering manager and real fs tier (tests/test_integration_vllm.py's ``Engine``); the
 slowness is the injected fault (kvtiers/commands/bench/slowtier.py). The prefill cost is
-reported through the public fit (``tier.costs.observe_prefill``), 100x away from the load
-time, so the decisions are deterministic."""
+reported through the public fit (``tier.costs.observe_prefill``), 8x under the slow load
+time and far over the fs tier's own, so the decisions are deterministic."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from test_integration_vllm import Engine as _Engine  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
-from kvtiers.commands.bench.slowtier import slow_down  # noqa: E402
 from kvtiers.engine.costs import MIN_SAMPLES  # noqa: E402
 from kvtiers.integrations.vllm import metrics  # noqa: E402
 from kvtiers.integrations.vllm.step_costs import StepMeter  # noqa: E402
@@ -36,10 +35,11 @@ class Engine(_Engine):
         self.tier = self.m.secondary_tiers[0]
 
 
-def slow_engine(tmp_path, **kw) -> tuple[Engine, list[bytes], dict[bytes, bytes]]:
+def slow_engine(tmp_path, slow: bool = True, **kw) -> tuple[Engine, list[bytes], dict[bytes, bytes]]:
     """MIN_SAMPLES + 4 chunks cascaded to fs by one engine; a second engine on the same
-    directory (empty primary) with the fs tier's loads held back 0.1 s, which has promoted the
-    first MIN_SAMPLES one by one (its load samples) and been told a chunk prefills in 16 us."""
+    directory (empty primary), its fs tier's loads held back 0.4 s (the adapter's fault-injection
+    option, unless not ``slow``), which has promoted the first MIN_SAMPLES one by one (its load
+    samples) and been told a chunk prefills in 50 ms."""
     tier = {"type": "kvtiers_fs", "root_dir": str(tmp_path / "kv"), "module_path": MODULE}
     chunks = chunks_for(MIN_SAMPLES + 4, seed=5)
     a = Engine(tier)
@@ -47,13 +47,12 @@ def slow_engine(tmp_path, **kw) -> tuple[Engine, list[bytes], dict[bytes, bytes]
         a.store("w", chunks)
     finally:
         a.close()
-    b = Engine(tier, **kw)
-    slow_down(b.tier.handle, delay_s=0.1)
+    b = Engine({**tier, "slow_loads": {"delay_ms": 400}} if slow else tier, **kw)
     keys = list(chunks)
     for i in range(MIN_SAMPLES):
         got, seen = b.load(f"r{i}", [keys[i]])
         assert got == {keys[i]: chunks[keys[i]]} and LookupResult.HIT_PENDING in seen  # promoted as today
-        b.tier.costs.observe_prefill(b.tier.tokens_per_chunk, 1e-6 * b.tier.tokens_per_chunk)
+        b.tier.costs.observe_prefill(b.tier.tokens_per_chunk, 0.05)
     assert b.tier.costs.loads[b.tier.tier_type].samples == MIN_SAMPLES
     return b, keys, chunks
 
@@ -76,6 +75,17 @@ def test_off_the_slow_tier_is_promoted(tmp_path) -> None:
         got, _ = e.load("late", keys[MIN_SAMPLES:])
         assert got == {k: chunks[k] for k in keys[MIN_SAMPLES:]}
         assert not e.tier.costs.decisions
+    finally:
+        e.close()
+
+
+def test_a_fast_tier_is_promoted(tmp_path) -> None:
+    e, keys, chunks = slow_engine(tmp_path, slow=False)
+    try:
+        got, _ = e.load("late", keys[MIN_SAMPLES:])
+        assert got == {k: chunks[k] for k in keys[MIN_SAMPLES:]}
+        decisions = e.tier.costs.decisions
+        assert decisions[(e.tier.tier_type, "load")] >= 4 and decisions[(e.tier.tier_type, "recompute")] == 0
     finally:
         e.close()
 
@@ -108,3 +118,5 @@ def test_a_bad_option_is_one_line(tmp_path) -> None:
     tier = {"type": "kvtiers_fs", "root_dir": str(tmp_path / "kv"), "module_path": MODULE}
     with pytest.raises(ConfigError, match="'recompute_when_faster' must be true or false, got 'no'"):
         Engine(tier, extra={"recompute_when_faster": "no"})
+    with pytest.raises(ConfigError, match="'slow_loads': 'delay_ms' must be a number of milliseconds >= 0, got -1"):
+        Engine({**tier, "slow_loads": {"delay_ms": -1}})

@@ -8,6 +8,10 @@ the engine does with a tier slower than recompute (``recompute_when_faster``,
 kvtiers/engine/costs.py)::
 
     slow_down(mgr.tiers[0].handle, delay_s=0.05, per_chunk_s=0.01)
+
+Under vLLM, kvtiers' tier adapter takes it as the secondary tier entry's ``"slow_loads":
+{"delay_ms": 50, "per_chunk_ms": 10}`` (so ``kvtiers bench serve --variant`` can make a slow
+copy of a configuration, see ``make bench-serve-slow``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 
 from ...hookspecs import hookimpl
 
-__all__ = ["SlowLoads", "slow_down"]
+__all__ = ["SlowLoads", "parse_slow_loads", "slow_down"]
 
 
 class SlowLoads:
@@ -74,3 +78,16 @@ def slow_down(handle: Any, *, delay_s: float = 0.0, per_chunk_s: float = 0.0,
     slow = SlowLoads(delay_s, per_chunk_s)
     handle.add_wrapper(slow, name=name)
     return slow
+
+
+def parse_slow_loads(obj: Any) -> SlowLoads | None:
+    """A ``{"delay_ms": ..., "per_chunk_ms": ...}`` object (either key optional) as a
+    :class:`SlowLoads`, None for None; ``ValueError`` (one line) for anything else."""
+    if obj is None:
+        return None
+    if not isinstance(obj, dict) or not obj or set(obj) - {"delay_ms", "per_chunk_ms"}:
+        raise ValueError(f"'slow_loads' must be an object of delay_ms and/or per_chunk_ms, got {obj!r}")
+    for k, v in obj.items():
+        if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+            raise ValueError(f"'slow_loads': {k!r} must be a number of milliseconds >= 0, got {v!r}")
+    return SlowLoads(obj.get("delay_ms", 0) / 1000.0, obj.get("per_chunk_ms", 0) / 1000.0)

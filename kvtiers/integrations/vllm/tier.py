@@ -70,6 +70,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ...commands.bench.slowtier import parse_slow_loads
 from ...encryption.tenants import as_tenant
 from ...engine.costs import LoadCosts
 from ...engine.reuse import ReuseEstimator
@@ -140,7 +141,8 @@ class KvtiersTier(SecondaryTierManager):
     ``"module_path": "kvtiers.integrations.vllm"`` where kvtiers' vLLM plugin is not loaded.
     Options of the adapter itself: ``tier``, ``namespace`` (extra namespace fields),
     ``enable_kv_events`` and ``locality`` (as vLLM's fs tier), ``retry_wait_ms`` (see the
-    module). Every other key is an option
+    module), ``slow_loads`` (fault injection for benches: ``{"delay_ms", "per_chunk_ms"}``, each
+    load job held back that long, kvtiers/commands/bench/slowtier.py). Every other key is an option
     of the kvtiers tier, checked against its signature before it opens.
     """
 
@@ -160,6 +162,7 @@ class KvtiersTier(SecondaryTierManager):
         enable_kv_events: bool = False,
         locality: str | None = None,
         retry_wait_ms: float = DEFAULT_RETRY_WAIT_MS,
+        slow_loads: dict | None = None,
         **options: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -175,6 +178,10 @@ class KvtiersTier(SecondaryTierManager):
             raise ConfigError(f"secondary tier {tier_type!r}: 'retry_wait_ms' must be a number >= 0, "
                               f"got {retry_wait_ms!r}")
         self.retry_wait_s = retry_wait_ms / 1000.0
+        try:
+            slow = parse_slow_loads(slow_loads)
+        except ValueError as e:
+            raise ConfigError(f"secondary tier {tier_type!r}: {e}") from None
         self._retry_spent_s = 0.0  # this step's
         if namespace is not None and not isinstance(namespace, dict):
             raise ConfigError(f"secondary tier {tier_type!r}: 'namespace' must be an object of extra fields")
@@ -204,6 +211,8 @@ class KvtiersTier(SecondaryTierManager):
         observer = TierObserver(tier_type, None)
         self.handle.add_wrapper(observer, name="kvtiers-metrics")
         ctx.add_removed_listener(observer.removed)
+        if slow is not None:
+            self.handle.add_wrapper(slow, name="kvtiers-slow-loads")
         self._series = TierSeries(tier_type, observer)
         self.reuse = ReuseEstimator()  # the reuse ceiling of the keys vLLM stores and loads (docs/observability.md)
         # load or recompute (kvtiers.engine.costs): this tier's promotions timed here, the engine's steps
