@@ -29,24 +29,13 @@ def test_the_reuse_ceiling_reaches_vllms_metrics(tmp_path) -> None:
     tier, ``refresh``; promotions) and reports ``kvtiers_reuse_ceiling`` per window in its
     stats, which vLLM's Prometheus logger exports on /metrics beside the tier's hit counts
     (docs/observability.md#the-reuse-ceiling)."""
-    import numpy as np
-    from test_vllm_namespace import MODULE, ROW, Engine
-    from test_vllm_stats_series import rendered
-    from vllm.v1.kv_offload.base import make_offload_key
+    from test_vllm_namespace import ROW
+    from test_vllm_stats_series import rendered, stored_on_fs
 
-    from kvtiers.integrations.vllm import KvtiersOffloadingSpec
-
-    tier_cfg = {"type": "kvtiers_fs", "module_path": MODULE, "root_dir": str(tmp_path / "kv")}
-    rng = np.random.default_rng(0)
-    chunks = {make_offload_key(rng.bytes(32), 0): rng.bytes(ROW) for _ in range(5)}
-    e = Engine(tier_cfg, spec=KvtiersOffloadingSpec)
-    try:
-        e.store(chunks)
+    with stored_on_fs(tmp_path) as (e, tier_cfg, chunks):
         (tier,) = e.m.secondary_tiers
         tier.refresh(list(chunks)[:2], None)  # two of them loaded again from the primary tier
         stats = [e.m.get_stats()]
-    finally:
-        e.close()
     assert tier.reuse.offers == 7
     m = rendered(stats, [tier_cfg])
     for window in ("15m", "1h", "1d"):

@@ -8,9 +8,11 @@ the fs tier, driven as vLLM's scheduler drives it; its stats rendered by vLLM's 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import types
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -47,17 +49,25 @@ def rendered(stats_list: list, tiers: list[dict]) -> dict[str, float]:
     return out
 
 
-def test_tier_and_host_series_reach_vllms_metrics(tmp_path) -> None:
+@contextlib.contextmanager
+def stored_on_fs(tmp_path) -> Iterator[tuple[Engine, dict, dict]]:
+    """test_vllm_namespace's engine with ``KvtiersOffloadingSpec`` on an fs tier, five random
+    chunks stored: ``(engine, tier entry, chunks)``, the engine closed after."""
     tier = {"type": "kvtiers_fs", "module_path": MODULE, "root_dir": str(tmp_path / "kv")}
     rng = np.random.default_rng(0)
     chunks = {make_offload_key(rng.bytes(32), 0): rng.bytes(ROW) for _ in range(5)}
     e = Engine(tier, spec=KvtiersOffloadingSpec)
     try:
         e.store(chunks)
-        e.answers(list(chunks) + [make_offload_key(b"\x01" * 32, 0)])
-        stats = [e.m.get_stats(), e.m.get_stats()]  # two steps: counters add up, the second adds nothing
+        yield e, tier, chunks
     finally:
         e.close()
+
+
+def test_tier_and_host_series_reach_vllms_metrics(tmp_path) -> None:
+    with stored_on_fs(tmp_path) as (e, tier, chunks):
+        e.answers(list(chunks) + [make_offload_key(b"\x01" * 32, 0)])
+        stats = [e.m.get_stats(), e.m.get_stats()]  # two steps: counters add up, the second adds nothing
     m = rendered(stats, [tier])
     assert m['kvtiers_tier_write_bytes_total{tier="kvtiers_fs"}'] == 5 * ROW
     assert m['kvtiers_tier_chunk_queries_total{tier="kvtiers_fs"}'] >= 6
