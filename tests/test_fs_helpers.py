@@ -115,6 +115,17 @@ def chunk_files(root: str, suffix: str = ".bin") -> list[str]:
     return sorted(out)
 
 
+def chunk_bytes(root: str) -> int:
+    """The bytes of the chunk files under ``root`` now (a file removed meanwhile counts 0)."""
+    n = 0
+    for p in chunk_files(root):
+        try:
+            n += os.path.getsize(p)
+        except FileNotFoundError:
+            pass
+    return n
+
+
 def tier_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("kvtiers-fs") and not is_io_thread(t)]
 

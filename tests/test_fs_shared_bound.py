@@ -16,8 +16,8 @@ import time
 import pytest
 from kvtiers_fs import layout, lease
 from kvtiers_fs.share import Share
-from test_fs_helpers import chunk_files
-from test_fs_shared_root import HELPERS, SHARED_WRITER, _inflight, _read_log, _stop_writers, _total
+from test_fs_helpers import chunk_bytes, chunk_files
+from test_fs_shared_root import HELPERS, SHARED_WRITER, _inflight, _read_log, _stop_writers
 
 
 def documented_share(max_bytes: int, file_bytes: int) -> int:
@@ -31,14 +31,8 @@ def documented_share(max_bytes: int, file_bytes: int) -> int:
 _STORED = "    r = wait_job(t, i)\n"
 assert SHARED_WRITER.count(_STORED) == 1
 WRITER = SHARED_WRITER.replace(_STORED, _STORED + """\
-    total = 0
-    for p in chunk_files(root):
-        try:
-            total += os.path.getsize(p)
-        except FileNotFoundError:
-            pass
-    out.write(f"after-store {{total}}\\n")
-""").replace("from test_fs_helpers import Env, wait_job", "from test_fs_helpers import Env, chunk_files, wait_job")
+    out.write(f"after-store {{chunk_bytes(root)}}\\n")
+""").replace("from test_fs_helpers import Env, wait_job", "from test_fs_helpers import Env, chunk_bytes, wait_job")
 
 
 def _after_store(log: str) -> list[int]:
@@ -66,12 +60,12 @@ def _run_writers(tmp_path, n_writers: int, rescan: float, per_job: int, threads:
         while not all(_read_log(p)[2] for p in logs):
             assert time.monotonic() < deadline, "the writers did not finish"
             assert all(p.poll() is None for p in procs), [p.stderr.read().decode() for p in procs if p.poll()]
-            samples.append(_total(root))
+            samples.append(chunk_bytes(root))
             time.sleep(0.005)
         t_end = time.monotonic() + rescan + 10  # stores have stopped: the cleaner's next pass
-        while _total(root) > bound and time.monotonic() < t_end:
+        while chunk_bytes(root) > bound and time.monotonic() < t_end:
             time.sleep(0.05)
-        final = _total(root)
+        final = chunk_bytes(root)
     finally:
         _stop_writers(stop, procs)
     assert [p.returncode for p in procs] == [0] * n_writers, [p.stderr.read().decode() for p in procs]

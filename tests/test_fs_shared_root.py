@@ -11,7 +11,7 @@ import time
 
 import pytest
 from kvtiers_fs import gc, layout
-from test_fs_helpers import SLOT, Env, chunk_files, resolve, two_envs, wait_for
+from test_fs_helpers import SLOT, Env, chunk_bytes, chunk_files, resolve, two_envs, wait_for
 
 from kvtiers import Lookup
 
@@ -71,16 +71,6 @@ SHARED_WRITER = textwrap.dedent(
 )
 
 
-def _total(root: str) -> int:
-    n = 0
-    for p in chunk_files(root):
-        try:
-            n += os.path.getsize(p)
-        except FileNotFoundError:
-            pass
-    return n
-
-
 def _stop_writers(stop: str, procs: list[subprocess.Popen]) -> None:
     """Tell the writer processes to stop (the ``stop`` file), wait for each, kill one that hangs."""
     open(stop, "w").close()
@@ -136,14 +126,14 @@ def test_three_processes_storing_ten_times_the_bound_stay_within_the_slack(tmp_p
             assert time.monotonic() < deadline, "the writers did not finish"
             assert all(p.poll() is None for p in procs), [p.stderr.read().decode() for p in procs if p.poll()]
             ts = time.time()
-            total = _total(root)
+            total = chunk_bytes(root)
             samples.append((ts, time.time(), total))
             time.sleep(0.01)
         # stores have stopped: within one rescan (plus a scan) the namespace is within the bound
         t_end = time.monotonic() + rescan + 5
-        while _total(root) > bound and time.monotonic() < t_end:
+        while chunk_bytes(root) > bound and time.monotonic() < t_end:
             time.sleep(0.02)
-        final = _total(root)
+        final = chunk_bytes(root)
         assert final <= bound, f"{final} bytes in the namespace {rescan + 5:.1f} s after the last store; bound {bound}"
         assert final >= bound // 2, f"only {final} of {bound} bytes left: chunks were deleted in bursts"
     finally:
