@@ -270,3 +270,17 @@ def test_host_evictions_do_not_walk_past_the_pinned_keys_each_time():
         cache.mark_ready(b"n%d" % i)
     assert all(b"k%d" % i in cache for i in range(500))  # the pinned stayed
     assert len(asked) < 5000, len(asked)  # walking past them each time: over 50,000
+
+
+def test_a_compressed_fs_tier_pins_every_piece(managers, tmp_path):
+    """"compress" keeps a chunk in pieces under other keys: a pin reaches each of them."""
+    mgr, _, _ = managers(8)
+    mgr.add_tier("fs", {"root_dir": str(tmp_path / "kv"), "compress": {"codec": "lz4"}})
+    store_all(mgr, [key(0), key(1)])
+    settle(mgr)
+    fs = mgr.tiers[0].handle
+    tier_keys = fs.hooks._tier_keys([key(0), key(1)])
+    assert mgr.pin([key(0), key(1)], ttl=5).pinned == ["host", "fs"]
+    assert len(fs.tier.pins) == len(tier_keys) >= 2
+    mgr.unpin([key(0), key(1)])
+    assert len(fs.tier.pins) == 0

@@ -46,3 +46,16 @@ def test_a_tier_without_the_pin_hook_is_skipped_with_the_reason():
     line = rule13(MemoryTier, {})
     assert line.status == "SKIP", line.line()
     assert "does not implement the optional pin hook" in line.line()
+
+
+def test_the_fs_tier_keeps_its_pins_compressed_and_encrypted(tmp_path):
+    """Rule 13 with "compress" (pins reach every piece) and with "encrypt" (through the sealing
+    wrapper) on the fs tier."""
+    import os
+
+    keyfile = tmp_path / "k.key"
+    keyfile.write_bytes(os.urandom(32))
+    keyfile.chmod(0o600)
+    for extra in ({"compress": {"codec": "zstd"}}, {"encrypt": {"key_file": str(keyfile), "key_id": "k1"}}):
+        line = rule13("fs", lambda scratch, extra=extra: {**fs_config(scratch), **extra})
+        assert line.status == "PASS", (extra, line.line())

@@ -233,6 +233,19 @@ class CompressedTier:
         pieces = self.book.pieces
         self.inner.touch([pk for k in keys for pk in [k, *(piece_key(k, i) for i in range(1, pieces(k)))]])
 
+    def _tier_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Every key the tier holds for ``keys``: each chunk's first piece and the others."""
+        pieces = self.book.pieces
+        return [pk for k in keys for pk in [k, *(piece_key(k, i) for i in range(1, pieces(k)))]]
+
+    @hookimpl
+    def pin(self, keys: Sequence[bytes], seconds: float | None) -> str | None:
+        return self.inner.pin(self._tier_keys(keys), seconds)  # every piece (a tier without the hook says so)
+
+    @hookimpl
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        self.inner.unpin(self._tier_keys(keys))
+
     @hookimpl
     def backlog(self) -> int:
         return self._pending

@@ -1,7 +1,7 @@
 """Rule 13 (bounded, only for a tier with the optional ``pin`` hook): a pinned key is never
 evicted before its time, and pins never make the tier exceed its bound (docs/pins.md).
 
-A quarter of the bound is pinned, then four times the bound is stored over it: every pinned
+An eighth of the bound is pinned, then four times the bound is stored over it: every pinned
 key still answers HIT and loads exactly, and the HIT keys still fit in ``max_bytes``. A pin of
 a key never stored, and a pin of the whole bound (nothing left to evict), are refused with a
 reason. Expiry is not checked here: a tier's clock is its own (the fs tier's own tests advance
@@ -17,14 +17,14 @@ from .bounded import _settled, _store_over_bound
 
 @check(13, "pins_hold_within_the_bound", "bounded")
 def pins_hold_within_the_bound(h: Harness) -> None:
-    """Pin a quarter of max_bytes, store 4x max_bytes: the pinned keys stay and load exactly,
+    """Pin an eighth of max_bytes, store 4x max_bytes: the pinned keys stay and load exactly,
     the bound holds; pins of a key never stored or of the whole bound are refused."""
     lim = h.limits
     cap = lim.bounded_slots
     t = h.open(max_bytes=cap * lim.slot_bytes, num_slots=max(lim.num_slots, 4 * cap + 1))
     if not t.handle.takes_pins:
         raise CheckSkipped("the tier does not implement the optional pin hook (rule 13 applies to tiers that do)")
-    pinned = h.keys(max(1, cap // 4), b"P")
+    pinned = h.keys(max(1, cap // 8), b"P")  # (compressed: pieces of a slot and more each)
     t.store(pinned)
     t.wait_hit(pinned)
     why = t.handle.pin(pinned, 3600.0)
