@@ -17,7 +17,7 @@ import pytest
 from kvtiers_fs import layout, lease
 from kvtiers_fs.share import Share
 from test_fs_helpers import chunk_bytes, chunk_files
-from test_fs_shared_root import HELPERS, SHARED_WRITER, _inflight, _read_log, _stop_writers
+from test_fs_shared_root import HELPERS, SHARED_WRITER, _inflight, _read_log, _sample_until_done, _stop_writers
 
 
 def documented_share(max_bytes: int, file_bytes: int) -> int:
@@ -56,12 +56,7 @@ def _run_writers(tmp_path, n_writers: int, rescan: float, per_job: int, threads:
     ]
     samples = []
     try:
-        deadline = time.monotonic() + 120
-        while not all(_read_log(p)[2] for p in logs):
-            assert time.monotonic() < deadline, "the writers did not finish"
-            assert all(p.poll() is None for p in procs), [p.stderr.read().decode() for p in procs if p.poll()]
-            samples.append(chunk_bytes(root))
-            time.sleep(0.005)
+        _sample_until_done(procs, logs, lambda: samples.append(chunk_bytes(root)), 0.005)
         t_end = time.monotonic() + rescan + 10  # stores have stopped: the cleaner's next pass
         while chunk_bytes(root) > bound and time.monotonic() < t_end:
             time.sleep(0.05)

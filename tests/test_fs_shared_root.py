@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 
 import pytest
 from kvtiers_fs import gc, layout
@@ -105,6 +106,18 @@ def _inflight(path: str) -> int:
                default=0)
 
 
+def _sample_until_done(procs: list[subprocess.Popen], logs: list[str], sample: Callable[[], None],
+                       every: float) -> None:
+    """Call ``sample()`` every ``every`` s until each writer's log says it is done (120 s at
+    most); a writer that exits before that fails the test with its stderr."""
+    deadline = time.monotonic() + 120
+    while not all(_read_log(p)[2] for p in logs):
+        assert time.monotonic() < deadline, "the writers did not finish"
+        assert all(p.poll() is None for p in procs), [p.stderr.read().decode() for p in procs if p.poll()]
+        sample()
+        time.sleep(every)
+
+
 def test_three_processes_storing_ten_times_the_bound_stay_within_the_slack(tmp_path):
     root = str(tmp_path / "root")
     slot, rescan, n_files = 4096, 0.1, 32
@@ -121,14 +134,12 @@ def test_three_processes_storing_ten_times_the_bound_stay_within_the_slack(tmp_p
     ]
     samples = []
     try:
-        deadline = time.monotonic() + 120
-        while not all(_read_log(p)[2] for p in logs):
-            assert time.monotonic() < deadline, "the writers did not finish"
-            assert all(p.poll() is None for p in procs), [p.stderr.read().decode() for p in procs if p.poll()]
+        def sample() -> None:
             ts = time.time()
             total = chunk_bytes(root)
             samples.append((ts, time.time(), total))
-            time.sleep(0.01)
+
+        _sample_until_done(procs, logs, sample, 0.01)
         # stores have stopped: within one rescan (plus a scan) the namespace is within the bound
         t_end = time.monotonic() + rescan + 5
         while chunk_bytes(root) > bound and time.monotonic() < t_end:
