@@ -284,3 +284,20 @@ def test_a_compressed_fs_tier_pins_every_piece(managers, tmp_path):
     assert len(fs.tier.pins) == len(tier_keys) >= 2
     mgr.unpin([key(0), key(1)])
     assert len(fs.tier.pins) == 0
+
+
+def test_renewing_a_pin_keeps_its_memory_in_proportion():
+    """A system prompt pinned again on every request: the deadlines' heap stays within a
+    constant of the pinned keys (it grew by one entry per renewal)."""
+    from kvtiers_fs.pins import PinTable
+
+    from kvtiers.engine.pins import LifetimePins
+
+    clock = Clock()
+    host, fs = LifetimePins(10, clock=clock), PinTable(10, clock=clock)
+    for _ in range(5000):
+        clock.now += 0.01
+        assert host.add([b"a", b"b"], 60) is None and fs.add([b"a", b"b"], 60) is None
+    assert len(host._heap) <= 2 * 2 + 1024 and len(fs._heap) <= 2 * 2 + 1024
+    clock.now += 61
+    assert host.expire() == [b"a", b"b"] and fs.expire() == 2

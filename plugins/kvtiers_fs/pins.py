@@ -59,6 +59,9 @@ class PinTable:
                     if until != math.inf:
                         heapq.heappush(self._heap, (until, fp))
             self.pinned += len(fps)
+            if len(self._heap) > 2 * len(self._until) + 1024:  # renewals left stale entries: keep it in proportion
+                self._heap = [(u, x) for x, u in self._until.items() if u != math.inf]
+                heapq.heapify(self._heap)
             return None
 
     def remove(self, keys: Sequence[bytes]) -> None:
