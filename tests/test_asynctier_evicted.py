@@ -74,12 +74,23 @@ class CappedBatchTier(CappedTier):
             self._keep(k, b)
 
 
-def make(cls=CappedTier, slots: int = 64):
-    removed = Removals()
-    ctx = TierContext(Arena.allocate(slots, SLOT), removed=removed)
-    for s in range(slots):
-        ctx.arena[s][:] = bytes([s]) * 8 + bytes(SLOT - 8)
-    return cls(ctx), ctx, removed
+@pytest.fixture
+def tiers():
+    """``tiers(cls, slots)``: a ``cls`` tier on an arena of ``slots`` filled slots, its
+    context and its removals; each closed at the end of the test."""
+    made = []
+
+    def make(cls=CappedTier, slots: int = 64):
+        removed = Removals()
+        ctx = TierContext(Arena.allocate(slots, SLOT), removed=removed)
+        for s in range(slots):
+            ctx.arena[s][:] = bytes([s]) * 8 + bytes(SLOT - 8)
+        made.append(cls(ctx))
+        return made[-1], ctx, removed
+
+    yield make
+    for t in made:
+        t.close()
 
 
 def check_bound_holds(t, ctx, removed: Removals, keys: list[bytes]) -> None:
@@ -99,56 +110,47 @@ def check_bound_holds(t, ctx, removed: Removals, keys: list[bytes]) -> None:
 
 
 @pytest.mark.parametrize("cls", [CappedTier, CappedBatchTier], ids=["per-key", "batch"])
-def test_one_job_larger_than_the_bound(cls) -> None:
-    t, ctx, removed = make(cls)
-    try:
-        keys = [b"key-%02d" % i for i in range(64)]
-        t.submit_store(Job(1, tuple(keys), tuple(range(64))))
-        assert result(t, 1).ok  # stores keep succeeding (rule 11)
-        check_bound_holds(t, ctx, removed, keys)
-    finally:
-        t.close()
+def test_one_job_larger_than_the_bound(tiers, cls) -> None:
+    t, ctx, removed = tiers(cls)
+    keys = [b"key-%02d" % i for i in range(64)]
+    t.submit_store(Job(1, tuple(keys), tuple(range(64))))
+    assert result(t, 1).ok  # stores keep succeeding (rule 11)
+    check_bound_holds(t, ctx, removed, keys)
 
 
-def test_many_small_jobs() -> None:
-    t, ctx, removed = make()
-    try:
-        keys = [b"small-%02d" % i for i in range(64)]
-        for j in range(16):
-            t.submit_store(Job(j, tuple(keys[4 * j:4 * j + 4]), (0, 1, 2, 3)))
-        got = []
-        deadline = time.monotonic() + 20
-        while len(got) < 16:
-            got += t.get_finished_jobs()
-            assert time.monotonic() < deadline
-            time.sleep(0.002)
-        assert all(r.ok for r in got)
-        check_bound_holds(t, ctx, removed, keys)
-    finally:
-        t.close()
+def test_many_small_jobs(tiers) -> None:
+    t, ctx, removed = tiers()
+    keys = [b"small-%02d" % i for i in range(64)]
+    for j in range(16):
+        t.submit_store(Job(j, tuple(keys[4 * j:4 * j + 4]), (0, 1, 2, 3)))
+    got = []
+    deadline = time.monotonic() + 20
+    while len(got) < 16:
+        got += t.get_finished_jobs()
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    assert all(r.ok for r in got)
+    check_bound_holds(t, ctx, removed, keys)
 
 
-def test_evicted_from_another_thread_then_stored_again() -> None:
-    t, ctx, removed = make()
-    try:
-        t.submit_store(Job(1, (b"a", b"b"), (0, 1)))
-        assert result(t, 1).ok
-        th = threading.Thread(target=t.evicted, args=([b"a"], "gc"))
-        th.start()
-        th.join()
-        assert removed == [((b"a",), "gc")]
-        assert t.lookup([b"a", b"b"]) == [Lookup.MISS, Lookup.HIT]
-        t.submit_store(Job(2, (b"a",), (0,)))  # stored again: a HIT again
-        assert result(t, 2).ok
-        assert t.lookup([b"a"]) == [Lookup.HIT]
-    finally:
-        t.close()
+def test_evicted_from_another_thread_then_stored_again(tiers) -> None:
+    t, ctx, removed = tiers()
+    t.submit_store(Job(1, (b"a", b"b"), (0, 1)))
+    assert result(t, 1).ok
+    th = threading.Thread(target=t.evicted, args=([b"a"], "gc"))
+    th.start()
+    th.join()
+    assert removed == [((b"a",), "gc")]
+    assert t.lookup([b"a", b"b"]) == [Lookup.MISS, Lookup.HIT]
+    t.submit_store(Job(2, (b"a",), (0,)))  # stored again: a HIT again
+    assert result(t, 2).ok
+    assert t.lookup([b"a"]) == [Lookup.HIT]
 
 
-def test_eviction_during_a_job_wins_over_its_end() -> None:
+def test_eviction_during_a_job_wins_over_its_end(tiers) -> None:
     """A key evicted (from a coroutine of another job) while its own job is in flight does not
     answer HIT when that job ends."""
-    t, ctx, removed = make()
+    t, ctx, removed = tiers()
     gate = threading.Event()
     put = t.put
 
@@ -159,28 +161,25 @@ def test_eviction_during_a_job_wins_over_its_end() -> None:
         await put(key, data)
 
     t.put = slow_put
-    try:
-        t.submit_store(Job(1, (b"early", b"late"), (0, 1)))
-        deadline = time.monotonic() + 10
-        while b"early" not in t.chunks:
-            assert time.monotonic() < deadline
-            time.sleep(0.002)
+    t.submit_store(Job(1, (b"early", b"late"), (0, 1)))
+    deadline = time.monotonic() + 10
+    while b"early" not in t.chunks:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
 
-        async def evict_early():
-            t.chunks.pop(b"early")
-            t.evicted([b"early"])
+    async def evict_early():
+        t.chunks.pop(b"early")
+        t.evicted([b"early"])
 
-        asyncio.run_coroutine_threadsafe(evict_early(), ctx.loop).result(10)
-        gate.set()
-        assert result(t, 1).ok
-        assert t.lookup([b"early", b"late"]) == [Lookup.MISS, Lookup.HIT]
-        assert removed == [((b"early",), "evicted")]
-    finally:
-        t.close()
+    asyncio.run_coroutine_threadsafe(evict_early(), ctx.loop).result(10)
+    gate.set()
+    assert result(t, 1).ok
+    assert t.lookup([b"early", b"late"]) == [Lookup.MISS, Lookup.HIT]
+    assert removed == [((b"early",), "evicted")]
 
 
-def test_eviction_during_a_probe_wins_over_its_answer() -> None:
-    t, ctx, removed = make()
+def test_eviction_during_a_probe_wins_over_its_answer(tiers) -> None:
+    t, ctx, removed = tiers()
     gate = threading.Event()
 
     async def slow_exists(key):
@@ -189,14 +188,11 @@ def test_eviction_during_a_probe_wins_over_its_answer() -> None:
         return True  # the backend said yes before the eviction was reported
 
     t.exists = slow_exists
-    try:
-        assert t.lookup([b"p"]) == [Lookup.RETRY]
-        t.evicted([b"p"])
-        gate.set()
-        time.sleep(0.1)
-        assert settle(t, [b"p"]) == [Lookup.MISS]
-    finally:
-        t.close()
+    assert t.lookup([b"p"]) == [Lookup.RETRY]
+    t.evicted([b"p"])
+    gate.set()
+    time.sleep(0.1)
+    assert settle(t, [b"p"]) == [Lookup.MISS]
 
 
 def test_memory_tier_reports_every_eviction_of_a_job_larger_than_the_bound() -> None:
