@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from tier_helpers import wait_job
 
 from kvtiers import Arena, ConfigError, Job, JobResult, Lookup, Namespace, TierContext, open_tier
 from kvtiers.encryption import HEADER, OVERHEAD, Keyring, key_fingerprint, read_header
@@ -32,16 +33,6 @@ def _ctx(num_slots: int = 8, ns: dict | None = None, slot: int = SLOT) -> TierCo
     return TierContext(Arena.allocate(num_slots, slot), Namespace(ns or {"model": "m"}))
 
 
-def _wait(h, jid: int, timeout: float = 30.0) -> JobResult:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for r in h.get_finished_jobs():
-            if r.job_id == jid:
-                return r
-        time.sleep(0.001)
-    raise AssertionError(f"job {jid} not reported within {timeout} s")
-
-
 def _pattern(i: int, n: int = SLOT) -> bytes:
     """Distinct, recognisable plaintext per chunk (a repeated 64-byte marker)."""
     marker = f"KVTIERS-PLAINTEXT-MARKER-{i:06d}-".encode().ljust(64, b"#")
@@ -52,7 +43,7 @@ def _store(h, ctx: TierContext, keys: list[bytes], jid: int = 1) -> JobResult:
     for i, _k in enumerate(keys):
         ctx.arena[i][:] = _pattern(i, ctx.arena.slot_bytes)
     h.submit_store(Job(jid, tuple(keys), tuple(range(len(keys)))))
-    return _wait(h, jid)
+    return wait_job(h, jid)
 
 
 def _load(h, ctx: TierContext, keys: list[bytes], jid: int = 2) -> JobResult:
@@ -60,7 +51,7 @@ def _load(h, ctx: TierContext, keys: list[bytes], jid: int = 2) -> JobResult:
     for s in range(n, len(ctx.arena)):
         ctx.arena[s][:] = b"\xa5" * ctx.arena.slot_bytes
     h.submit_load(Job(jid, tuple(keys), tuple(range(n, n + len(keys)))))
-    return _wait(h, jid)
+    return wait_job(h, jid)
 
 
 def _loaded(ctx: TierContext, i: int, n_keys: int) -> bytes:
@@ -369,11 +360,11 @@ def test_big_job_through_few_staging_slots(tmp_path):
     t0 = time.perf_counter()
     h.submit_store(Job(1, tuple(keys), tuple(range(32))))
     submit_s = time.perf_counter() - t0
-    r = _wait(h, 1, 120)
+    r = wait_job(h, 1, 120)
     assert r.ok, r.error
     assert submit_s < 0.5  # one 1 MiB seal inline would be ~0.2 ms; 32 of them are not done here
     h.submit_load(Job(2, tuple(keys), tuple(range(32, 64))))
-    r = _wait(h, 2, 120)
+    r = wait_job(h, 2, 120)
     assert r.ok and r.nbytes == 32 * slot
     assert all(bytes(ctx.arena[32 + i]) == _pattern(i, slot) for i in range(32))
     assert any(t.name.startswith("kvtiers-seal") for t in threading.enumerate())
