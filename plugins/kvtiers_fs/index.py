@@ -324,8 +324,10 @@ class Index:
         first, none being read, stored or pinned; still in the index until :meth:`evicted`."""
         out: list[tuple[int, float]] = []
         with self.lock:
-            # twice, and again while pinned keys are moved up (each round moves those it offered)
-            for i in range(2 + len(self.table) // 256):
+            # twice, and again while pinned keys are moved up (each round moves those it offered,
+            # and asks for twice as many: a few rounds pass any number of pinned oldest keys)
+            want = max(4 * n, 256)
+            for i in range(3 + (len(self.table) // 256).bit_length()):
                 moved = False
                 while self._cand and len(out) < n:
                     fp, clock = self._cand.pop()
@@ -338,7 +340,9 @@ class Index:
                     out.append((fp, clock))
                 if len(out) >= n or (i >= 1 and not moved):
                     break
-                fps, clocks = self.table.oldest(max(4 * n, 256))
+                if moved:
+                    want *= 2
+                fps, clocks = self.table.oldest(want)
                 taken = {f for f, _ in out}
                 self._cand = [(f, c) for f, c in zip(fps.tolist()[::-1], clocks.tolist()[::-1], strict=True)
                               if f not in taken]

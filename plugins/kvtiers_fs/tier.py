@@ -416,7 +416,11 @@ class FsTier(BoundMixin, ChunkIO):
         absent = [k for k in keys if k not in self.index]
         if absent:
             return f"fs tier: {len(absent)} of {len(keys)} key(s) not stored here (first {absent[0].hex()[:16]})"
-        return self.pins.add(keys, seconds)
+        why = self.pins.add(keys, seconds)
+        if why is None:
+            for k in keys:  # a pin is a use: pinned keys start away from the old end eviction searches
+                self.index.touch(k)
+        return why
 
     @hookimpl
     def unpin(self, keys: Sequence[bytes]) -> None:
