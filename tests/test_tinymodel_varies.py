@@ -23,7 +23,7 @@ NEW = 12
 def test_shape_model_answers_vary_across_prompts_and_tokens() -> None:
     path = tinymodel.make_named_model("smollm2-135m")
     params = json.loads((path / ".kvtiers-tinymodel").read_text())
-    assert params["initializer_range"] == 0.2 and params["num_layers"] == 30
+    assert params["initializer_range"] == 0.1 and params["num_layers"] == 30
     tok = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     answers = []
