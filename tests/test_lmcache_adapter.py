@@ -102,20 +102,19 @@ class _Bench:
         descs = {0: MemoryLayoutDesc([self.torch.Size([2, OBJ // 4])], [self.torch.bfloat16])} if layouts is None \
             else layouts
         tid = a.submit_lookup_and_lock_task(keys, descs)
-        while True:
-            self.wait(a.get_lookup_and_lock_event_fd())
-            bm = a.query_lookup_and_lock_result(tid)
-            if bm is not None:
-                return [int(bm.test(i)) for i in range(len(keys))]
+        return self.bits(a.get_lookup_and_lock_event_fd(), a.query_lookup_and_lock_result, tid, len(keys))
 
     def load(self, keys: list[Any], objs: list[Any]) -> list[int]:
         a = self.adapter
-        tid = a.submit_load_task(keys, objs)
+        return self.bits(a.get_load_event_fd(), a.query_load_result, a.submit_load_task(keys, objs), len(keys))
+
+    def bits(self, efd: int, query: Any, tid: Any, n: int) -> list[int]:
+        """Wait on ``efd`` until ``query(tid)`` gives the task's bitmap; its first ``n`` bits."""
         while True:
-            self.wait(a.get_load_event_fd())
-            bm = a.query_load_result(tid)
+            self.wait(efd)
+            bm = query(tid)
             if bm is not None:
-                return [int(bm.test(i)) for i in range(len(keys))]
+                return [int(bm.test(i)) for i in range(n)]
 
     def raw(self, i: int) -> Any:
         return self.buf[self.offset + i * OBJ: self.offset + (i + 1) * OBJ]
