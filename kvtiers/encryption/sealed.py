@@ -24,6 +24,7 @@ import ctypes
 import os
 import struct
 
+from ..buffers import address as _address
 from ..types import PAGE
 from .keys import MAX_KEY_ID, Keyring
 from .tenants import tenant_aad
@@ -141,15 +142,6 @@ def open_into(keyring: Keyring, digest8: bytes, key: bytes, sealed: memoryview, 
 
 #: copies of at least this many bytes go through ``memmove`` with the GIL released
 _MEMMOVE_BYTES = 64 << 10
-
-
-def _address(buf: memoryview) -> int:
-    """The address of a writable, contiguous buffer (the ctypes view is dropped at once)."""
-    view = ctypes.c_char.from_buffer(buf)
-    try:
-        return ctypes.addressof(view)
-    finally:
-        del view
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:

@@ -10,12 +10,13 @@ instead of writing one (:func:`probe_read`).
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import mmap
 import os
 import secrets
+
+from kvtiers.buffers import address
 
 log = logging.getLogger("kvtiers.fs")
 
@@ -28,15 +29,6 @@ _probed: dict[tuple[str, int], str | None] = {}
 def aligned_buffer(nbytes: int = ALIGN) -> mmap.mmap:
     """A zeroed, page-aligned anonymous buffer (an ``mmap``, not a file descriptor)."""
     return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-
-
-def address(view: memoryview) -> int:
-    """The memory address of the first byte of a writable buffer."""
-    holder = ctypes.c_char.from_buffer(view)
-    try:
-        return ctypes.addressof(holder)
-    finally:
-        del holder
 
 
 def is_aligned(view: memoryview, align: int = ALIGN) -> bool:

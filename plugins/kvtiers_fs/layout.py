@@ -37,6 +37,8 @@ import time
 
 import xxhash
 
+from kvtiers.buffers import flock_held
+
 TRAILER_BYTES = 4096
 MAGIC = b"KVTFSCH1"
 VERSION = 2
@@ -136,21 +138,7 @@ def temp_locked(path: str) -> bool | None:
     """Whether a live writer holds the lock of temporary file ``path``: True (held),
     False (free: nobody writes it), None (unknown: the file system has no locks, or the file
     cannot be opened). Never blocks: ``O_NONBLOCK`` open, non-blocking lock attempt."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return None
-    finally:
-        os.close(fd)  # also releases the lock, if we took it
-    return False
+    return flock_held(path)
 
 
 def _pid_alive(pid: int) -> bool:

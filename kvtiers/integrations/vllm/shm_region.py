@@ -42,6 +42,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvtiers.buffers import flock_held  # absolute: this file is also loaded on its own (tests/test_shm_cleanup.py)
+
 log = logging.getLogger("kvtiers.integrations.vllm")
 
 __all__ = ["PATTERN", "region_paths", "sweep_stale_regions", "unlink_when_mapped",
@@ -202,20 +204,9 @@ def _held() -> tuple[set[tuple[int, int]], bool, bool]:
 def _locked(path: str) -> bool:
     """Whether some process holds a ``flock`` on ``path`` (True where that cannot be told)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        return flock_held(path) is not False
     except FileNotFoundError:
         return False
-    except OSError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return True
-    finally:
-        os.close(fd)  # and with it the lock just taken
-    return False
 
 
 def sweep_stale_regions(pattern: str = PATTERN, grace_s: float = GRACE_S) -> list[str]:
