@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import fcntl
 import os
 import signal
 import socket
@@ -373,6 +374,28 @@ def http_answers(url: str) -> Callable[[], bool]:
 # -- bookkeeping -------------------------------------------------------------------------
 
 _running: list[ChildProcess] = []  # started here and not yet reaped
+
+
+def flock_held(path: str) -> bool | None:
+    """Whether some process holds a ``flock`` on ``path``: True (held), False (free), None
+    (unknown: the file cannot be opened, or the file system has no locks). A missing file
+    raises ``FileNotFoundError``. Never blocks: ``O_NONBLOCK`` open, non-blocking lock attempt;
+    a lock taken here is released at once."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # and with it the lock just taken, if it was
+    return False
 
 
 def _file_tail(path: Path) -> bytes:

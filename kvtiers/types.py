@@ -6,6 +6,7 @@ these types serve.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import hashlib
 import json
@@ -253,6 +254,16 @@ class Arena:
 
     def __repr__(self) -> str:
         return f"Arena({self._n} slots x {self.slot_bytes} bytes)"
+
+
+def buffer_address(buf: memoryview) -> int:
+    """The address of the first byte of a writable, contiguous buffer (the ctypes view is
+    dropped at once, so no export of ``buf`` is left behind)."""
+    view = ctypes.c_char.from_buffer(buf)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
 
 
 def canonical_json(obj: Any) -> bytes:

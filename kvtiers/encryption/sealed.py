@@ -24,8 +24,8 @@ import ctypes
 import os
 import struct
 
-from ..buffers import address as _address
 from ..types import PAGE
+from ..types import buffer_address as _address
 from .keys import MAX_KEY_ID, Keyring
 from .tenants import tenant_aad
 

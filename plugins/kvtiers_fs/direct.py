@@ -16,7 +16,7 @@ import mmap
 import os
 import secrets
 
-from kvtiers.buffers import address
+from kvtiers.types import buffer_address as address
 
 log = logging.getLogger("kvtiers.fs")
 

@@ -37,7 +37,7 @@ import time
 
 import xxhash
 
-from kvtiers.buffers import flock_held
+from kvtiers.launcher import flock_held
 
 TRAILER_BYTES = 4096
 MAGIC = b"KVTFSCH1"

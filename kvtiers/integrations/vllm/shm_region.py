@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvtiers.buffers import flock_held  # absolute: this file is also loaded on its own (tests/test_shm_cleanup.py)
+from kvtiers.launcher import flock_held  # absolute: this file is also loaded on its own (tests/test_shm_cleanup.py)
 
 log = logging.getLogger("kvtiers.integrations.vllm")
 
