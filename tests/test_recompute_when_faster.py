@@ -116,6 +116,17 @@ def test_the_fits() -> None:
     assert costs.decide("t", 1, 32 * 10_000) == "load"  # 10 s of prefill against 1 s of load
 
 
+def test_a_left_out_tier_is_probed_and_found_again_once_fast() -> None:
+    costs = LoadCosts(min_samples=2, probe_every=4)
+    for _ in range(2):
+        costs.observe_load("t", 1, 1.0)
+        costs.observe_prefill(32, 0.001)
+    assert [costs.decide("t", 1, 32) for _ in range(8)] == ["recompute"] * 3 + ["load"] + ["recompute"] * 3 + ["load"]
+    for _ in range(60):  # what the probes (and later loads) measure: the tier got fast
+        costs.observe_load("t", 1, 0.0001)
+    assert costs.decide("t", 1, 32) == "load"
+
+
 def test_the_option() -> None:
     base = {"host_bytes": 1 << 20}
     assert parse_config(base).recompute_when_faster is True

@@ -15,8 +15,10 @@ prefix it alone serves are loaded unless the fitted load time exceeds the fitted
 time of their tokens by more than :data:`MARGIN`, once both fits have
 :data:`MIN_SAMPLES` samples (before that, everything is loaded, as without the feature).
 A tier that loses is answered as if its chunks were missing from the first of them: the
-engine recomputes them. Each decision is counted (``decisions``: ``(tier, "load" |
-"recompute")`` -> lookups), as ``kvtiers_load_decisions_total`` on /metrics.
+engine recomputes them. One decision in :data:`PROBE_EVERY` in a row that would leave a tier
+out loads from it instead (a probe), so a tier that got faster is seen again. Each decision
+is counted (``decisions``: ``(tier, "load" | "recompute")`` -> lookups), as
+``kvtiers_load_decisions_total`` on /metrics.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-__all__ = ["ALPHA", "MARGIN", "MIN_SAMPLES", "CostFit", "LoadCosts"]
+__all__ = ["ALPHA", "MARGIN", "MIN_SAMPLES", "PROBE_EVERY", "CostFit", "LoadCosts"]
 
 #: weight of the newest sample in each fit (the rest decays by ``1 - ALPHA``)
 ALPHA = 0.1
@@ -32,6 +34,9 @@ ALPHA = 0.1
 MARGIN = 1.25
 #: samples each fit needs before it decides anything
 MIN_SAMPLES = 8
+#: a tier left out this many times in a row is loaded once more, so its fit keeps learning
+#: (a tier that got faster is found again)
+PROBE_EVERY = 32
 
 
 class CostFit:
@@ -92,14 +97,16 @@ class LoadCosts:
     learn, so :meth:`describe` shows what the decisions would be."""
 
     def __init__(self, *, enabled: bool = True, margin: float = MARGIN, min_samples: int = MIN_SAMPLES,
-                 alpha: float = ALPHA) -> None:
+                 alpha: float = ALPHA, probe_every: int = PROBE_EVERY) -> None:
         self.enabled = enabled
+        self.probe_every = probe_every
         self.margin = margin
         self.min_samples = min_samples
         self.alpha = alpha
         self.loads: dict[str, CostFit] = {}  # tier name -> seconds per load job of n chunks
         self.prefill = CostFit(alpha)  # seconds per prefill of n tokens
         self.decisions: Counter = Counter()  # (tier, "load" | "recompute") -> lookups
+        self._skipped: Counter = Counter()  # tier -> "recompute" answers in a row
 
     def observe_load(self, tier: str, chunks: int, seconds: float) -> None:
         """A load job of ``chunks`` chunks from ``tier`` took ``seconds`` (submit to completion)."""
@@ -118,8 +125,13 @@ class LoadCosts:
         fit = self.loads.get(tier)
         if fit is None or fit.samples < self.min_samples or self.prefill.samples < self.min_samples:
             return None
-        load_s = fit.predict(chunks)
-        return "recompute" if load_s > self.margin * self.prefill.predict(tokens) else "load"
+        if fit.predict(chunks) <= self.margin * self.prefill.predict(tokens):
+            self._skipped[tier] = 0
+            return "load"
+        self._skipped[tier] += 1
+        if self.probe_every and self._skipped[tier] % self.probe_every == 0:
+            return "load"  # a probe: one load in probe_every, so the fit sees the tier as it is now
+        return "recompute"
 
     def cut(self, sources: Sequence[str], tokens_per_chunk: int | None, host: str) -> int:
         """How many leading chunks of a lookup's prefix to offer: ``sources`` names where each
