@@ -38,6 +38,7 @@ from typing import Any
 
 import click
 
+from ..engine.closing import Closing
 from ..errors import ConfigError
 
 #: keys per load/store job of a rewrite
@@ -459,7 +460,7 @@ def _rewrite(tier_type: str, options: dict[str, Any], fields: dict[str, Any], sl
                    f"{len(files) - handled} chunk(s) left as they were", err=True)
 
 
-class _Rewriter:
+class _Rewriter(Closing):
     """The tier opened on its directories (to load under the retired key) and on a staging
     directory inside each (to store under the current key), over one arena of ``batch``
     slots; the staging directories are removed at exit."""
@@ -487,12 +488,6 @@ class _Rewriter:
         except BaseException:
             self.close()
             raise
-
-    def __enter__(self) -> _Rewriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def close(self) -> None:
         for t in (self.dst, self.src):

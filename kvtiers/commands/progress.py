@@ -17,10 +17,12 @@ import sys
 import time
 from typing import TextIO
 
+from ..engine.closing import Closing
+
 BAR_WIDTH = 24
 
 
-class Progress:
+class Progress(Closing):
     """A progress reporter: ``advance`` after each step, ``note`` for a line between steps.
 
     ``total``: the number of steps (0 or None: unknown, no bar, only a counter).
@@ -42,12 +44,6 @@ class Progress:
         self.done = 0
         self.started = time.monotonic()
         self._drawn = False
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def advance(self, n: int = 1, note: str = "") -> None:
         """Count ``n`` more steps done; ``note`` says what the last one was or found."""

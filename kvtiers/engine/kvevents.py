@@ -37,6 +37,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import ConfigError
+from .closing import Closing
 from .events import HOST
 from .types import CacheEvent
 
@@ -172,7 +173,7 @@ def encode_event(kind: str, fields_: Mapping[str, Any], encoding: str = "map") -
 
 # -- the publisher ------------------------------------------------------------------------
 
-class KVEventPublisher:
+class KVEventPublisher(Closing):
     """ZMQ PUB (+ ROUTER replay) publisher of event batches, on its own thread.
 
     :meth:`publish` takes a list of encoded events (:func:`encode_event`), reserves the
@@ -260,12 +261,6 @@ class KVEventPublisher:
         self._linger = self.config.linger if linger is None else linger
         self._queue.put(None)
         self._thread.join(timeout=30 + self._linger)
-
-    def __enter__(self) -> KVEventPublisher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- the thread -------------------------------------------------------------------
     def _run(self) -> None:

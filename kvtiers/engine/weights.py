@@ -45,6 +45,7 @@ import numpy as np
 import xxhash
 
 from ..types import PAGE, Lookup, Namespace
+from .closing import ClosesManager
 from .weights_chunks import WeightCopier, WeightPlan, manifest_bytes, manifest_length, parse_manifest, uint8_view
 from .weights_memory import advise_huge, free_storages, give_back_memory, restore_storages, rss_bytes
 
@@ -146,7 +147,7 @@ def tier_hits(tier: Any, keys: list[bytes], wait_s: float = 5.0) -> set[bytes]:
     return hits
 
 
-class ModelWeights:
+class ModelWeights(ClosesManager):
     """A model's tensors (an ``nn.Module``: its parameters and buffers; or a mapping name ->
     tensor) and a tier stack from a kvtiers JSON config (a mapping, JSON text or a file path).
 
@@ -156,7 +157,10 @@ class ModelWeights:
     arena holds ``host_bytes``, or ``host_blocks_factor`` times the model's size. ``timeout``:
     seconds any one step may take before it is a ``TimeoutError`` (the model stays as it was).
     The config's ``kv_events``, ``metrics`` and ``serve`` blocks are for KV and not used here.
+    ``close()`` closes the tiers and the arena (a sleeping model's tensors stay empty).
     """
+
+    closed_message = "weights: closed"
 
     def __init__(self, model: Any, config: Any, *, name: str, revision: str | None = None, rank: int = 0,
                  world_size: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES, pin: bool | None = None,
@@ -324,23 +328,7 @@ class ModelWeights:
             raise
         return self
 
-    def close(self) -> None:
-        """Close the tiers and the arena (a sleeping model's tensors stay empty). Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self.manager.close()
-
-    def __enter__(self) -> ModelWeights:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- internals ------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("weights: closed")
-
     def _data_keys(self) -> list[bytes]:
         """The tier keys of the data chunks of the bytes last published (or forked)."""
         d = self.identity.digest.encode()

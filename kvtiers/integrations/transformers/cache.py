@@ -7,6 +7,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ...engine.closing import ClosesManager
 from ...types import prefix_chunk_keys
 from .copier import CacheCopier, chunk_layout
 from .geometry import SUPPORTED_LAYERS, KVGeometry
@@ -14,7 +15,7 @@ from .geometry import SUPPORTED_LAYERS, KVGeometry
 __all__ = ["PrefixCache"]
 
 
-class PrefixCache:
+class PrefixCache(ClosesManager):
     """KV prefixes of one transformers model in a kvtiers host arena and tier stack.
 
     Build it with :meth:`from_config`. Then, per prompt: ``cache, n = pc.load(ids)``, run the
@@ -26,6 +27,8 @@ class PrefixCache:
 
     One sequence at a time (batch size 1); calls from one thread at a time.
     """
+
+    closed_message = "PrefixCache is closed"
 
     def __init__(self, manager: Any, model: Any, geometry: KVGeometry, tokens_per_chunk: int, copier: CacheCopier,
                  *, salt: bytes = b"", lookup_timeout: float = 5.0) -> None:
@@ -150,23 +153,7 @@ class PrefixCache:
             dst = [(k[:, :, : n * tpc], v[:, :, : n * tpc]) for k, v in dst]
         return self._dynamic_cache(dst), n * tpc
 
-    def close(self) -> None:
-        """Wait for the tiers to store what is in flight (bounded), then close the manager. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self.manager.close()
-
-    def __enter__(self) -> PrefixCache:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- internals -----------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("PrefixCache is closed")
-
     def _cache_tensors(self, cache: Any, tokens: int) -> list[tuple[Any, Any]]:
         """Per layer ``(key, value)`` of ``cache``, checked against the model's geometry."""
         g = self.geometry

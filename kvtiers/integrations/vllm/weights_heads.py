@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from ...engine.closing import Closing
 from ...engine.weights import ModelWeights, WeightsIdentity, tier_hits
 from ...engine.weights_chunks import json_depth
 from ...types import PAGE
@@ -66,7 +67,7 @@ class Head:
     layout: str
 
 
-class Heads:
+class Heads(Closing):
     """The head records of one model identity (``name``, ``revision``, ``rank``, ``world_size``)
     in the tiers of ``config`` (a kvtiers config mapping). Close it when done (a context manager)."""
 
@@ -85,12 +86,6 @@ class Heads:
 
     def close(self) -> None:
         self._w.close()
-
-    def __enter__(self) -> Heads:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- reading ------------------------------------------------------------------------------
     def latest(self) -> Head:
