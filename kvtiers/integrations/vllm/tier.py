@@ -182,6 +182,10 @@ class KvtiersTier(SecondaryTierManager):
             slow = parse_slow_loads(slow_loads)
         except ValueError as e:
             raise ConfigError(f"secondary tier {tier_type!r}: {e}") from None
+        extra = getattr(offloading_spec, "extra_config", None) or {}
+        enabled = extra.get("recompute_when_faster", True)
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"'recompute_when_faster' must be true or false, got {enabled!r}")
         self._retry_spent_s = 0.0  # this step's
         if namespace is not None and not isinstance(namespace, dict):
             raise ConfigError(f"secondary tier {tier_type!r}: 'namespace' must be an object of extra fields")
@@ -217,10 +221,6 @@ class KvtiersTier(SecondaryTierManager):
         self.reuse = ReuseEstimator()  # the reuse ceiling of the keys vLLM stores and loads (docs/observability.md)
         # load or recompute (kvtiers.engine.costs): this tier's promotions timed here, the engine's steps
         # by .step_costs; a HIT whose load would take longer than its prefill answers MISS
-        extra = getattr(offloading_spec, "extra_config", None) or {}
-        enabled = extra.get("recompute_when_faster", True)
-        if not isinstance(enabled, bool):
-            raise ConfigError(f"'recompute_when_faster' must be true or false, got {enabled!r}")
         self.costs = LoadCosts(enabled=enabled)
         self.tokens_per_chunk = _tokens_per_chunk(offloading_spec)
         if enabled and self.tokens_per_chunk:
