@@ -65,10 +65,9 @@ def meter_for(scheduler: Any) -> StepMeter | None:
     meter = getattr(scheduler, METER_ATTR, False)
     if meter is not False:
         return meter
-    from .tier import KvtiersTier
-
+    # a kvtiers tier is known by its load-cost model (no import of .tier: it imports this module)
     tiers = [t for t in getattr(getattr(scheduler, "manager", None), "secondary_tiers", ()) or ()
-             if isinstance(t, KvtiersTier) and t.costs.enabled and t.tokens_per_chunk]
+             if getattr(getattr(t, "costs", None), "enabled", False) and getattr(t, "tokens_per_chunk", None)]
     meter = StepMeter(tiers, min(t.costs.min_samples for t in tiers)) if tiers else None
     setattr(scheduler, METER_ATTR, meter)
     return meter
