@@ -14,7 +14,8 @@ import threading
 import time
 
 import pytest
-from test_encryption import _key, _pattern, _wait
+from test_encryption import _key, _pattern
+from tier_helpers import wait_job
 
 from kvtiers import Arena, Job, JobResult, Namespace, TierContext, open_tier
 from kvtiers.encryption import HEADER, read_header
@@ -44,7 +45,7 @@ def tier(tmp_path):
 
 
 def _results(h, jids, timeout: float = 30.0) -> dict[int, JobResult]:
-    """The results of jobs ``jids``, collected together (one ``_wait`` each would drop the
+    """The results of jobs ``jids``, collected together (one ``wait_job`` each would drop the
     others reported in the same batch)."""
     done: dict[int, JobResult] = {}
     deadline = time.monotonic() + timeout
@@ -68,11 +69,11 @@ def _check_tenants_kept(h) -> None:
     assert (_key_id(h, ALICE), _key_id(h, BOB)) == ("alice-1", "bob-1")
     with as_tenant(h, "alice"):
         h.submit_load(Job(90, (ALICE,), (8,)))
-    assert _wait(h, 90).ok and bytes(h.ctx.arena[8]) == _pattern(0, SLOT)
+    assert wait_job(h, 90, strict=False).ok and bytes(h.ctx.arena[8]) == _pattern(0, SLOT)
     h.ctx.arena[9][:] = b"\xa5" * SLOT
     with as_tenant(h, "bob"):
         h.submit_load(Job(91, (ALICE,), (9,)))
-    assert _wait(h, 91).failed_keys == (ALICE,)
+    assert wait_job(h, 91, strict=False).failed_keys == (ALICE,)
     assert bytes(h.ctx.arena[9]) == b"\xa5" * SLOT
 
 
@@ -81,7 +82,7 @@ def _check_no_scope_left(h, key: bytes, slot: int, jid: int) -> None:
     (no default key), not sealed for whichever tenant entered last."""
     skipped = h.hooks.stats["tenant_skipped_store"]
     h.submit_store(Job(jid, (key,), (slot,)))
-    assert _wait(h, jid).failed_keys == (key,)
+    assert wait_job(h, jid, strict=False).failed_keys == (key,)
     assert h.hooks.stats["tenant_skipped_store"] == skipped + 1 and _key_id(h, key) is None
 
 
@@ -186,7 +187,7 @@ def test_executor_threads_carry_the_tenant_only_when_given_the_context(tier):
 
     def store(jid: int) -> JobResult:
         h.submit_store(Job(jid, (keys[jid - 1],), (jid - 1,)))
-        return _wait(h, jid)
+        return wait_job(h, jid, strict=False)
 
     async def main() -> list[JobResult]:
         loop = asyncio.get_running_loop()
@@ -207,7 +208,8 @@ def test_a_thread_started_inside_a_block_has_no_tenant(tier):
     h = tier
     out: list[JobResult] = []
     with as_tenant(h, "alice"):
-        t = threading.Thread(target=lambda: (h.submit_store(Job(1, (ALICE,), (0,))), out.append(_wait(h, 1))))
+        t = threading.Thread(
+            target=lambda: (h.submit_store(Job(1, (ALICE,), (0,))), out.append(wait_job(h, 1, strict=False))))
         t.start()
         t.join(60)
     assert out and out[0].failed_keys == (ALICE,) and _key_id(h, ALICE) is None

@@ -13,8 +13,9 @@ import shutil
 import time
 
 import pytest
-from test_encryption import _key, _wait
+from test_encryption import _key
 from test_manager import blocks_of, chunk_blocks, kv_caches, make_manager, poison, settle
+from tier_helpers import wait_job
 
 from kvtiers import ConfigError
 from kvtiers.encryption import HEADER, Keyring, read_header
@@ -174,25 +175,25 @@ def test_a_key_noted_for_a_tenant_and_then_asked_with_none_is_a_conflict(tmp_pat
     try:
         with as_tenant(h, "alice"):
             h.submit_store(Job(1, (k,), (0,)))
-        assert _wait(h, 1).ok
+        assert wait_job(h, 1, strict=False).ok
         alice_file = _file(root, k).read_bytes()
         assert _kids(root) == {"alice-1": 1}
         with as_tenant(h, None):
             assert h.lookup([k]) == [Lookup.MISS]
             h.submit_store(Job(2, (k,), (1,)))
-        assert _wait(h, 2).failed_keys == (k,)
+        assert wait_job(h, 2, strict=False).failed_keys == (k,)
         assert _file(root, k).read_bytes() == alice_file
         ctx.arena[2][:] = b"\xa5" * slot
         with as_tenant(h, None):
             h.submit_load(Job(3, (k,), (2,)))
-        assert _wait(h, 3).failed_keys == (k,)
+        assert wait_job(h, 3, strict=False).failed_keys == (k,)
         assert bytes(ctx.arena[2]) == b"\xa5" * slot
         stats = h.hooks.stats
         assert (stats["tenant_conflict_store"], stats["tenant_conflict_load"]) == (1, 1), stats
         assert not any(n.startswith("open_failed") for n in stats) and stats["sealed"] == 1, stats
         with as_tenant(h, "alice"):  # alice's own calls still reach her chunk
             h.submit_load(Job(4, (k,), (3,)))
-        assert _wait(h, 4).ok and bytes(ctx.arena[3]) == _pattern(0, slot)
+        assert wait_job(h, 4, strict=False).ok and bytes(ctx.arena[3]) == _pattern(0, slot)
     finally:
         h.close()
 
@@ -410,7 +411,7 @@ def test_a_failed_load_under_a_shared_key_leaves_no_plaintext_in_the_slot(tmp_pa
             ctx.arena[i][:] = _pattern(i, slot)
         with as_tenant(h, "alice"):
             h.submit_store(Job(1, tuple(ks), tuple(range(8))))
-        assert _wait(h, 1).ok
+        assert wait_job(h, 1, strict=False).ok
     finally:
         h.close()
     h = tier()
@@ -424,7 +425,7 @@ def test_a_failed_load_under_a_shared_key_leaves_no_plaintext_in_the_slot(tmp_pa
                 jid += 1
                 with as_tenant(h, tenant):
                     h.submit_load(Job(jid, tuple(part), slots))
-                res = _wait(h, jid)
+                res = wait_job(h, jid, strict=False)
                 assert set(res.failed_keys) == set(part), (tenant, res)
                 for s in slots:
                     assert bytes(ctx.arena[s]) == bytes(slot), (tenant, s)
@@ -435,7 +436,7 @@ def test_a_failed_load_under_a_shared_key_leaves_no_plaintext_in_the_slot(tmp_pa
     try:  # alice's own loads open, byte for byte
         with as_tenant(h, "alice"):
             h.submit_load(Job(99, tuple(ks), tuple(range(8, 16))))
-        assert _wait(h, 99).ok
+        assert wait_job(h, 99, strict=False).ok
         assert all(bytes(ctx.arena[8 + i]) == _pattern(i, slot) for i in range(8))
     finally:
         h.close()
