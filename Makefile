@@ -139,7 +139,7 @@ $(MULTI_TURN_STAMP): $(VLLM_STAMP) Makefile
 multi-turn-client: $(MULTI_TURN) $(MULTI_TURN_STAMP)
 
 # vLLM's own load clients against real vllm serve servers, with and without offloading
-# (docs/vllm.md#serving-benchmark) at a real model's shape (SmolLM2-135M's, made locally on
+# (docs/vllm-serving.md#serving-benchmark) at a real model's shape (SmolLM2-135M's, made locally on
 # first use): prefix repetition (`vllm bench serve`) over working sets that fit the device
 # cache, the host arena, only the tier (2, 8, 24 prefixes of 1024 tokens), and multi-turn
 # conversations (vLLM's multi-turn client); none, host arena alone, arena + kvtiers fs, vLLM's

@@ -77,7 +77,7 @@ def loader_job(model: Path, mode: str, root: Path, tp: int = 1, env: dict | None
             "env": env, "settle_s": 1, "weights_sleep": mode == "publish"}
 
 
-#: docs/vllm.md's ``LLM(...)`` path, forking a name nobody published from a directory without weights
+#: docs/vllm-weights.md's ``LLM(...)`` path, forking a name nobody published from a directory without weights
 UNPUBLISHED = """import sys
 from vllm import LLM
 
@@ -168,7 +168,7 @@ def test_a_request_while_asleep_is_refused_and_the_engine_wakes(runs):
 
 @pytest.mark.parametrize("path", ["llm", "serve"])
 def test_an_unpublished_name_ends_with_the_line_that_says_what_to_do(runs, path):
-    """Forking a name nobody published, with no checkpoint, through docs/vllm.md's LLM(...) and
+    """Forking a name nobody published, with no checkpoint, through docs/vllm-weights.md's LLM(...) and
     `kvtiers vllm serve`: the last line printed is the loader's, saying what to do."""
     res = runs["unpublished"][path]
     lines = [ln for ln in res["output"].splitlines() if ln.strip()]

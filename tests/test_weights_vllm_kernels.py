@@ -88,7 +88,7 @@ def test_a_onednn_handle_is_refused_by_name_on_a_cpu_without_amx():
     r = run(no_amx=True, out_features=512)
     assert not r["amx"] and r["weight_numel"] == 0
     assert "module '0' computes with a copy of its weight" in r["refused"]
-    assert "CPUDNNLGEMMHandler" in r["refused"] and "docs/vllm.md" in r["refused"]
+    assert "CPUDNNLGEMMHandler" in r["refused"] and "docs/vllm-weights.md" in r["refused"]
 
 
 def test_a_large_weight_goes_to_onednn_on_every_cpu_and_is_refused():

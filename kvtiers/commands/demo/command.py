@@ -64,7 +64,7 @@ def demo(turns: int, conversations: int, directory: str | None, keep: bool, conf
     """
     from ..requires import require
 
-    if engine == "vllm":  # real vLLM engines on CPU (docs/vllm.md)
+    if engine == "vllm":  # real vLLM engines on CPU (docs/vllm-cpu.md)
         from .vllm import vllm_command
 
         try:

@@ -9,7 +9,7 @@ load their prefixes from it: a promotion from a secondary tier finds no free row
 prefix is computed again) and requests wait for each other's pins (vLLM's
 ``lookup_async_delay``). On a real ``vllm serve`` of SmolLM2-135M's shape with 1024-token
 prefixes at C=4, a 64 MiB arena in front of fs (less than 4 x 22.5 MiB) served 0.56-0.71 of the
-all-in-device ceiling where a 256 MiB one served 0.73 (docs/vllm.md).
+all-in-device ceiling where a 256 MiB one served 0.73 (docs/vllm-serving.md).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class ArenaFit:
                 f"{self.device_tokens} tokens in the device KV cache, {self.tokens_per_chunk} tokens per chunk"
                 f"{f' in each of {self.groups} KV cache groups' if self.groups > 1 else ''}. Requests that arrive "
                 f"together then miss chunks the arena cannot hold for them and wait for each other's pins; give "
-                f"cpu_bytes_to_use at least {math.ceil(need / _MIB)} MiB (docs/vllm.md, 'Sizing the host arena')")
+                f"cpu_bytes_to_use at least {math.ceil(need / _MIB)} MiB "
+                f"(docs/vllm-serving.md, 'Sizing the host arena')")
 
 
 def arena_fit(spec: Any, vllm_config: Any, kv_cache_config: Any) -> ArenaFit | None:

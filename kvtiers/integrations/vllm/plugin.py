@@ -6,7 +6,7 @@ and ``kvtiers_<name>`` for each tier in kvtiers' registry (``kvtiers_fs``,
 ``kvtiers_memory``, ``kvtiers_obj``, third-party tiers), so a config needs no
 ``module_path``. The prefix keeps them apart from vLLM's own ``fs``, ``obj`` and ``p2p``.
 It also registers the model load format ``kvtiers`` (:mod:`.loader`: publish a model's weights
-to the tiers as it loads, or start from weights another engine published; docs/vllm.md).
+to the tiers as it loads, or start from weights another engine published; docs/vllm-weights.md).
 Registering twice in one process is harmless, and a name vLLM already knows is left alone.
 """
 

@@ -10,7 +10,7 @@ the CPU primary tier in the shared offload region, the secondary tiers: any kvti
 ``kvtiers_<name>`` and vLLM's own ``fs``, ``obj``, ``p2p``). On CUDA-alike and XPU platforms
 the worker is vLLM's own. On vLLM's CPU platform, where vLLM refuses to offload, the worker is
 :class:`~.cpu_worker.KvtiersCPUWorker`: the same rows of the same region, filled and read by
-kvtiers' DMA engine. See docs/vllm.md.
+kvtiers' DMA engine. See docs/vllm.md and, on CPU, docs/vllm-cpu.md.
 
 A promotion from a secondary tier is finished within the scheduler step that finds it
 (within ``kvtiers_promotion_wait_ms`` of scheduler time per step, see :mod:`.promotion_wait`),
