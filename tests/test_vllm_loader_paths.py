@@ -134,7 +134,7 @@ CHILD = textwrap.dedent('''
     from kvtiers_obj.seaweed import SeaweedServer
     from kvtiers_p2p.spawn import start_server
     weed = SeaweedServer(str(work / "weed")).start()
-    peer = start_server(capacity=64 << 20)
+    peer = start_server(capacity=256 << 20)  # over 64 MiB: see docs/p2p.md, Memory (a second chunk size)
     try:
         others = {"obj": {"type": "obj", "endpoint_url": weed.endpoint_url, "bucket": "loader-paths",
                           "create_bucket": True},

@@ -3,9 +3,7 @@ chunks kept per namespace, each namespace optionally capped by its clients' ``ma
 
 Chunks live in buffers of a per-size pool, carved from pre-faulted anonymous mappings
 (slabs) and reused after eviction, so a PUT is received straight into memory that is already
-mapped (a fresh allocation per chunk costs page faults that halve the push rate). A slab is
-at most ``SLAB_BYTES`` and 1/``SLAB_SHARE`` of the capacity, so a client's chunks of one size
-leave room to map a pool of another size (its second namespace) without evicting them. The slabs
+mapped (a fresh allocation per chunk costs page faults that halve the push rate). The slabs
 of all pools together never map more than ``capacity`` bytes: a chunk size that needs a new
 slab when the capacity is mapped evicts least recently used chunks until a whole slab of
 another size is free and carves that slab anew (it stays mapped, and registered with NIXL).
@@ -35,7 +33,6 @@ from collections import OrderedDict, deque
 from typing import Any
 
 SLAB_BYTES = 64 << 20  #: buffers are mapped this many bytes at a time (at most)
-SLAB_SHARE = 16  #: and at most 1/16 of the capacity at a time (one chunk at least)
 MIN_CHUNK_BYTES = 4096  #: the smallest chunk a store keeps (an arena slot's granularity)
 IDLE_REFS = 2  #: sys.getrefcount of a pooled buffer nobody else holds (a local name + the argument)
 
@@ -253,9 +250,7 @@ class MemoryStore:
                     pool.adopt(slab)
                     return True
             return False
-        # a slab of at most 1/SLAB_SHARE of the capacity: one size's first slab mapping it all would
-        # leave another size (a client's second namespace) room only by evicting every chunk of it
-        nbytes = min(SLAB_BYTES, room, max(size, self.capacity // SLAB_SHARE)) // size * size
+        nbytes = min(SLAB_BYTES, room) // size * size
         view = pool.grow(nbytes)
         self.mapped += nbytes
         if self.on_slab is not None:
