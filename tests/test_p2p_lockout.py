@@ -266,7 +266,11 @@ from kvtiers import Arena, Job, Namespace, TierContext, open_tier
 from kvtiers.registry import get_registry
 import kvtiers_p2p
 get_registry().tier_info("p2p")
-for m in pkgutil.walk_packages(kvtiers_p2p.__path__, "kvtiers_p2p."):  # its lazy imports, done now
+import kvtiers
+# the SDK's and the tier's lazy imports (opening a tier reaches kvtiers.metrics), done now
+sdk = [m for m in pkgutil.iter_modules(kvtiers.__path__, "kvtiers.") if m.name not in
+       ("kvtiers.engine", "kvtiers.commands", "kvtiers.integrations")]
+for m in [*sdk, *pkgutil.walk_packages(kvtiers_p2p.__path__, "kvtiers_p2p.")]:
     try:
         importlib.import_module(m.name)
     except ImportError:
