@@ -222,7 +222,9 @@ def test_submit_errors_and_clean_close(tmp_path):
     assert t.get_finished_jobs() == []
     with pytest.raises(ValueError, match="closed"):
         t.submit_store(Job(4, (b"a",), (0,)))
-    assert tier_threads() == []
+    # this tier's threads (named by its namespace): an unclosed tier of another test may still run
+    tag = e.ctx.namespace.digest[:6]
+    assert [th for th in tier_threads() if th.name.endswith(tag) or f"-{tag}-" in th.name] == []
     assert open_fds() <= before_fds
     assert chunk_files(str(tmp_path), ".tmp") == []
     assert len(chunk_files(str(tmp_path))) == 32
