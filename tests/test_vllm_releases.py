@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NEXT = ROOT / "build" / "vllm-0.34"
 FILES = ["tests/test_integration_vllm.py", "tests/test_vllm_cpu_worker.py", "tests/test_vllm_compat.py",
          "tests/test_lookup_wait.py", "tests/test_vllm_namespace.py", "tests/test_vllm_hybrid.py",
-         "tests/test_vllm_stats_series.py", "tests/test_recompute_when_faster_vllm.py"]
+         "tests/test_vllm_stats_series.py", "tests/test_recompute_when_faster_vllm.py",
+         "tests/test_vllm_scheduler_changes.py"]
 
 
 def test_the_vllm_class_tests_pass_on_vllm_0_34() -> None:

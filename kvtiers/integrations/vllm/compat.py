@@ -20,7 +20,13 @@ adapter uses, except (each found here by what the installed vLLM has):
   reports a job only once the kvtiers tier has (the tier contract: a slot is the tier's
   until its job is reported), so a failed promotion's rows are free when vLLM hears of it.
 - ``OffloadingEvent.req_context`` (:data:`EVENT_REQ_CONTEXT`, 0.34): a store event carries
-  its request's context; the adapter sets it where vLLM has the field.
+  its request's context; the adapter sets it where vLLM has the field. It is the request's own
+  context, so 0.34's events tracker announces a Mamba group's chunks as state checkpoints
+  from it, as it does for vLLM's own tiers.
+- 0.34's other scheduler-side changes need nothing here (docs/engines.md): ``ReqContext``'s
+  token counts stay live (the tenant wrapper returns vLLM's context); ``store_threshold`` is
+  refused by vLLM for tiering specs on every release; ``AsyncLookupManager.mark_present``
+  updates a lookup cache the adapter does not keep (each lookup asks the tier).
 - ``_create_req_context``: ``(req)`` on 0.32 and 0.33, ``(req, scheduler)`` on 0.34; the
   tenant wrapper passes every argument on.
 """
