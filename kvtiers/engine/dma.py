@@ -17,11 +17,14 @@ consecutive slots (per chunk where slots are padded); a load is the host->device
 one ``index_copy_`` into the span. Indices are computed on the device from the block ids: no
 per-block or per-tensor Python work, no synchronisation.
 
-CPU tensors (no accelerator) are copied with numpy / ``memmove`` on the caller's thread: full
-chunks of consecutive blocks going to consecutive slots cost one strided ``np.copyto`` per
-group for the whole run of chunks where the group's tensors lie at one stride (a pool, or
-separate allocations at one address stride), else one per tensor; other chunks one copy per
-tensor per run of blocks, or one gather per tensor when the blocks are scattered. A strided
+CPU tensors (no accelerator) are copied with numpy / ``memmove`` on the caller's thread. A
+group's tensors are cut into runs that lie at one address stride (a pool is one run; separate
+allocations made one after another one or a few), each reached through one strided view. Full
+chunks of consecutive blocks whose first blocks step evenly, going to slots that step evenly
+(consecutive chunks to consecutive slots, or every other slot, ...), cost one strided
+``np.copyto`` per run of tensors for the whole run of chunks; other chunks one copy per run of
+tensors per run of blocks, or one gather / scatter per run of tensors (per group for a pool)
+when the blocks are scattered. A strided
 copy is still one ``memmove`` per contiguous piece inside numpy: a slot holds each tensor's
 blocks of a chunk back to back, the device each tensor's blocks, so a piece is one tensor's
 blocks of one chunk (``blocks_per_chunk * block_bytes``) whatever the batching.
@@ -73,8 +76,9 @@ class _Group:
     rows: Any = None  # CPU, pooled: uint8 view [nrows, block_bytes] over the shared allocation
     row_off: np.ndarray | None = None  # CPU, pooled: first row of each tensor in `rows`
     np_rows: np.ndarray | None = None  # CPU, pooled
-    np_pool3: np.ndarray | None = None  # CPU, tensors at a uniform stride (pooled, or separate allocations
-    # at one address stride): [num_tensors, num_blocks, block_bytes]
+    segs: list[tuple[int, int, np.ndarray]] | None = None  # CPU: runs of tensors (slot order) at one
+    # address stride (a pool, or separate allocations placed one after another): (first tensor,
+    # count, strided view [count, num_blocks, block_bytes]); a lone tensor is a run of one
     np_tensors: list[np.ndarray] | None = None  # CPU
     addrs: list[int] | None = None  # CPU: address of each tensor's block 0
     span_first: np.ndarray | None = None  # accelerator: span row of each tensor's block 0 (host copy)
@@ -113,36 +117,35 @@ def _pooled_rows(tensors: list[torch.Tensor], block_bytes: int) -> tuple[Any, np
     return rows, np.asarray([o // block_bytes for o in offs], dtype=np.int64)
 
 
-def _uniform_view(rows: np.ndarray, row_off: np.ndarray, num_blocks: int) -> np.ndarray | None:
-    """``[num_tensors, num_blocks, block_bytes]`` strided view of a pool whose tensors start at
-    equally spaced rows (e.g. one ``[layers, 2, blocks, ...]`` allocation), else None."""
-    step = int(row_off[1] - row_off[0]) if len(row_off) > 1 else num_blocks
-    if step <= 0 or np.any(np.diff(row_off) != step):
-        return None
-    base = rows[int(row_off[0]) :]
-    bb = rows.shape[1]
-    return np.lib.stride_tricks.as_strided(base, shape=(len(row_off), num_blocks, bb),
-                                           strides=(step * bb, bb, 1), writeable=True)
-
-
-def _address_uniform_view(tensors: list[Any], num_blocks: int, block_bytes: int) -> np.ndarray | None:
-    """``[num_tensors, num_blocks, block_bytes]`` strided view over separate allocations that
-    start at one address stride (e.g. per-layer tensors allocated one after another, as vLLM
-    allocates them), else None: the copies of a run of chunks are then one strided copy per
-    group, not one per tensor. Only the tensors' own bytes are ever indexed (the view's first
-    two axes stay within each tensor's ``num_blocks`` rows); ``tensors`` keeps them alive."""
-    if len(tensors) < 2:
-        return None
+def _address_segments(tensors: list[Any], np_tensors: list[np.ndarray], num_blocks: int,
+                      block_bytes: int) -> list[tuple[int, int, np.ndarray]]:
+    """The tensors (slot order) cut into maximal runs that start at one address stride, each
+    as ``(first tensor, count, view [count, num_blocks, block_bytes])``: a pool's tensors, or
+    separate allocations made one after another (as vLLM makes them), are one run or a few;
+    a copy then costs one strided ``np.copyto`` per run, not one per tensor. Only the tensors'
+    own bytes are ever indexed (the view's first two axes stay within each tensor's
+    ``num_blocks`` rows); ``tensors`` keeps them alive."""
     addrs = [t.data_ptr() for t in tensors]
-    step = addrs[1] - addrs[0]
     size = max(t.shape[0] for t in tensors) * block_bytes
-    if abs(step) < size or any(b - a != step for a, b in zip(addrs, addrs[1:], strict=False)):
-        return None
-    lo = min(addrs)
-    span = max(addrs) + size - lo
-    raw = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(lo))
-    return np.lib.stride_tricks.as_strided(raw[addrs[0] - lo :], shape=(len(tensors), num_blocks, block_bytes),
-                                           strides=(step, block_bytes, 1), writeable=True)
+    segs: list[tuple[int, int, np.ndarray]] = []
+    i, n = 0, len(addrs)
+    while i < n:
+        j = i + 1
+        step = addrs[j] - addrs[i] if j < n else 0
+        if abs(step) >= size:  # tensors that do not overlap (aliases of one tensor stay apart)
+            while j + 1 < n and addrs[j + 1] - addrs[j] == step:
+                j += 1
+            j += 1
+        if j - i == 1:
+            segs.append((i, 1, np_tensors[i][None, :num_blocks]))
+        else:
+            lo = min(addrs[i], addrs[j - 1])
+            raw = np.ctypeslib.as_array((ctypes.c_uint8 * (abs(step) * (j - i - 1) + size)).from_address(lo))
+            segs.append((i, j - i, np.lib.stride_tricks.as_strided(
+                raw[addrs[i] - lo :], shape=(j - i, num_blocks, block_bytes), strides=(step, block_bytes, 1),
+                writeable=True)))
+        i = j
+    return segs
 
 
 PARALLEL_MIN_BYTES = 4 << 20  # CPU: transfers at least this large use two threads
@@ -251,6 +254,7 @@ class DmaEngine:
         # _torch_path_on_cpu: run the accelerator code (torch gathers, staging) on CPU tensors,
         # with no streams or events, so tests without an accelerator cover its index logic.
         self._cpu = self.kind == "cpu" and not _torch_path_on_cpu
+        self._min_blocks = min(g.num_blocks for g in self._groups)
         self._has_state = any(g.is_state for g in self._groups)  # every transfer takes the masked path
         self._batch_chunks = max(1, staging_bytes // self.chunk_bytes)  # staging chunks per batch
         self._slot_rows = host.slot_bytes == self.chunk_bytes
@@ -271,9 +275,7 @@ class DmaEngine:
                 grp.addrs = [t.data_ptr() for t in grp.tensors]
                 if grp.rows is not None:
                     grp.np_rows = grp.rows.numpy()
-                    grp.np_pool3 = _uniform_view(grp.np_rows, grp.row_off, grp.num_blocks)
-                else:  # separate allocations (vLLM's): one view if they lie at one address stride
-                    grp.np_pool3 = _address_uniform_view(grp.tensors, grp.num_blocks, grp.block_bytes)
+                grp.segs = _address_segments(grp.tensors, grp.np_tensors, grp.num_blocks, grp.block_bytes)
         else:
             self._host_t = host.tensor()
             if not host.pinned and self.kind != "cpu":
@@ -395,14 +397,17 @@ class DmaEngine:
             if len(arr) > self.blocks_per_chunk:
                 raise ValueError(f"transfer {tid}: chunk for slot {slot} has {len(arr)} blocks, "
                                  f"more than blocks_per_chunk={self.blocks_per_chunk}")
-            if len(arr):
-                lo, hi = int(arr.min()), int(arr.max())
+            plan.append((arr, slot))
+        plain = [a for a, _ in plan if not isinstance(a, list)]
+        all_ids = np.concatenate(plain) if plain else np.zeros(0, np.int64)
+        if len(all_ids) and (all_ids.min() < 0 or all_ids.max() >= self._min_blocks):  # name the first bad one
+            for arr in plain:
+                lo, hi = (int(arr.min()), int(arr.max())) if len(arr) else (0, 0)
                 for grp in self._groups:
                     if lo < 0 or hi >= grp.num_blocks:
                         bad = lo if lo < 0 else hi
                         raise IndexError(f"transfer {tid}: device block {bad} out of range: KV group "
                                          f"{grp.name!r} has {grp.num_blocks} blocks")
-            plan.append((arr, slot))
         if any(isinstance(ids, list) for ids, _ in plan):  # masked: every chunk per group
             plan = [(ids if isinstance(ids, list) else self._group_ids(tid, ids, slot), slot) for ids, slot in plan]
             if load:
@@ -411,8 +416,7 @@ class DmaEngine:
                     if len(np.unique(used)) != len(used):
                         what = "state slot" if grp.is_state else "device block"
                         raise ValueError(f"transfer {tid}: a {what} of KV group {grp.name!r} is loaded twice")
-        elif load:
-            all_ids = np.concatenate([a for a, _ in plan]) if plan else np.zeros(0, np.int64)
+        elif load and len(all_ids) > 1:
             if len(np.unique(all_ids)) != len(all_ids):
                 raise ValueError(f"transfer {tid}: a device block is loaded twice")
         return tid, plan
@@ -450,36 +454,54 @@ class DmaEngine:
 
     # --- CPU -------------------------------------------------------------------------------
     def _cpu_transfer(self, plan: list[tuple[np.ndarray, int]], load: bool) -> None:
-        """Copy on the caller's thread. Full chunks of consecutive blocks going to consecutive
-        slots are merged into one strided copy per group where every group is a uniform pool."""
+        """Copy on the caller's thread. Full chunks of consecutive blocks, the chunks at one
+        block step going to slots at one slot step (consecutive chunks into consecutive slots,
+        or every other slot, ...), are merged into one strided copy per run of tensors at one
+        address stride (one per group for a pool); other chunks are copied one by one."""
         if plan and isinstance(plan[0][0], list):
             self._cpu_masked(plan, load)
             return
-        bpc = self.blocks_per_chunk
-        i, n = 0, len(plan)
+        bpc, n = self.blocks_per_chunk, len(plan)
+        if n > 1:  # which chunks are full runs of consecutive blocks, and their first blocks
+            full = np.fromiter((len(a) == bpc for a, _ in plan), dtype=bool, count=n)
+            run = np.zeros(n, dtype=bool)
+            first = np.zeros(n, dtype=np.int64)
+            if full.any():
+                ids = np.stack([a for (a, _), f in zip(plan, full.tolist(), strict=True) if f])
+                run[full] = (np.diff(ids, axis=1) == 1).all(axis=1) if bpc > 1 else True
+                first[full] = ids[:, 0]
+            runs, firsts = run.tolist(), first.tolist()
+        else:
+            runs, firsts = [False], [0]
+        slots = [s for _, s in plan]
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []  # (dst, src)
+        i = 0
         while i < n:
-            ids, slot = plan[i]
-            j = i + 1
-            if len(ids) == bpc and _is_run(ids):
-                while (j < n and plan[j][1] == plan[j - 1][1] + 1 and len(plan[j][0]) == bpc
-                       and plan[j][0][0] == plan[j - 1][0][-1] + 1 and _is_run(plan[j][0])):
+            j, ds, db = i + 1, 1, bpc
+            if runs[i] and j < n and runs[j]:
+                ds, db = slots[j] - slots[i], firsts[j] - firsts[i]
+                if ds >= 1 and abs(db) >= bpc:
                     j += 1
+                    while j < n and runs[j] and slots[j] - slots[j - 1] == ds and firsts[j] - firsts[j - 1] == db:
+                        j += 1
             if j - i > 1:
-                self._cpu_merged(int(ids[0]), slot, j - i, load)
-            elif len(ids):
-                self._cpu_chunk(ids, slot, load)
+                pairs += self._cpu_merged(firsts[i], db, slots[i], ds, j - i, load)
+            elif len(plan[i][0]):
+                self._cpu_chunk(plan[i][0], slots[i], load)
             i = j
+        self._copy_pairs(pairs)
 
     def _cpu_masked(self, plan: list[tuple[Any, int]], load: bool) -> None:
         """Chunks given per group. Per group: chunks whose positions are all kept, with
-        consecutive ids going to consecutive slots, are merged into one strided copy per tensor
-        (per group for a uniform pool); other chunks one copy per tensor per run of kept
-        positions, or one gather/scatter when scattered."""
+        consecutive ids going to consecutive slots, are merged into one strided copy per run
+        of tensors at one address stride; other chunks one copy per such run of tensors per
+        run of kept positions, or one gather/scatter when scattered."""
         pairs: list[tuple[np.ndarray, np.ndarray]] = []  # (dst, src)
         n = len(plan)
         for gi, grp in enumerate(self._groups):
             lt, npos, bb = grp.num_tensors, grp.positions, grp.block_bytes
             width = lt * npos * bb
+            segs = grp.segs or []
             i = 0
             while i < n:
                 arr, slot = plan[i][0][gi], plan[i][1]
@@ -490,17 +512,14 @@ class DmaEngine:
                         if not (len(nxt) == npos and nxt[0] == plan[j - 1][0][gi][-1] + 1 and _is_run(nxt)):
                             break
                         j += 1
-                if j - i > 1:  # k full chunks, blocks first.. to slots slot..: one copy per tensor
+                if j - i > 1:  # k full chunks, blocks first.. to slots slot..: one copy per run of tensors
                     k, first = j - i, int(arr[0])
                     region = self._arena_np[slot : slot + k, grp.offset : grp.offset + width].reshape(k, lt, npos, bb)
                     end = first + k * npos
-                    if grp.np_pool3 is not None:
-                        dev = grp.np_pool3[:, first:end].reshape(lt, k, npos, bb).transpose(1, 0, 2, 3)
-                        pairs.append((dev, region) if load else (region, dev))
-                    else:
-                        for t, tensor in enumerate(grp.np_tensors):
-                            dev = tensor[first:end].reshape(k, npos, bb)
-                            pairs.append((dev, region[:, t]) if load else (region[:, t], dev))
+                    for t0, cnt, view in segs:
+                        dev = view[:, first:end].reshape(cnt, k, npos, bb).transpose(1, 0, 2, 3)
+                        reg = region[:, t0 : t0 + cnt]
+                        pairs.append((dev, reg) if load else (reg, dev))
                     i = j
                     continue
                 i += 1
@@ -511,46 +530,36 @@ class DmaEngine:
                 if len(runs) > 4:  # scattered: one gather / scatter over the positions kept
                     pos = np.flatnonzero(arr >= 0)
                     ids = arr[pos]
-                    if grp.np_pool3 is not None:
+                    for t0, cnt, view in segs:
                         if load:
-                            grp.np_pool3[:, ids] = region[:, pos]
+                            view[:, ids] = region[t0 : t0 + cnt, pos]
                         else:
-                            region[:, pos] = grp.np_pool3[:, ids]
-                        continue
-                    for t, tensor in enumerate(grp.np_tensors):
-                        if load:
-                            tensor[ids] = region[t, pos]
-                        else:
-                            region[t, pos] = tensor[ids]
+                            region[t0 : t0 + cnt, pos] = view[:, ids]
                     continue
                 for pos, first, count in runs:
-                    if grp.np_pool3 is not None:
-                        dev, reg = grp.np_pool3[:, first : first + count], region[:, pos : pos + count]
-                        pairs.append((dev, reg) if load else (reg, dev))
-                        continue
-                    for t, tensor in enumerate(grp.np_tensors):
-                        dev, reg = tensor[first : first + count], region[t, pos : pos + count]
+                    for t0, cnt, view in segs:
+                        dev, reg = view[:, first : first + count], region[t0 : t0 + cnt, pos : pos + count]
                         pairs.append((dev, reg) if load else (reg, dev))
         self._copy_pairs(pairs)
 
-    def _cpu_merged(self, first: int, slot: int, k: int, load: bool) -> None:
-        """``k`` full chunks of blocks ``first ..`` to slots ``slot ..``: one strided copy per
-        tensor (per group for a uniform pool) covering every chunk."""
+    def _cpu_merged(self, first: int, block_step: int, slot: int, slot_step: int, k: int,
+                    load: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``(dst, src)`` copies of ``k`` full chunks, chunk ``c`` being blocks
+        ``first + c * block_step ..`` and going to slot ``slot + c * slot_step``: one strided
+        copy per run of tensors at one address stride, covering every chunk."""
         bpc = self.blocks_per_chunk
-        slots = self._arena_np[slot : slot + k]
-        end = first + k * bpc
-        pairs: list[tuple[np.ndarray, np.ndarray]] = []  # (dst, src)
+        slots = self._arena_np[slot : slot + (k - 1) * slot_step + 1 : slot_step]
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
         for grp in self._groups:
             lt, bb = grp.num_tensors, grp.block_bytes
             region = slots[:, grp.offset : grp.offset + lt * bpc * bb].reshape(k, lt, bpc, bb)
-            if grp.np_pool3 is not None:
-                dev = grp.np_pool3[:, first:end].reshape(lt, k, bpc, bb).transpose(1, 0, 2, 3)
-                pairs.append((dev, region) if load else (region, dev))
-                continue
-            for t, tensor in enumerate(grp.np_tensors):
-                dev = tensor[first:end].reshape(k, bpc, bb)
-                pairs.append((dev, region[:, t]) if load else (region[:, t], dev))
-        self._copy_pairs(pairs)
+            for t0, cnt, view in grp.segs or []:
+                st, sb, su = view.strides
+                dev = np.lib.stride_tricks.as_strided(view[:, first:], shape=(k, cnt, bpc, bb),
+                                                      strides=(block_step * sb, st, sb, su), writeable=True)
+                reg = region[:, t0 : t0 + cnt]
+                pairs.append((dev, reg) if load else (reg, dev))
+        return pairs
 
     def _copy_pairs(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
         """Copy ``src`` into ``dst`` for each pair; a large batch is split in two halves by
@@ -589,30 +598,32 @@ class DmaEngine:
         runs = _runs(ids)
         for grp in self._groups:
             lt, bb = grp.num_tensors, grp.block_bytes
+            segs = grp.segs or []
             region = slot_arr[grp.offset : grp.offset + lt * bpc * bb].reshape(lt, bpc, bb)
-            if grp.np_pool3 is not None and len(runs) <= 4:  # uniform pool: one strided copy per run
+            if len(segs) < lt and len(runs) <= 4:  # runs of tensors at one stride: one copy per run each
                 for pos, first, count in runs:
-                    dev = grp.np_pool3[:, first : first + count]
-                    if load:
-                        np.copyto(dev, region[:, pos : pos + count])
-                    else:
-                        np.copyto(region[:, pos : pos + count], dev)
+                    for t0, cnt, view in segs:
+                        dev, reg = view[:, first : first + count], region[t0 : t0 + cnt, pos : pos + count]
+                        if load:
+                            np.copyto(dev, reg)
+                        else:
+                            np.copyto(reg, dev)
             elif grp.np_rows is not None:  # pooled: one gather / scatter over the pool's rows
                 idx = grp.row_off[:, None] + ids[None, :]
                 if load:
                     grp.np_rows[idx] = region[:, :n]
                 else:
                     np.take(grp.np_rows, idx, axis=0, out=region[:, :n], mode="clip")
-            elif len(runs) > 4:  # separate tensors, scattered blocks: one gather per tensor
-                for k, t in enumerate(grp.np_tensors):
+            elif len(runs) > 4:  # scattered blocks: one gather / scatter per run of tensors
+                for t0, cnt, view in segs:
                     if load:
-                        t[ids] = region[k, :n]
+                        view[:, ids] = region[t0 : t0 + cnt, :n]
                     else:
-                        np.take(t, ids, axis=0, out=region[k, :n], mode="clip")
-            else:  # separate tensors: one memmove per tensor per run
+                        np.take(view, ids, axis=1, out=region[t0 : t0 + cnt, :n], mode="clip")
+            else:  # tensors at no common stride: one memmove per tensor per run
                 base = self.host.address + slot * self.host.slot_bytes + grp.offset
                 piece = bpc * bb
-                for k, addr in enumerate(grp.addrs):
+                for k, addr in enumerate(grp.addrs or []):
                     dst = base + k * piece
                     for pos, first, count in runs:
                         if load:
