@@ -316,6 +316,64 @@ def _soak_command(soak: str, interval: str, rate: float, servers: int, prefixes:
         sys.exit(1)
 
 
+def _tier_extra(tier_config: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """``--tier-config NAME=JSON`` items as ``{name: keys}``; one-line error for a bad one."""
+    extra: dict[str, dict[str, Any]] = {}
+    for item in tier_config:
+        name, eq, text = item.partition("=")
+        try:
+            val = json.loads(text) if eq else None
+        except json.JSONDecodeError:
+            val = None
+        if not isinstance(val, dict):
+            raise click.BadParameter(f"{item!r} is not NAME=JSON-object", param_hint="--tier-config")
+        extra[name.strip()] = val
+    return extra
+
+
+def _long_command(lengths: str, requests: int, tiers: str, repeats: int, model: str | None, suffix_len: int,
+                  output_len: int, gpu_blocks: int, tier_cpu_bytes: int, tier_config: tuple[str, ...],
+                  serve_args: tuple[str, ...], workdir: str | None, as_json: bool) -> None:
+    """``--long``: check the arguments (one line each), run :func:`.serve_long.run_long` with
+    ``none`` and the first of ``--tiers``, print it; exit 1 unless it is OK."""
+    from ..tinymodel import SHAPES
+    from . import serve_long
+
+    n_list = _ints(lengths, "--long")
+    tier = next((t.strip() for t in tiers.split(",") if t.strip()), None)
+    if tier is None:
+        raise click.BadParameter("--long needs a tier to load from: --tiers names none", param_hint="--tiers")
+    try:
+        sr.check_tier(tier)
+        if tier in sr.BUILTIN:
+            raise ValueError(f"--long loads from a kvtiers tier, not {tier!r}")
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--tiers") from None
+    extra = _tier_extra(tier_config)
+    if model is not None and model.lower() not in SHAPES and not os.path.isdir(model):
+        raise click.BadParameter(f"{model!r} is neither a model shape ({', '.join(sorted(SHAPES))}) nor a directory",
+                                 param_hint="--model")
+    ctx = click.get_current_context()
+    given = {k: (None if ctx.get_parameter_source(k) is click.core.ParameterSource.DEFAULT else v)
+             for k, v in (("gpu_blocks", gpu_blocks), ("tier_cpu_bytes", tier_cpu_bytes))}
+    from ..requires import require
+
+    require("kvtiers bench serve --long", "vllm")
+    model_dir, _ = resolve_model(model)
+    ls = serve_long.LongSettings(lengths=n_list, requests=requests, tier=tier)
+    base = sr.ServeSettings(model=model_dir, suffix_len=suffix_len, output_len=output_len,
+                            extra_serve_args=list(serve_args))
+    try:
+        settings = serve_long.sized(base, ls, given["gpu_blocks"], given["tier_cpu_bytes"])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--gpu-blocks/--tier-cpu-bytes") from None
+    rep = serve_long.run_long(sr.configs_for(["none", tier]), settings, ls, repeats, workdir=workdir,
+                              tier_extra=extra, say=lambda m: click.echo(m, err=True))
+    click.echo(json.dumps(rep) if as_json else serve_long.render(rep))
+    if not serve_long.ok(rep):
+        sys.exit(1)
+
+
 def _saved(path: str) -> dict[str, Any]:
     """A report saved with ``--json``; a clear error if the file is not one."""
     try:
@@ -324,6 +382,8 @@ def _saved(path: str) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as e:
         raise click.BadParameter(f"{path}: not a JSON report ({e})", param_hint="--report") from None
     if isinstance(rep, dict) and rep.get("kind") == "serve-soak" and {"intervals", "summary", "soak"} <= rep.keys():
+        return rep
+    if isinstance(rep, dict) and rep.get("kind") == "serve-long" and {"cells", "runs", "identity"} <= rep.keys():
         return rep
     if not isinstance(rep, dict) or not {"cells", "runs", "identity", "settings"} <= rep.keys():
         raise click.BadParameter(f"{path}: not a report of kvtiers bench serve --json", param_hint="--report")
@@ -445,6 +505,11 @@ def run_bench_serve(configs: list[sr.Config], settings: sr.ServeSettings, prefix
               help="Soak: the working set, in prefixes (make it larger than the arena and the bound together).")
 @click.option("--fs-max-bytes", default=256 << 20, show_default=True, type=click.IntRange(1),
               help="Soak: max_bytes of the fs tier (the bound, shared by --servers 2).")
+@click.option("--long", "long_lengths", default=None, metavar="LENGTHS",
+              help="Instead of the sweep: time to first token of prompts with LENGTHS-token prefixes (e.g. "
+                   "8192,16384), their prefix from the first of --tiers against recomputed (none), one at a time.")
+@click.option("--long-requests", default=16, show_default=True, type=click.IntRange(1),
+              help="--long: prompts per prefix length, each with a prefix of its own.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--report", "report_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Start nothing: print the table (and --plot) of a report saved with --json.")
@@ -454,8 +519,8 @@ def serve(tiers: str, peer: bool, configs: str | None, prefixes: str, concurrenc
           conversation_prefix_len: int, turn_len: int, multi_turn_client: str | None, variants: tuple[str, ...],
           model: str | None, tier_config: tuple[str, ...],
           serve_args: tuple[str, ...], workdir: str | None, soak: str | None, interval: str, rate: float,
-          servers: int, soak_prefixes: int, fs_max_bytes: int, plot_file: str | None, as_json: bool,
-          report_file: str | None) -> None:
+          servers: int, soak_prefixes: int, fs_max_bytes: int, long_lengths: str | None, long_requests: int,
+          plot_file: str | None, as_json: bool, report_file: str | None) -> None:
     """Offloading on a real `vllm serve` under load, per configuration, with vLLM's own client."""
     from . import serve_report
 
@@ -464,6 +529,11 @@ def serve(tiers: str, peer: bool, configs: str | None, prefixes: str, concurrenc
         if rep.get("kind") == "serve-soak":
             _soak_out(rep, plot_file, as_json)
             return
+        if rep.get("kind") == "serve-long":
+            from . import serve_long
+
+            click.echo(json.dumps(rep) if as_json else serve_long.render(rep))
+            return
         if plot_file:
             serve_report.plot(rep, plot_file)
         click.echo(json.dumps(rep) if as_json else serve_report.render(rep))
@@ -471,6 +541,11 @@ def serve(tiers: str, peer: bool, configs: str | None, prefixes: str, concurrenc
     if soak is not None:
         _soak_command(soak, interval, rate, servers, soak_prefixes, fs_max_bytes, concurrency, model, prefix_len,
                       suffix_len, output_len, gpu_blocks, tier_cpu_bytes, serve_args, workdir, plot_file, as_json)
+        return
+
+    if long_lengths is not None:
+        _long_command(long_lengths, long_requests, tiers, repeats, model, suffix_len, output_len, gpu_blocks,
+                      tier_cpu_bytes, tier_config, serve_args, workdir, as_json)
         return
 
     names = configs.split(",") if configs is not None else (
@@ -498,16 +573,7 @@ def serve(tiers: str, peer: bool, configs: str | None, prefixes: str, concurrenc
             client = mtc.client_dir(multi_turn_client)
         except mtc.ClientMissing as e:
             raise click.UsageError(str(e)) from None
-    extra: dict[str, dict[str, Any]] = {}
-    for item in tier_config:
-        name, eq, text = item.partition("=")
-        try:
-            val = json.loads(text) if eq else None
-        except json.JSONDecodeError:
-            val = None
-        if not isinstance(val, dict):
-            raise click.BadParameter(f"{item!r} is not NAME=JSON-object", param_hint="--tier-config")
-        extra[name.strip()] = val
+    extra = _tier_extra(tier_config)
     from ..tinymodel import SHAPES
 
     shape = model.lower() if model is not None and model.lower() in SHAPES else None
