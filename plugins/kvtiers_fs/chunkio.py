@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import stat as _stat
+import threading
 
 from . import direct as _direct
 from . import layout
@@ -32,6 +33,88 @@ class _JobState:
         self.nbytes = 0
         self.t0 = t0
         self.abandoned = False  # reported failed by a close that timed out: nothing more to do
+
+
+#: a chunk this large or larger is read in pieces of this size, several at once (``_read_pieces``)
+PIECE_BYTES = 4 << 20
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class _Pieces:
+    """The pieces of one chunk read: ``[0, PIECE_BYTES)``, ... of ``data``, the last one with
+    the trailer page. Each piece is read once, by whichever thread claims it first: the
+    loading thread (:meth:`get`, in order) or a pool thread (:meth:`helper`, any unclaimed
+    piece). A short read or an error is kept as that piece's outcome."""
+
+    __slots__ = ("fd", "views", "trailer", "cv", "next", "outcome", "running")
+
+    def __init__(self, fd: int, data: memoryview, trailer: memoryview) -> None:
+        self.fd = fd
+        self.views = [data[off:off + PIECE_BYTES] for off in range(0, len(data), PIECE_BYTES)]
+        self.trailer = trailer
+        self.cv = threading.Condition(threading.Lock())
+        self.next = 0  # the first piece nobody has claimed
+        self.outcome: list[BaseException | bool | None] = [None] * len(self.views)  # None: not read yet
+        self.running = 0  # pool threads inside a read
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    def _claim(self) -> int | None:
+        with self.cv:
+            if self.next >= len(self.views):
+                return None
+            i, self.next = self.next, self.next + 1
+            return i
+
+    def _read(self, i: int) -> None:
+        view = self.views[i]
+        last = i == len(self.views) - 1
+        want = len(view) + (len(self.trailer) if last else 0)
+        try:
+            n = os.preadv(self.fd, [view, self.trailer] if last else [view], i * PIECE_BYTES)
+            got: BaseException | bool = True if n == want else Corrupt(
+                f"file is {i * PIECE_BYTES + n} bytes long, expected "
+                f"{(len(self.views) - 1) * PIECE_BYTES + len(self.views[-1]) + len(self.trailer)}")
+        except BaseException as e:  # (an OSError: the load reports it)
+            got = e
+        with self.cv:
+            self.outcome[i] = got
+            self.cv.notify_all()
+
+    def helper(self, _scratch: memoryview) -> None:
+        """A pool task: read unclaimed pieces until none is left."""
+        with self.cv:
+            self.running += 1
+        try:
+            while (i := self._claim()) is not None:
+                self._read(i)
+        finally:
+            with self.cv:
+                self.running -= 1
+                self.cv.notify_all()
+
+    def get(self, i: int) -> None:
+        """Piece ``i`` read (by this thread if nobody has claimed it yet), or its error raised."""
+        with self.cv:
+            mine = self.outcome[i] is None and self.next == i
+            if mine:
+                self.next += 1
+        if mine:
+            self._read(i)
+        with self.cv:
+            while self.outcome[i] is None:
+                self.cv.wait()
+            got = self.outcome[i]
+        if got is not True:
+            raise got
+
+    def finish(self) -> None:
+        """Claim every piece left (so no pool task starts one) and wait for the reads running."""
+        with self.cv:
+            self.next = len(self.views)
+            while self.running:
+                self.cv.wait()
 
 
 class Corrupt(Exception):
@@ -194,17 +277,42 @@ class ChunkIO:
                              "(another slot size)")
 
     def _read(self, fd: int, key: bytes, data: memoryview, trailer: memoryview) -> None:
-        n = os.preadv(fd, [data, trailer], 0)
-        if n != len(data) + len(trailer):
-            raise Corrupt(f"file is {n} bytes long, expected {len(data) + len(trailer)}")
+        if len(data) >= 2 * PIECE_BYTES:
+            digest = self._read_pieces(fd, data, trailer)
+        else:
+            n = os.preadv(fd, [data, trailer], 0)
+            if n != len(data) + len(trailer):
+                raise Corrupt(f"file is {n} bytes long, expected {len(data) + len(trailer)}")
+            digest = None
         try:
-            digest = layout.check_trailer(trailer, key, len(data), self._ns)
+            recorded = layout.check_trailer(trailer, key, len(data), self._ns)
         except layout.NotOurs:
             raise
         except ValueError as e:
             raise Corrupt(str(e)) from None
-        if layout.data_digest(data) != digest:
+        if (digest if digest is not None else layout.data_digest(data)) != recorded:
             raise Corrupt("checksum mismatch")
+
+    def _read_pieces(self, fd: int, data: memoryview, trailer: memoryview) -> bytes:
+        """Read a large chunk as :data:`PIECE_BYTES` pieces, several at once, and return the
+        xxh3-128 of its bytes, hashed piece by piece in order as they land (the same digest
+        as one pass: the check is unchanged). The read pool's idle threads read pieces
+        ahead; this thread reads any piece none has taken yet itself (a busy pool only
+        slows this down to one piece at a time, it never waits on a queued task), and
+        returns only when no read into ``data`` is still running."""
+        pieces = _Pieces(fd, data, trailer)
+        # O_DIRECT: the device works, so every idle reader adds a request in flight; buffered:
+        # the CPU copies from the page cache, so more readers than cores only add switches
+        helpers = self._reads.n - 1 if self.direct else _CORES - 1
+        self._reads.submit_many([pieces.helper] * min(len(pieces) - 1, max(1, helpers)))
+        hasher = layout.data_hasher()
+        try:
+            for i in range(len(pieces)):
+                pieces.get(i)
+                hasher.update(pieces.views[i])
+        finally:
+            pieces.finish()  # no piece read may still write into the slot when this returns
+        return hasher.digest()
 
     def _discard_corrupt(self, path: str, fd: int, key: bytes, why: str) -> str:
         """Delete corrupt chunk ``path`` (open as ``fd``) if it is still the file that was

@@ -373,6 +373,11 @@ def data_digest(data: memoryview) -> bytes:
     return xxhash.xxh3_128_digest(data)
 
 
+def data_hasher() -> xxhash.xxh3_128:
+    """An incremental :func:`data_digest`: ``update`` with the bytes in order, then ``digest``."""
+    return xxhash.xxh3_128()
+
+
 def file_bytes(data_len: int) -> int:
     """On-disk size of a chunk file holding ``data_len`` bytes."""
     return data_len + TRAILER_BYTES
