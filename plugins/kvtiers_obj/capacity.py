@@ -4,12 +4,92 @@ The tier records every chunk it stores, finds or loads, with its object size; wh
 total passes ``max_bytes`` the least recently used chunks not in use are the victims.
 Known limits: the view is per instance (seeded by one listing of the namespace at open);
 several instances sharing a prefix each bound what they see, not the bucket's total.
+
+Lifetime pins (the optional ``pin``/``unpin`` hooks, docs/pins.md) are :class:`Pins`: a
+pinned key is never one of :meth:`LruBytes.victims` before its time, and at most
+:data:`PIN_SHARE` of ``max_bytes`` is pinned, so eviction can always get back under it.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
+import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+
+PIN_SHARE = 0.5  #: of max_bytes: the most a bounded obj tier keeps pinned
+
+
+class Pins:
+    """Keys pinned until a time on ``clock`` (``math.inf``: until unpinned), each with its
+    object size; at most ``cap`` bytes pinned at once (``None``: no cap, an unbounded tier).
+    Not thread-safe: the tier calls it under its capacity lock."""
+
+    def __init__(self, cap: int | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cap = cap
+        self.clock = clock
+        self._until: dict[bytes, float] = {}
+        self._size: dict[bytes, int] = {}
+        self._heap: list[tuple[float, bytes]] = []  # (deadline, key); stale entries skipped
+        self.bytes = 0  # pinned now (expired pins included until expire() finds them)
+        self.pinned = self.unpinned = self.expired = self.refused = 0
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def held(self, key: bytes) -> bool:
+        """Whether a pin holds ``key`` now."""
+        until = self._until.get(key)
+        return until is not None and until > self.clock()
+
+    def add(self, keys: Sequence[bytes], size: int, seconds: float | None) -> str | None:
+        """Pin ``keys`` (objects of ``size`` bytes) for ``seconds`` (``None``: until unpinned),
+        all or none; a key pinned already keeps the later end. ``None``, or why not."""
+        keys = list(dict.fromkeys(keys))
+        self.expire()
+        new = [k for k in keys if k not in self._until]
+        if self.cap is not None and self.bytes + len(new) * size > self.cap:
+            self.refused += len(keys)
+            return (f"obj tier: pinning {len(new)} more chunk(s) would pin {self.bytes + len(new) * size} of at most "
+                    f"{self.cap} bytes ({PIN_SHARE:g} of max_bytes): eviction could no longer keep the bound")
+        until = math.inf if seconds is None else self.clock() + seconds
+        for k in keys:
+            old = self._until.get(k)
+            if old is None:
+                self._size[k] = size
+                self.bytes += size
+            if old is None or until > old:
+                self._until[k] = until
+                if until != math.inf:
+                    heapq.heappush(self._heap, (until, k))
+        self.pinned += len(keys)
+        if len(self._heap) > 2 * len(self._until) + 1024:  # renewals left stale entries: keep it in proportion
+            self._heap = [(u, k) for k, u in self._until.items() if u != math.inf]
+            heapq.heapify(self._heap)
+        return None
+
+    def remove(self, keys: Iterable[bytes]) -> int:
+        """End the pins of ``keys`` (unknown keys are ignored); how many there were."""
+        n = 0
+        for k in keys:
+            if self._until.pop(k, None) is not None:
+                self.bytes -= self._size.pop(k)
+                n += 1
+        self.unpinned += n
+        return n
+
+    def expire(self) -> int:
+        """Forget the pins whose time has come; how many."""
+        now, heap, n = self.clock(), self._heap, 0
+        while heap and heap[0][0] <= now:
+            until, k = heapq.heappop(heap)
+            if self._until.get(k) == until:
+                del self._until[k]
+                self.bytes -= self._size.pop(k)
+                n += 1
+        self.expired += n
+        return n
 
 
 class LruBytes:
@@ -46,9 +126,10 @@ class LruBytes:
         if size is not None:
             self.total -= size
 
-    def victims(self, busy: Iterable[bytes] = ()) -> list[bytes]:
-        """Remove and return least recently used keys, skipping ``busy`` ones, until the
-        total is at most ``max_bytes`` (or only busy keys are left)."""
+    def victims(self, busy: Iterable[bytes] = (), held: Callable[[bytes], bool] | None = None) -> list[bytes]:
+        """Remove and return least recently used keys, skipping ``busy`` ones and those
+        ``held`` (pinned: each passed over counts as used, so the next search does not walk
+        past it again), until the total is at most ``max_bytes`` (or only those are left)."""
         busy = set(busy)
         out: list[bytes] = []
         if self.total <= self.max_bytes:
@@ -57,6 +138,9 @@ class LruBytes:
             if self.total <= self.max_bytes:
                 break
             if k in busy:
+                continue
+            if held is not None and held(k):
+                self._sizes.move_to_end(k)
                 continue
             self.total -= self._sizes.pop(k)
             out.append(k)

@@ -20,7 +20,7 @@ from kvtiers import AsyncTier, ConfigError, TierError, hookimpl
 from kvtiers.types import Namespace, TierContext, check_keys
 
 from . import layout
-from .capacity import LruBytes
+from .capacity import PIN_SHARE, LruBytes, Pins
 
 log = logging.getLogger("kvtiers.obj")
 
@@ -219,6 +219,8 @@ class ObjTier(AsyncTier):
         self._bg: set[asyncio.Task] = set()
         self._cap_lock = threading.Lock()
         self._lru = LruBytes(max_bytes) if max_bytes is not None else None
+        # lifetime pins (pin/unpin hooks): at most PIN_SHARE of max_bytes, so eviction keeps the bound
+        self.pins = Pins(None if max_bytes is None else int(PIN_SHARE * max_bytes))
         self._size = layout.object_size(ctx.arena.slot_bytes)  # every object this instance writes or loads
         self._warned_size = False
         open_bound = 3 * op_timeout + 10
@@ -472,6 +474,8 @@ class ObjTier(AsyncTier):
             with self._cap_lock:
                 for k in keys:
                     self._lru.discard(k)
+        with self._cap_lock:  # a chunk deleted as corrupt holds no pin (an evicted one never had one)
+            self.pins.remove(done)
         if done:  # MISS from now on, also for a job in flight that holds them; to ctx.removed
             self.evicted(done, reason)
         kept = [k for k in keys if k not in done]
@@ -485,7 +489,8 @@ class ObjTier(AsyncTier):
             return
         with self._cap_lock:
             self._lru.add(key, size)
-            victims = self._lru.victims(busy=set(self._busy) | {key})
+            self.pins.expire()  # count the pins whose time is over (they no longer hold either way)
+            victims = self._lru.victims(busy=set(self._busy) | {key}, held=self.pins.held)
         if victims:
             await self._drop(victims, "evicted")
 
@@ -740,6 +745,52 @@ class ObjTier(AsyncTier):
         await self._close_client()
 
     # -- extra hooks ----------------------------------------------------------------------
+    @hookimpl
+    def pin(self, keys: Sequence[bytes], seconds: float | None) -> str | None:
+        """Keep ``keys`` (stored here) from this instance's ``max_bytes`` eviction for
+        ``seconds`` (None: until unpinned); refused whole for keys not stored here or past
+        ``PIN_SHARE`` of ``max_bytes``. Keys this instance does not know yet are asked for
+        with one HEAD each (at most ``op_timeout``). Another instance on the same prefix does
+        not see these pins (each bounds what it sees: docs/pins.md)."""
+        keys = list(dict.fromkeys(check_keys(keys)))
+        with self._cap_lock:
+            if self._lru is not None:
+                unknown = [k for k in keys if k not in self._lru]
+            else:
+                with self._lock:
+                    unknown = [k for k in keys if k not in self._present]
+        if unknown:
+            try:
+                found = self.run_sync(asyncio.wait_for(self._exist_all(unknown), self.op_timeout),
+                                      timeout=self.op_timeout + 5)
+            except Exception as e:  # a pin is refused, never raised, for a server that fails
+                what = str(e) or type(e).__name__
+                return f"obj tier: could not tell whether {len(unknown)} key(s) are stored here: {what}"
+            absent = [k for k, f in zip(unknown, found, strict=True) if not f]
+            if absent:
+                return f"obj tier: {len(absent)} of {len(keys)} key(s) not stored here (first {absent[0].hex()[:16]})"
+        with self._cap_lock:
+            why = self.pins.add(keys, self._size, seconds)
+            if why is None and self._lru is not None:
+                for k in keys:  # a pin is a use: pinned keys start away from the old end eviction searches
+                    self._lru.add(k, self._size)
+        return why
+
+    async def _exist_all(self, keys: Sequence[bytes]) -> list[bool]:
+        sem = asyncio.Semaphore(self.max_concurrency)
+
+        async def one(k: bytes) -> bool:
+            async with sem:
+                return await self.exists(k)
+
+        return list(await asyncio.gather(*(one(k) for k in keys)))
+
+    @hookimpl
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        keys = check_keys(keys)
+        with self._cap_lock:
+            self.pins.remove(keys)
+
     @hookimpl
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark ``keys`` recently used for ``max_bytes`` eviction."""
