@@ -9,8 +9,9 @@ The hooks only validate and enqueue: each key of a job is one task on the read p
 (loads) or the write pool (stores), so loads never wait behind stores and a large job is
 spread over every thread. A store writes ``[slot, trailer]`` with one ``pwritev`` into a
 unique temporary file and renames it into place (an existing chunk file means success);
-a load reads both with one ``preadv`` straight into the arena slot and checks the trailer
-and the xxh3-128 of the bytes before reporting success.
+a load reads both with one ``preadv`` straight into the arena slot (a chunk of 8 MiB or
+more: 4 MiB pieces, several at once, hashed as they land) and checks the trailer and the
+xxh3-128 of the bytes before reporting success.
 
 Nothing at a chunk's path can block or mislead a load: files are opened ``O_NONBLOCK |
 O_NOFOLLOW`` and anything but a regular file (a FIFO, directory, device, symbolic link) is a
