@@ -182,6 +182,35 @@ def _masked_runs(arr: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(pos[a]), int(ids[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
 
 
+def _merged_runs(full: list[bool], firsts: list[int], slots: list[int], npos: int) -> list[tuple[int, int, int, int]]:
+    """Chunks ``i:j`` to copy as one, ``(i, j, block step, slot step)``: full chunks (each
+    ``npos`` consecutive ids from ``firsts[c]``) whose first ids step evenly by at least
+    ``npos`` (up or down) going to slots that step evenly upwards; every other chunk alone
+    (``j = i + 1``)."""
+    out = []
+    i, n = 0, len(full)
+    while i < n:
+        j, db, ds = i + 1, npos, 1
+        if full[i] and j < n and full[j]:
+            ds, db = slots[j] - slots[i], firsts[j] - firsts[i]
+            if ds >= 1 and abs(db) >= npos:
+                j += 1
+                while j < n and full[j] and slots[j] - slots[j - 1] == ds and firsts[j] - firsts[j - 1] == db:
+                    j += 1
+        out.append((i, j, db, ds))
+        i = j
+    return out
+
+
+class _Masked:
+    """A chunk's ids given per group (or for a layout with SSM groups), until checked."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: Any) -> None:
+        self.ids = ids
+
+
 class DmaEngine:
     """Copies chunks device -> arena (store) and arena -> device (load).
 
@@ -391,14 +420,14 @@ class DmaEngine:
                 raise ValueError(f"transfer {tid}: slot {slot} given twice")
             slots.add(slot)
             if isinstance(ids, Mapping) or self._has_state:
-                plan.append((self._group_ids(tid, ids, slot), slot))
+                plan.append((_Masked(ids), slot))  # checked per group below
                 continue
             arr = np.asarray(ids, dtype=np.int64).reshape(-1)
             if len(arr) > self.blocks_per_chunk:
                 raise ValueError(f"transfer {tid}: chunk for slot {slot} has {len(arr)} blocks, "
                                  f"more than blocks_per_chunk={self.blocks_per_chunk}")
             plan.append((arr, slot))
-        plain = [a for a, _ in plan if not isinstance(a, list)]
+        plain = [a for a, _ in plan if not isinstance(a, _Masked)]
         all_ids = np.concatenate(plain) if plain else np.zeros(0, np.int64)
         if len(all_ids) and (all_ids.min() < 0 or all_ids.max() >= self._min_blocks):  # name the first bad one
             for arr in plain:
@@ -408,45 +437,58 @@ class DmaEngine:
                         bad = lo if lo < 0 else hi
                         raise IndexError(f"transfer {tid}: device block {bad} out of range: KV group "
                                          f"{grp.name!r} has {grp.num_blocks} blocks")
-        if any(isinstance(ids, list) for ids, _ in plan):  # masked: every chunk per group
-            plan = [(ids if isinstance(ids, list) else self._group_ids(tid, ids, slot), slot) for ids, slot in plan]
-            if load:
-                for gi, grp in enumerate(self._groups):
-                    used = np.concatenate([ids[gi][ids[gi] >= 0] for ids, _ in plan])
-                    if len(np.unique(used)) != len(used):
-                        what = "state slot" if grp.is_state else "device block"
-                        raise ValueError(f"transfer {tid}: a {what} of KV group {grp.name!r} is loaded twice")
-        elif load and len(all_ids) > 1:
+        if len(plain) < len(plan):  # masked: every chunk per group
+            return tid, self._group_plan(tid, plan, load)
+        if load and len(all_ids) > 1:
             if len(np.unique(all_ids)) != len(all_ids):
                 raise ValueError(f"transfer {tid}: a device block is loaded twice")
         return tid, plan
 
-    def _group_ids(self, tid: int, ids: Any, slot: int) -> list[np.ndarray]:
-        """One chunk's ids per group (``-1``: skip that position), checked against each group."""
-        if isinstance(ids, Mapping):
-            unknown = sorted(set(ids) - {g.name for g in self._groups})
-            if unknown:
-                raise ValueError(f"transfer {tid}: chunk for slot {slot} names KV groups {unknown}; "
-                                 f"the layout has {[g.name for g in self._groups]}")
-            per = [ids.get(g.name, ()) for g in self._groups]
-        else:
-            per = [() if g.is_state else ids for g in self._groups]
-        out = []
-        for grp, gids in zip(self._groups, per, strict=True):
-            arr = np.asarray(gids, dtype=np.int64).reshape(-1)
-            if len(arr) > grp.positions:
-                what = "a state slot" if grp.is_state else f"blocks_per_chunk={grp.positions} blocks"
-                raise ValueError(f"transfer {tid}: chunk for slot {slot} has {len(arr)} ids for KV group "
-                                 f"{grp.name!r}, which takes {what}")
-            if len(arr):
-                lo, hi = int(arr.min()), int(arr.max())
-                if lo < -1 or hi >= grp.num_blocks:
-                    bad = lo if lo < -1 else hi
-                    what = "state slot" if grp.is_state else "device block"
-                    raise IndexError(f"transfer {tid}: {what} {bad} out of range: KV group {grp.name!r} has "
-                                     f"{grp.num_blocks} (-1 skips a position)")
-            out.append(arr)
-        return out
+    def _group_plan(self, tid: int, plan: list[tuple[Any, int]], load: bool) -> list[tuple[list[np.ndarray], int]]:
+        """Every chunk's ids per group, each padded to the group's positions with ``-1`` (skip),
+        checked against each group: ``[(per-group id rows, slot)]``."""
+        n = len(plan)
+        names = [g.name for g in self._groups]
+        known = set(names)
+        per_group: list[list[Any]] = [[] for _ in names]
+        for ids, slot in plan:
+            ids = ids.ids if isinstance(ids, _Masked) else ids
+            if isinstance(ids, Mapping):
+                if not known.issuperset(ids):
+                    raise ValueError(f"transfer {tid}: chunk for slot {slot} names KV groups "
+                                     f"{sorted(set(ids) - known)}; the layout has {names}")
+                for rows, name in zip(per_group, names, strict=True):
+                    rows.append(ids.get(name, ()))
+            else:
+                for rows, g in zip(per_group, self._groups, strict=True):
+                    rows.append(() if g.is_state else ids)
+        mats = []
+        for grp, rows in zip(self._groups, per_group, strict=True):
+            m = None
+            if all(hasattr(r, "__len__") and len(r) == grp.positions for r in rows):  # all named: one conversion
+                with contextlib.suppress(ValueError, TypeError):
+                    m = np.asarray(rows, dtype=np.int64)
+            if m is None or m.shape != (n, grp.positions):
+                m = np.full((n, grp.positions), -1, dtype=np.int64)
+                for c, gids in enumerate(rows):
+                    arr = np.asarray(gids, dtype=np.int64).reshape(-1)
+                    if len(arr) > grp.positions:
+                        what = "a state slot" if grp.is_state else f"blocks_per_chunk={grp.positions} blocks"
+                        raise ValueError(f"transfer {tid}: chunk for slot {plan[c][1]} has {len(arr)} ids for "
+                                         f"KV group {grp.name!r}, which takes {what}")
+                    m[c, : len(arr)] = arr
+            mats.append(m)
+        for grp, m in zip(self._groups, mats, strict=True):
+            bad = (m < -1) | (m >= grp.num_blocks)
+            what = "state slot" if grp.is_state else "device block"
+            if bad.any():
+                raise IndexError(f"transfer {tid}: {what} {int(m[bad][0])} out of range: KV group {grp.name!r} has "
+                                 f"{grp.num_blocks} (-1 skips a position)")
+            if load:
+                used = m[m >= 0]
+                if len(np.unique(used)) != len(used):
+                    raise ValueError(f"transfer {tid}: a {what} of KV group {grp.name!r} is loaded twice")
+        return [([m[c] for m in mats], slot) for c, (_, slot) in enumerate(plan)]
 
     def _finish_now(self, tid: int) -> None:
         with self._lock:
@@ -472,69 +514,52 @@ class DmaEngine:
                 first[full] = ids[:, 0]
             runs, firsts = run.tolist(), first.tolist()
         else:
-            runs, firsts = [False], [0]
+            runs, firsts = [False] * n, [0] * n
         slots = [s for _, s in plan]
         pairs: list[tuple[np.ndarray, np.ndarray]] = []  # (dst, src)
-        i = 0
-        while i < n:
-            j, ds, db = i + 1, 1, bpc
-            if runs[i] and j < n and runs[j]:
-                ds, db = slots[j] - slots[i], firsts[j] - firsts[i]
-                if ds >= 1 and abs(db) >= bpc:
-                    j += 1
-                    while j < n and runs[j] and slots[j] - slots[j - 1] == ds and firsts[j] - firsts[j - 1] == db:
-                        j += 1
+        for i, j, db, ds in _merged_runs(runs, firsts, slots, bpc):
             if j - i > 1:
-                pairs += self._cpu_merged(firsts[i], db, slots[i], ds, j - i, load)
+                for grp in self._groups:
+                    pairs += self._cpu_merged(grp, firsts[i], db, slots[i], ds, j - i, load, bpc)
             elif len(plan[i][0]):
                 self._cpu_chunk(plan[i][0], slots[i], load)
-            i = j
         self._copy_pairs(pairs)
 
     def _cpu_masked(self, plan: list[tuple[Any, int]], load: bool) -> None:
-        """Chunks given per group. Per group: chunks whose positions are all kept, with
-        consecutive ids going to consecutive slots, are merged into one strided copy per run
-        of tensors at one address stride; other chunks one copy per such run of tensors per
-        run of kept positions, or one gather/scatter when scattered."""
+        """Chunks given per group. Per group: chunks whose positions are all kept, with ids
+        consecutive inside each chunk, the chunks' first ids stepping evenly into slots that
+        step evenly, are merged into one strided copy per run of tensors at one address stride;
+        other chunks one copy per such run of tensors per run of kept positions, or one
+        gather/scatter when scattered."""
         pairs: list[tuple[np.ndarray, np.ndarray]] = []  # (dst, src)
-        n = len(plan)
+        slots = [s for _, s in plan]
         for gi, grp in enumerate(self._groups):
             lt, npos, bb = grp.num_tensors, grp.positions, grp.block_bytes
             width = lt * npos * bb
             segs = grp.segs or []
-            i = 0
-            while i < n:
-                arr, slot = plan[i][0][gi], plan[i][1]
-                j = i + 1
-                if len(arr) == npos and arr[0] >= 0 and _is_run(arr):
-                    while j < n and plan[j][1] == plan[j - 1][1] + 1:
-                        nxt = plan[j][0][gi]
-                        if not (len(nxt) == npos and nxt[0] == plan[j - 1][0][gi][-1] + 1 and _is_run(nxt)):
-                            break
-                        j += 1
-                if j - i > 1:  # k full chunks, blocks first.. to slots slot..: one copy per run of tensors
-                    k, first = j - i, int(arr[0])
-                    region = self._arena_np[slot : slot + k, grp.offset : grp.offset + width].reshape(k, lt, npos, bb)
-                    end = first + k * npos
-                    for t0, cnt, view in segs:
-                        dev = view[:, first:end].reshape(cnt, k, npos, bb).transpose(1, 0, 2, 3)
-                        reg = region[:, t0 : t0 + cnt]
-                        pairs.append((dev, reg) if load else (reg, dev))
-                    i = j
+            ids = np.stack([per[gi] for per, _ in plan])  # (chunk, position), -1: skip
+            kept = ids >= 0
+            full = kept.all(axis=1)
+            if npos > 1:
+                full &= (np.diff(ids, axis=1) == 1).all(axis=1)
+            any_kept = kept.any(axis=1).tolist()
+            for i, j, db, ds in _merged_runs(full.tolist(), ids[:, 0].tolist(), slots, npos):
+                if j - i > 1:
+                    pairs += self._cpu_merged(grp, int(ids[i, 0]), db, slots[i], ds, j - i, load, npos)
                     continue
-                i += 1
-                if not len(arr):
+                if not any_kept[i]:
                     continue
+                arr, slot = ids[i], slots[i]
                 region = self._arena_np[slot, grp.offset : grp.offset + width].reshape(lt, npos, bb)
                 runs = _masked_runs(arr)
                 if len(runs) > 4:  # scattered: one gather / scatter over the positions kept
                     pos = np.flatnonzero(arr >= 0)
-                    ids = arr[pos]
+                    kept_ids = arr[pos]
                     for t0, cnt, view in segs:
                         if load:
-                            view[:, ids] = region[t0 : t0 + cnt, pos]
+                            view[:, kept_ids] = region[t0 : t0 + cnt, pos]
                         else:
-                            region[t0 : t0 + cnt, pos] = view[:, ids]
+                            region[t0 : t0 + cnt, pos] = view[:, kept_ids]
                     continue
                 for pos, first, count in runs:
                     for t0, cnt, view in segs:
@@ -542,23 +567,22 @@ class DmaEngine:
                         pairs.append((dev, reg) if load else (reg, dev))
         self._copy_pairs(pairs)
 
-    def _cpu_merged(self, first: int, block_step: int, slot: int, slot_step: int, k: int,
-                    load: bool) -> list[tuple[np.ndarray, np.ndarray]]:
-        """``(dst, src)`` copies of ``k`` full chunks, chunk ``c`` being blocks
-        ``first + c * block_step ..`` and going to slot ``slot + c * slot_step``: one strided
-        copy per run of tensors at one address stride, covering every chunk."""
-        bpc = self.blocks_per_chunk
+    def _cpu_merged(self, grp: _Group, first: int, block_step: int, slot: int, slot_step: int, k: int,
+                    load: bool, npos: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``(dst, src)`` copies of one group's part of ``k`` full chunks, chunk ``c`` being
+        blocks ``first + c * block_step ..`` (``npos`` of them) and going to slot
+        ``slot + c * slot_step``: one strided copy per run of tensors at one address stride,
+        covering every chunk."""
+        lt, bb = grp.num_tensors, grp.block_bytes
         slots = self._arena_np[slot : slot + (k - 1) * slot_step + 1 : slot_step]
+        region = slots[:, grp.offset : grp.offset + lt * npos * bb].reshape(k, lt, npos, bb)
         pairs: list[tuple[np.ndarray, np.ndarray]] = []
-        for grp in self._groups:
-            lt, bb = grp.num_tensors, grp.block_bytes
-            region = slots[:, grp.offset : grp.offset + lt * bpc * bb].reshape(k, lt, bpc, bb)
-            for t0, cnt, view in grp.segs or []:
-                st, sb, su = view.strides
-                dev = np.lib.stride_tricks.as_strided(view[:, first:], shape=(k, cnt, bpc, bb),
-                                                      strides=(block_step * sb, st, sb, su), writeable=True)
-                reg = region[:, t0 : t0 + cnt]
-                pairs.append((dev, reg) if load else (reg, dev))
+        for t0, cnt, view in grp.segs or []:
+            st, sb, su = view.strides
+            dev = np.lib.stride_tricks.as_strided(view[:, first:], shape=(k, cnt, npos, bb),
+                                                  strides=(block_step * sb, st, sb, su), writeable=True)
+            reg = region[:, t0 : t0 + cnt]
+            pairs.append((dev, reg) if load else (reg, dev))
         return pairs
 
     def _copy_pairs(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -636,7 +660,7 @@ class DmaEngine:
         import torch
 
         stream = self._load_stream if load else self._store_stream
-        plan = [(ids, slot) for ids, slot in plan if any(len(a) for a in ids)] if plan and isinstance(
+        plan = [(ids, slot) for ids, slot in plan if any((a >= 0).any() for a in ids)] if plan and isinstance(
             plan[0][0], list) else [(ids, slot) for ids, slot in plan if len(ids)]
         if stream is None:  # _torch_path_on_cpu: synchronous, no events
             ctx: Any = contextlib.nullcontext()
