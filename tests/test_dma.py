@@ -498,3 +498,60 @@ def test_cpu_path_batches_evenly_spaced_chunks_and_keeps_every_byte(monkeypatch,
                 assert (buf[end : end + gaps[i]] == buf_before[end : end + gaps[i]]).all(), i
                 off = end + gaps[i]
         eng.close()
+
+
+def test_cpu_masked_path_batches_chunks_to_every_other_slot(monkeypatch):
+    """Hybrid chunks given per group (full attention, a sliding window with skipped chunks, an
+    SSM state per chunk) going to every other slot: each group's full chunks are one strided
+    copy per run of tensors at one address stride. Slots and device tensors are checked byte
+    by byte against the tensors read block by block; skipped positions keep their poison."""
+    bpc, bb, sb = 4, 256, 128
+    layout = KVLayout([KVGroup("full", 2, 2, bb), KVGroup("swa", 2, 2, bb, kind="sliding", window=64),
+                       KVGroup("ssm", 3, 1, sb, kind="ssm")])
+    g = torch.Generator().manual_seed(13)
+    rows = {"full": 40, "swa": 40, "ssm": 10}
+    caches = {grp.name: [[torch.randint(0, 256, (rows[grp.name], grp.block_bytes), dtype=torch.uint8, generator=g)
+                          for _ in range(grp.tensors_per_layer)] for _ in range(grp.num_layers)]
+              for grp in layout.groups}
+    flat = {n: [t for layer in layers for t in layer] for n, layers in caches.items()}
+
+    def chunk(c, base, state):
+        ids = list(range(base + 4 * c, base + 4 * c + 4))
+        return {"full": ids, "swa": ids if c >= 2 else [-1] * 4, **({"ssm": [state]} if state is not None else {})}
+
+    store = [(chunk(c, 0, c), 2 * c) for c in range(4)]  # slots 0, 2, 4, 6; states 0..3
+    load = [(chunk(c, 20, 9 if c == 3 else None), 2 * c) for c in range(4)]  # the last chunk's state only
+    with create_host_arena(8, slot_bytes_for(layout.chunk_bytes(bpc)), pin=False) as host:
+        host.ndarray()[:] = POISON
+        eng = DmaEngine(layout, caches, host, bpc, cpu_threads=1)
+        calls = []
+        real_copyto = np.copyto
+        monkeypatch.setattr(np, "copyto", lambda *a, **k: calls.append(1) or real_copyto(*a, **k))
+        eng.submit_store(1, store)
+        assert len(calls) == sum(address_runs(ts) for ts in flat.values())  # one per run of tensors per group
+        arena = host.ndarray()
+        for spec, slot in store:
+            off = 0
+            for grp in layout.groups:
+                npos = grp.positions(bpc)
+                for t in flat[grp.name]:
+                    for p, b in enumerate(spec.get(grp.name, [-1] * npos)):
+                        got = arena[slot, off : off + grp.block_bytes].tobytes()
+                        want = t[b].numpy().tobytes() if b >= 0 else bytes([POISON]) * grp.block_bytes
+                        assert got == want, (slot, grp.name, p)
+                        off += grp.block_bytes
+        assert (arena[[1, 3, 5, 7]] == POISON).all()
+
+        before = {n: [t.clone() for t in ts] for n, ts in flat.items()}
+        for ts in flat.values():
+            for t in ts:
+                t.fill_(POISON)
+        eng.submit_load(2, load)
+        assert sorted(eng.poll()) == [1, 2]
+        src = {"full": {20 + i: i for i in range(16)}, "swa": {28 + i: 8 + i for i in range(8)}, "ssm": {9: 3}}
+        for name, ts in flat.items():
+            for i, t in enumerate(ts):
+                for b in range(rows[name]):
+                    want = before[name][i][src[name][b]] if b in src[name] else torch.full_like(t[b], POISON)
+                    assert torch.equal(t[b], want), (name, i, b)
+        eng.close()
