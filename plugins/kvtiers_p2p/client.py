@@ -71,7 +71,7 @@ class Item:
 
 @dataclass
 class Request:
-    kind: str  # "get", "put", "lookup", "hello"
+    kind: str  # "get", "put", "lookup", "hello", "pin", "unpin"
     rid: int
     deadline: float
     frames: list[Any]
@@ -85,6 +85,7 @@ class Request:
     why: str = ""  # getn being fenced: why it failed
     fence: float = 0.0  # getn being fenced: when to give up waiting for the server
     tracker: Any = None  # put sent zero-copy: done once ZMQ no longer reads the slot
+    done: Any = None  # pin: called with the server's answer (a dict) or why it failed (a str)
 
 
 @dataclass
@@ -115,6 +116,8 @@ class Peer:
         self.retry_at = 0.0  # refused: when to say HELLO again on this connection
         self.backoff = HELLO_RETRY_S[0]
         self.nixl = True  # ask it for NIXL loads (with a NIXL client); False once it said it serves none
+        self.pins = False  # its HELLO answer said it keeps pins (PIN/UNPIN)
+        self.pinned = False  # this client pinned there: closing unpins all its pins before BYE
 
 
 class PeerClient:
@@ -157,6 +160,7 @@ class PeerClient:
         self._closing = False
         self._next_tick = 0.0
         self._thread: Any = None
+        self.owner = os.urandom(8).hex()  #: this instance's token on the servers' pins (docs/pins.md)
 
     # -- from the engine thread ----------------------------------------------------------
     def start(self, name: str) -> None:
@@ -320,6 +324,8 @@ class PeerClient:
     def _remove_peer(self, peer: Peer, why: str, bye: bool = False) -> None:
         if bye and peer.ready and peer.sock is not None:
             try:  # so the server ends our session (and its max_bytes cap) now, not at its idle timeout
+                if peer.pinned:  # and our pins, which end with the tier instance (rule 13)
+                    peer.sock.send(P.pack(P.UNPIN, next(self._rids), None, self.owner), zmq.NOBLOCK)
                 peer.sock.send(P.pack(P.BYE, next(self._rids)), zmq.NOBLOCK)
                 peer.sock.setsockopt(zmq.LINGER, 200)
             except zmq.ZMQError:
@@ -407,6 +413,37 @@ class PeerClient:
                 peer.queue.append(Request("lookup", rid, deadline, [P.pack(P.LOOKUP, rid, part)], keys=part,
                                           probe=probe))
 
+    def pin(self, url: str, keys: list[bytes], seconds: float | None, deadline: float,
+            done: Callable[[Any], None]) -> None:  # fmt: skip
+        """PIN ``keys`` on the peer ``url`` for this client's owner token; ``done`` gets the
+        server's answer (``{"new": [...]}`` or ``{"why": ...}``) or why it failed (a str)."""
+        peer = self.peers.get(url)
+        if peer is None:
+            return done(f"peer {url} is not among the tier's peers")
+        if peer.ready and not peer.pins:
+            return done(f"peer {url} keeps no pins (a server from before pins, or an engine's serve block)")
+        rid = next(self._rids)
+        peer.pinned = True
+        peer.queue.append(Request("pin", rid, deadline, [P.pack(P.PIN, rid, keys, seconds, self.owner)], keys=keys,
+                                  done=done))
+
+    def unpin(self, keys: list[bytes] | None, deadline: float, done: Callable[[], None] | None = None) -> None:
+        """UNPIN ``keys`` (``None``: every pin of this client) on each peer this client pinned
+        on; ``done`` is called once every peer answered or failed."""
+        peers = [p for p in self.peers.values() if p.pinned]
+        left = [len(peers)]
+
+        def one(_: Any) -> None:
+            left[0] -= 1
+            if left[0] == 0 and done is not None:
+                done()
+
+        if not peers and done is not None:
+            done()
+        for peer in peers:
+            rid = next(self._rids)
+            peer.queue.append(Request("unpin", rid, deadline, [P.pack(P.UNPIN, rid, keys, self.owner)], done=one))
+
     # -- sending -------------------------------------------------------------------------
     def _pump(self, peer: Peer) -> None:
         if not peer.ready:
@@ -418,6 +455,11 @@ class PeerClient:
             return
         while peer.queue and len(peer.inflight) < WINDOW:
             req = peer.queue[0]
+            if req.kind in ("pin", "unpin") and not peer.pins:  # an older server would drop us for the op
+                peer.queue.popleft()
+                if req.done is not None:
+                    req.done(f"peer {peer.url} keeps no pins (a server from before pins, or an engine's serve block)")
+                continue
             if req.kind in ("get", "getn"):
                 if all(it.done for it in req.items):
                     peer.queue.popleft()
@@ -596,6 +638,7 @@ class PeerClient:
             peer.max_inflight = mi if type(mi) is int and mi > 0 else 1
             peer.error = None
             peer.backoff = HELLO_RETRY_S[0]
+            peer.pins = body.get("pins") is True
             peer.ready = True
         elif req.kind == "lookup":
             if not isinstance(body, bytes) or len(body) != len(req.keys):
@@ -604,6 +647,13 @@ class PeerClient:
                 if b:
                     req.probe.found.setdefault(k, []).append(peer.url)
             self._probe_done(req.probe)
+        elif req.kind == "pin":
+            if not isinstance(body, dict) or not (type(body.get("why")) is str or type(body.get("new")) is list):
+                req.done(f"peer {peer.url} answered PIN with something else than a reason or the keys pinned")
+                raise P.ProtocolError("PIN answer is not {'why': str} or {'new': [key, ...]}")
+            req.done(body)
+        elif req.kind == "unpin":
+            req.done(body)
         elif req.kind == "put":
             it = req.items[0]
             evicted = body if isinstance(body, list) else []
@@ -631,12 +681,14 @@ class PeerClient:
             peer.ready = False
             if peer.hello_rid is None:
                 self._hello(peer)
-            if req.kind in ("get", "getn"):  # refused: nothing was written
+            if req.kind in ("get", "getn", "pin", "unpin"):  # refused: nothing was written or pinned
                 req.sent, req.answered = False, set()
                 peer.queue.appendleft(req)
                 return
         why = f"peer {peer.url}: {msg}"
-        if req.kind == "lookup":
+        if req.kind in ("pin", "unpin"):
+            req.done(why)
+        elif req.kind == "lookup":
             self._probe_done(req.probe)
         elif req.kind in ("get", "getn"):
             for it in req.items:
@@ -653,7 +705,9 @@ class PeerClient:
 
     # -- failure -------------------------------------------------------------------------
     def _fail_request(self, peer: Peer, req: Request, why: str) -> None:
-        if req.kind == "lookup":
+        if req.kind in ("pin", "unpin"):
+            req.done(why)
+        elif req.kind == "lookup":
             self._probe_done(req.probe)
         elif req.kind in ("get", "getn"):
             if req.kind == "getn" and req.sent:

@@ -107,6 +107,15 @@ class RequestHandlers:
                     self._ended(st)
                     if st.stage is not None:  # GETN: DONE says no write of it can land any more
                         self.draining.append((ident, st.rid, writes))
+        elif op == P.PIN:
+            P.expect_len(hdr, 5, "PIN")
+            self._pin(sess, rid, P.check_keys(hdr[2]), P.check_seconds(hdr[3]), P.check_owner(hdr[4]))
+        elif op == P.UNPIN:
+            P.expect_len(hdr, 4, "UNPIN")
+            keys = None if hdr[2] is None else P.check_keys(hdr[2])
+            owner = P.check_owner(hdr[3])
+            pins = getattr(self.store, "unpin", None)
+            self._reply(ident, P.pack(P.OK, rid, 0 if pins is None else pins(sess.ns, keys, owner)))
         elif op == P.BYE:
             self._drop(ident)
 
@@ -190,7 +199,8 @@ class RequestHandlers:
                                            peer=peer)
             self.conns.bind(self._fd, ident)
         info = {"version": P.VERSION, "instance": self.instance, "max_inflight": self.limits.max_inflight,
-                "max_batch": P.MAX_BATCH, "nixl": nixl is not None, "pid": os.getpid(), "boot": P.boot_id()}
+                "max_batch": P.MAX_BATCH, "nixl": nixl is not None, "pid": os.getpid(), "boot": P.boot_id(),
+                "pins": hasattr(self.store, "pin")}
         self._reply(ident, P.pack(P.OK, rid, info))
 
     def _put(self, sess: Session, rid: int, key: bytes, digest: int) -> None:
@@ -222,6 +232,16 @@ class RequestHandlers:
         store.commit(sess.ns, key, buf, digest)
         self.stats["chunks_stored"] += 1
         self._reply(sess.ident, P.pack(P.OK, rid, evicted[: P.MAX_BATCH]))  # the client's HITs of the rest expire
+
+    def _pin(self, sess: Session, rid: int, keys: list[bytes], seconds: float | None, owner: str) -> None:
+        """PIN: keep ``keys`` of the session's namespace from eviction (docs/pins.md); the
+        answer names the keys newly pinned for ``owner``, or why the pin was refused whole."""
+        pin = getattr(self.store, "pin", None)
+        if pin is None:
+            return self._reply(sess.ident, P.pack(P.OK, rid, {"why": "this peer keeps no pins (it serves an engine's "
+                                                                     "arena)"}))
+        why, new = pin(sess.ns, keys, seconds, owner, self.quota(sess.ns))
+        self._reply(sess.ident, P.pack(P.OK, rid, {"why": why} if why is not None else {"new": new}))
 
     def _corrupt(self, ident: bytes, rid: int, hdr: list) -> None:
         """CORRUPT (servers started with ``test_faults`` only): flip the first, middle and

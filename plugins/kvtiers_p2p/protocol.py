@@ -18,6 +18,11 @@ one data frame for the ops that carry a chunk. Client to server::
     [BYE,    rid]                                   (no answer: the session ends)
     [CORRUPT, rid, namespace_digest, key]           -> [OK, rid, [offset, ...]] ([] if not stored);
                                                        test servers only (``--test-faults``)
+    [PIN,    rid, [key, ...], seconds|None, owner]  -> [OK, rid, {"new": [key, ...]}] (the keys this
+                                                       owner had not pinned) or [OK, rid, {"why": reason}]
+                                                       (refused whole); only to a server whose HELLO
+                                                       answer says ``"pins": true``
+    [UNPIN,  rid, [key, ...]|None, owner]           -> [OK, rid, pins ended] (None: all of the owner's)
 
 A refusal is ``[ERR, rid, code, message]``. ROUTER/DEALER because one server answers many
 clients with pipelined, interleaved replies and a GET streams many chunks: REQ/REP would
@@ -44,9 +49,10 @@ VERSION = 1
 
 HELLO, LOOKUP, GET, PUT, CANCEL, BYE, GETN = 1, 2, 3, 4, 5, 6, 7
 CORRUPT = 8  #: fault injection for tests: flip bytes of a stored chunk, keep its xxh3 (no session needed)
+PIN, UNPIN = 9, 10  #: lifetime pins (docs/pins.md): an owner is a client instance's token
 OK, CHUNK, MISSING, DONE, ERR = 16, 17, 18, 19, 20
 REQUEST_OPS = {HELLO: "HELLO", LOOKUP: "LOOKUP", GET: "GET", PUT: "PUT", CANCEL: "CANCEL", BYE: "BYE",
-               GETN: "GETN", CORRUPT: "CORRUPT"}
+               GETN: "GETN", CORRUPT: "CORRUPT", PIN: "PIN", UNPIN: "UNPIN"}
 
 _BOOT: list[str | None] = []
 
@@ -135,6 +141,21 @@ def check_hash(h: Any) -> int:
     if type(h) is not int or not 0 <= h < (1 << 64):
         raise ProtocolError("checksum must be an unsigned 64-bit integer")
     return h
+
+
+def check_owner(owner: Any) -> str:
+    if type(owner) is not str or not 1 <= len(owner) <= 64:
+        raise ProtocolError("a pin's owner must be a string of 1-64 characters")
+    return owner
+
+
+def check_seconds(seconds: Any) -> float | None:
+    """A pin's lifetime: ``None`` (until unpinned) or a positive finite number of seconds."""
+    if seconds is None:
+        return None
+    if type(seconds) not in (int, float) or not 0 < seconds < float("inf"):
+        raise ProtocolError("a pin's seconds must be a positive number or nil")
+    return float(seconds)
 
 
 def expect_len(hdr: list, n: int, name: str) -> None:

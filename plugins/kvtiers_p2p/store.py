@@ -22,19 +22,30 @@ while A holds its share of the capacity or more (``capacity`` divided by the act
 namespaces holding chunks), and otherwise the least recently used chunk of a namespace
 nobody is using or of one above its share, so one namespace's pushes cannot flush another
 active namespace's chunks below that share.
+
+Lifetime pins (PIN/UNPIN, docs/pins.md): a pinned chunk leaves its namespace's LRU for a
+table of held chunks, so no eviction ever takes it, until the last of its pins ends (each
+client instance, an *owner*, pins for its own time; unpin ends that owner's pin only). At most
+:data:`PIN_SHARE` of a namespace's cap (its quota, or the capacity) and of the capacity is
+pinned, so eviction can always make room; a pin past that is refused whole, with the reason.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import math
 import mmap
 import sys
+import time
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from typing import Any
 
 SLAB_BYTES = 64 << 20  #: buffers are mapped this many bytes at a time (at most)
 MIN_CHUNK_BYTES = 4096  #: the smallest chunk a store keeps (an arena slot's granularity)
 IDLE_REFS = 2  #: sys.getrefcount of a pooled buffer nobody else holds (a local name + the argument)
+PIN_SHARE = 0.5  #: of a namespace's cap and of the capacity: the most that is pinned
 
 
 class _Slab:
@@ -178,6 +189,14 @@ class MemoryStore:
         self._active: set[str] | None = None
         self.evictions = 0
         self.on_slab: Any = None  #: called with each newly mapped slab (NIXL registers it; slabs then stay)
+        # lifetime pins: pinned items leave _lru for _held (never a victim) until their last pin ends
+        self._held: dict[str, dict[bytes, list[Any]]] = {}
+        self._pins: dict[tuple[str, bytes], dict[str, float]] = {}  # (ns, key) -> owner -> until
+        self._pin_heap: list[tuple[float, str, bytes, str]] = []  # (until, ns, key, owner); stale ones skipped
+        self._npinned = 0  # chunks in _held
+        self._ns_pinned: dict[str, int] = {}  # bytes held per namespace
+        self.pinned_bytes = 0
+        self.clock = time.monotonic  #: the pins' clock (tests replace it)
 
     def __len__(self) -> int:
         return self._count
@@ -192,7 +211,7 @@ class MemoryStore:
 
     def has(self, ns: str, key: bytes) -> bool:
         d = self._lru.get(ns)
-        return d is not None and key in d
+        return (d is not None and key in d) or key in self._held.get(ns, ())
 
     def get(self, ns: str, key: bytes) -> list[Any] | None:
         """``[buffer, xxh3, size, sent, ...]`` of a chunk, marked recently used; ``None``
@@ -200,7 +219,10 @@ class MemoryStore:
         d = self._lru.get(ns)
         item = None if d is None else d.get(key)
         if item is None:
-            return None
+            item = self._held.get(ns, {}).get(key)
+            if item is not None:
+                item[4] = next(self._tick)
+            return item
         d.move_to_end(key)
         item[4] = next(self._tick)
         return item
@@ -215,8 +237,13 @@ class MemoryStore:
         limit = min(self.capacity, quota) if quota is not None else self.capacity
         if size > limit or size < MIN_CHUNK_BYTES:
             return None
+        if self._pins:
+            self.expire_pins()
+        if self._npinned and (self.pinned_bytes + size > self.capacity
+                              or (quota is not None and self._ns_pinned.get(ns, 0) + size > quota)):
+            return None  # pinned chunks leave no room (a quota shrunk below what its namespace pinned)
         evicted: list[bytes] = []
-        while self._count and self.bytes + size > self.capacity:
+        while self._count > self._npinned and self.bytes + size > self.capacity:
             ens, ekey = self._evict(self._victim(ns, size))
             if ens == ns:
                 evicted.append(ekey)
@@ -228,7 +255,7 @@ class MemoryStore:
         buf = pool.take()
         while buf is None:
             if not self._map(pool):
-                if not self._count:
+                if self._count <= self._npinned:
                     return None
                 ens, ekey = self._evict(self._victim(ns, size))
                 if ens == ns:
@@ -282,7 +309,7 @@ class MemoryStore:
         """Keep the reserved ``buf`` under ``(ns, key)``; a key already stored keeps its
         copy (idempotent) and ``buf`` goes back to the pool."""
         d = self._lru.setdefault(ns, OrderedDict())
-        if key in d:
+        if key in d or key in self._held.get(ns, ()):
             d.move_to_end(key)
             self.release(ns, buf)
             return
@@ -290,7 +317,11 @@ class MemoryStore:
         self._count += 1
 
     def drop(self, ns: str) -> int:
-        """Evict every chunk of ``ns`` (a server reclaims the namespace); returns how many."""
+        """Evict every chunk of ``ns`` (a server reclaims the namespace), pinned ones too;
+        returns how many."""
+        for pk in [pk for pk in self._pins if pk[0] == ns]:
+            del self._pins[pk]
+            self._release(ns, pk[1])
         n = 0
         while self._lru.get(ns):
             self._evict(ns)
@@ -308,6 +339,98 @@ class MemoryStore:
         self.evictions += 1
         self._forget(ns)
         return ns, key
+
+    # -- lifetime pins ----------------------------------------------------------------------
+    def pin(self, ns: str, keys: Sequence[bytes], seconds: float | None, owner: str,
+            quota: int | None) -> tuple[str | None, list[bytes]]:  # fmt: skip
+        """Pin ``keys`` of ``ns`` for ``owner`` for ``seconds`` (``None``: until unpinned), all
+        or none; an owner's pin of a key it pinned already keeps the later end. Returns
+        ``(None, keys this owner had not pinned)``, or ``(why not, [])``."""
+        keys = list(dict.fromkeys(keys))
+        self.expire_pins()
+        absent = [k for k in keys if not self.has(ns, k)]
+        if absent:
+            return f"p2p server: {len(absent)} of {len(keys)} key(s) not stored here (first {absent[0].hex()[:16]})", []
+        lru = self._lru.get(ns) or {}
+        add = sum(lru[k][2] for k in keys if k in lru)
+        limit = self.capacity if quota is None else min(self.capacity, quota)
+        ns_cap, all_cap = int(PIN_SHARE * limit), int(PIN_SHARE * self.capacity)
+        held = self._ns_pinned.get(ns, 0)
+        if held + add > ns_cap or self.pinned_bytes + add > all_cap:
+            over, cap, of = ((held + add, ns_cap, "the namespace's max_bytes" if quota is not None else "the capacity")
+                             if held + add > ns_cap else (self.pinned_bytes + add, all_cap, "the capacity"))
+            return (f"p2p server: pinning {add} more bytes would pin {over} of at most {cap} bytes ({PIN_SHARE:g} of "
+                    f"{of}): eviction could no longer keep the bound"), []
+        until = math.inf if seconds is None else self.clock() + seconds
+        new = []
+        for k in keys:
+            owners = self._pins.setdefault((ns, k), {})
+            old = owners.get(owner)
+            if old is None:
+                new.append(k)
+            if old is None or until > old:
+                owners[owner] = until
+                if until != math.inf:
+                    heapq.heappush(self._pin_heap, (until, ns, k, owner))
+            item = lru.pop(k, None)
+            if item is not None:  # out of the LRU: no eviction sees it now
+                item[4] = next(self._tick)
+                self._held.setdefault(ns, {})[k] = item
+                self._npinned += 1
+                self._ns_pinned[ns] = self._ns_pinned.get(ns, 0) + item[2]
+                self.pinned_bytes += item[2]
+        if len(self._pin_heap) > 2 * sum(map(len, self._pins.values())) + 1024:  # renewals: keep it in proportion
+            self._pin_heap = [(u, n, k, o) for (n, k), os_ in self._pins.items() for o, u in os_.items()
+                              if u != math.inf]
+            heapq.heapify(self._pin_heap)
+        return None, new
+
+    def unpin(self, ns: str, keys: Sequence[bytes] | None, owner: str) -> int:
+        """End ``owner``'s pins of ``keys`` of ``ns`` (``None``: all its pins there); a chunk no
+        pin holds any more goes back to its LRU as just used. Returns how many pins ended."""
+        pks = [pk for pk, o in self._pins.items() if pk[0] == ns and owner in o] if keys is None \
+            else [(ns, k) for k in keys]
+        n = 0
+        for pk in pks:
+            owners = self._pins.get(pk)
+            if owners is not None and owners.pop(owner, None) is not None:
+                n += 1
+                if not owners:
+                    del self._pins[pk]
+                    self._release(*pk)
+        return n
+
+    def expire_pins(self) -> int:
+        """End the pins whose time has come; how many."""
+        now, heap, n = self.clock(), self._pin_heap, 0
+        while heap and heap[0][0] <= now:
+            until, ns, key, owner = heapq.heappop(heap)
+            owners = self._pins.get((ns, key))
+            if owners is not None and owners.get(owner) == until:
+                del owners[owner]
+                n += 1
+                if not owners:
+                    del self._pins[(ns, key)]
+                    self._release(ns, key)
+        return n
+
+    def pinned(self, ns: str | None = None) -> int:
+        """Chunks held by pins (of ``ns``, or of all namespaces)."""
+        return self._npinned if ns is None else len(self._held.get(ns, ()))
+
+    def _release(self, ns: str, key: bytes) -> None:
+        """``key`` of ``ns`` is pinned no more: back to its LRU, as just used."""
+        held = self._held.get(ns)
+        item = None if held is None else held.pop(key, None)
+        if item is None:
+            return
+        if not held:
+            del self._held[ns]
+        self._npinned -= 1
+        self._ns_pinned[ns] -= item[2]
+        self.pinned_bytes -= item[2]
+        item[4] = next(self._tick)
+        self._lru.setdefault(ns, OrderedDict())[key] = item
 
     def _forget(self, ns: str) -> None:
         """``ns`` holds nothing any more: forget it, and unmap the pools nobody uses."""

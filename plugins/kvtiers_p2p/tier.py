@@ -105,6 +105,7 @@ class P2PTier:
         self._finished: deque[JobResult] = deque()
         self._pending = 0
         self._closed = False
+        self._pinned = False  # a pin was taken: close unpins them all on the peers
         self._urls = urls
         self._file_state: tuple[float, int] | None = None
         self._client = PeerClient(
@@ -321,6 +322,60 @@ class P2PTier:
         self._client.call(lambda: self._client.load(items))
 
     @hookimpl
+    def pin(self, keys: Sequence[bytes], seconds: float | None) -> str | None:
+        """Pin ``keys`` on the peers that hold them (the one a lookup or store last saw, else
+        the key's store peer) for ``seconds`` (None: until unpinned), for this instance: the
+        server never evicts them before then, and refuses the pin whole (with the reason) for
+        keys it does not hold or past half of the namespace's cap. Waits for the answers, at
+        most ``timeout`` seconds. A pin refused by one peer is taken back from the others
+        (the keys newly pinned there; a pin renewed there keeps its later end)."""
+        keys = list(dict.fromkeys(check_keys(keys)))
+        if self._closed:
+            return "p2p tier: closed"
+        groups: dict[str, list[bytes]] = {}
+        with self._lock:
+            for k in keys:
+                seen = self._present.get(k)
+                url = seen[0] if seen is not None and seen[0] in self._urls else self._store_peer(k)
+                if url is None:
+                    return "p2p tier: no peer to pin on"
+                groups.setdefault(url, []).append(k)
+        parts = [(url, ks[i : i + P.MAX_BATCH]) for url, ks in groups.items() for i in range(0, len(ks), P.MAX_BATCH)]
+        answers: list[Any] = [None] * len(parts)
+        left = [len(parts)]
+        done = threading.Event()
+
+        def answer(i: int, body: Any) -> None:  # on the I/O thread
+            answers[i] = body
+            left[0] -= 1
+            if left[0] == 0:
+                done.set()
+
+        client, deadline = self._client, time.monotonic() + self.timeout
+        client.call(lambda: [client.pin(url, ks, seconds, deadline, lambda b, i=i: answer(i, b))
+                             for i, (url, ks) in enumerate(parts)])
+        if not done.wait(self.timeout + 5.0):
+            why = f"p2p tier: the peers did not answer the pin within {self.timeout:g} s"
+        else:
+            whys = [a if isinstance(a, str) else a["why"] for a in answers if not isinstance(a, dict) or "why" in a]
+            why = "; ".join(dict.fromkeys(whys)) or None
+        if why is not None:
+            new = [k for a in answers if isinstance(a, dict) for k in a.get("new", ()) if type(k) is bytes]
+            if new:
+                client.call(lambda: client.unpin(new, deadline))
+        else:
+            self._pinned = True
+        return why
+
+    @hookimpl
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        keys = list(dict.fromkeys(check_keys(keys)))
+        if keys and not self._closed:
+            deadline = time.monotonic() + self.timeout
+            self._client.call(lambda: [self._client.unpin(keys[i : i + P.MAX_BATCH], deadline)
+                                       for i in range(0, len(keys), P.MAX_BATCH)])
+
+    @hookimpl
     def get_finished_jobs(self) -> list[JobResult]:
         self._path_gauge.report()
         return drain(self._finished)
@@ -334,4 +389,9 @@ class P2PTier:
         if self._closed:
             return
         self._closed = True
+        if self._pinned:  # pins end with the instance (rule 13): every one of ours, answered or timed out
+            ended = threading.Event()
+            deadline = time.monotonic() + self.timeout
+            self._client.call(lambda: self._client.unpin(None, deadline, ended.set))
+            ended.wait(self.timeout + 1.0)
         self._client.close()
