@@ -304,9 +304,17 @@ def test_cpu_path_splits_large_runs_over_two_threads(monkeypatch, pooled):
         host.ndarray()[:] = POISON
         eng = DmaEngine(layout, caches, host, BPC, cpu_threads=2)
         threads = set()
+        both = threading.Barrier(2, timeout=30)
         real_copyto = np.copyto
-        monkeypatch.setattr(np, "copyto", lambda *a, **k: threads.add(threading.current_thread().name)
-                            or real_copyto(*a, **k))
+
+        def copyto(*a, **k):
+            name = threading.current_thread().name
+            if name not in threads:  # each thread's first part waits for the other's: both copy
+                threads.add(name)
+                both.wait()
+            return real_copyto(*a, **k)
+
+        monkeypatch.setattr(np, "copyto", copyto)
         plan = [([4 * c + b for b in range(BPC)], c + 1) for c in range(4)]  # 4 chunks -> slots 1..4
         eng.submit_store(1, plan)
         assert len(threads) == 2 and any(n.startswith("kvtiers-dma") for n in threads)
@@ -328,6 +336,38 @@ def test_cpu_path_splits_large_runs_over_two_threads(monkeypatch, pooled):
                     assert block_bytes_of(caches, "kv", li, ti, b) == want, (li, ti, b)
         eng.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("kvtiers-dma")]
+
+
+def test_cpu_path_does_not_wait_for_a_helper_thread_that_never_starts(monkeypatch):
+    """A busy machine: the helper thread is not free (here: held by another task) when a large
+    transfer is split. The caller's thread copies every part itself and returns (the helper's
+    share is cancelled), rather than waiting for the helper; every byte lands."""
+    import threading
+
+    import kvtiers.engine.dma as dma
+
+    monkeypatch.setattr(dma, "PARALLEL_MIN_BYTES", 1)
+    layout = KVLayout.flat(4, 256)
+    caches = make_caches(layout, torch.float16, pooled=True, seed=6)
+    with create_host_arena(6, slot_bytes_for(layout.chunk_bytes(BPC)), pin=False) as host:
+        eng = DmaEngine(layout, caches, host, BPC, cpu_threads=2)
+        plan = [([4 * c + b for b in range(BPC)], c + 1) for c in range(4)]
+        eng.submit_store(1, plan)  # starts the helper thread
+        release = threading.Event()
+        eng._pool.submit(release.wait, 60)  # the only helper is busy
+        done = threading.Thread(target=eng.submit_store, args=(2, plan), daemon=True)
+        try:
+            done.start()
+            done.join(30)
+            assert not done.is_alive(), "the transfer waited for a helper thread that never started"
+        finally:
+            release.set()
+        arena = host.ndarray()
+        for ids, slot in plan:
+            for off, want in expected_slot_pieces(layout, caches, ids):
+                assert arena[slot, off : off + len(want)].tobytes() == want, (slot, off)
+        assert sorted(eng.poll()) == [1, 2]
+        eng.close()
 
 
 def _strided_tensors(n: int, rows: int, bb: int, gaps: list[int]) -> tuple[np.ndarray, list[torch.Tensor]]:

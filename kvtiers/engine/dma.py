@@ -46,7 +46,7 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -148,12 +148,31 @@ def _address_segments(tensors: list[Any], np_tensors: list[np.ndarray], num_bloc
     return segs
 
 
-PARALLEL_MIN_BYTES = 4 << 20  # CPU: transfers at least this large use two threads
+PARALLEL_MIN_BYTES = 4 << 20  # CPU: transfers at least this large are shared with helper threads
+PARALLEL_PARTS = 4  # ... in this many parts per thread
 
 
-def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+def _copy_all(pairs: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
     for dst, src in pairs:
         np.copyto(dst, src)
+
+
+def _split_pairs(pairs: list[tuple[np.ndarray, np.ndarray]], parts: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The copies cut along their first axis longer than 1 into pieces of about
+    ``total / parts`` bytes (a copy smaller than that stays whole)."""
+    target = max(1, sum(d.nbytes for d, _ in pairs) // parts)
+    out = []
+    for d, src in pairs:
+        axes = [ax for ax, n in enumerate(d.shape) if n > 1]
+        m = min(d.shape[axes[0]], -(-d.nbytes // target)) if axes else 1
+        if m < 2:
+            out.append((d, src))
+            continue
+        ax = axes[0]
+        cuts = [d.shape[ax] * i // m for i in range(m + 1)]
+        idx = [slice(None)] * ax
+        out += [(d[(*idx, slice(a, b))], src[(*idx, slice(a, b))]) for a, b in zip(cuts, cuts[1:], strict=False)]
+    return out
 
 
 def _is_run(ids: np.ndarray) -> bool:
@@ -586,34 +605,26 @@ class DmaEngine:
         return pairs
 
     def _copy_pairs(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """Copy ``src`` into ``dst`` for each pair; a large batch is split in two halves by
-        bytes, one on a helper thread (numpy releases the GIL while it copies): one core
-        cannot saturate memory bandwidth, and small pieces cannot use the non-temporal stores
-        glibc uses for one big copy."""
+        """Copy ``src`` into ``dst`` for each pair. A large batch is cut into parts of about
+        equal bytes that the caller's thread and ``cpu_threads - 1`` helper threads take in
+        turn (numpy releases the GIL while it copies): one core cannot saturate memory
+        bandwidth. A helper that has not started by the time the caller has taken the last
+        part is cancelled, so on a busy machine the copy costs what one thread's does, not
+        that plus the wait for a helper to be scheduled."""
         total = sum(d.nbytes for d, _ in pairs)
         if self._cpu_threads < 2 or total < PARALLEL_MIN_BYTES:
             _copy_all(pairs)
             return
-        if len(pairs) == 1:  # one big strided copy: split it along its first axis
-            d, src = pairs[0]
-            if d.shape[0] < 2:
-                np.copyto(d, src)
-                return
-            h = d.shape[0] // 2
-            pairs = [(d[:h], src[:h]), (d[h:], src[h:])]
-        acc, cut = 0, len(pairs) - 1
-        for i, (d, _) in enumerate(pairs):
-            acc += d.nbytes
-            if 2 * acc >= total:
-                cut = i + 1
-                break
+        parts = iter(_split_pairs(pairs, PARALLEL_PARTS * self._cpu_threads))  # next() is atomic under the GIL
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self._cpu_threads - 1, thread_name_prefix="kvtiers-dma")
-        fut = self._pool.submit(_copy_all, pairs[cut:])
+        helpers = [self._pool.submit(_copy_all, parts) for _ in range(self._cpu_threads - 1)]
         try:
-            _copy_all(pairs[:cut])
+            _copy_all(parts)
         finally:
-            fut.result()
+            for fut in helpers:
+                if not fut.cancel():
+                    fut.result()
 
     def _cpu_chunk(self, ids: np.ndarray, slot: int, load: bool) -> None:
         n = len(ids)
