@@ -83,6 +83,7 @@ from ..keys import tier_key
 from .compat import EVENT_REQ_CONTEXT, HAS_CONFIG_INFO, ConfigInfoMapping
 from .metrics import TierSeries, TierStats, metric_definitions, tier_series_definitions
 from .namespace import namespace_fields
+from .pins import RequestPins
 from .step_costs import install as install_step_costs
 from .tenant import install as install_tenants
 from .tenant import tenant_of
@@ -218,6 +219,7 @@ class KvtiersTier(SecondaryTierManager):
         if slow is not None:
             self.handle.add_wrapper(slow, name="kvtiers-slow-loads")
         self._series = TierSeries(tier_type, observer)
+        self.pins = RequestPins(name)  # requests' kv_transfer_params.kvtiers_pin (docs/pins.md#from-vllm)
         self.reuse = ReuseEstimator()  # the reuse ceiling of the keys vLLM stores and loads (docs/observability.md)
         # load or recompute (kvtiers.engine.costs): this tier's promotions timed here, the engine's steps
         # by .step_costs; a HIT whose load would take longer than its prefill answers MISS
@@ -276,6 +278,7 @@ class KvtiersTier(SecondaryTierManager):
             return LookupResult.MISS  # its load would take longer than its prefill: vLLM recomputes it
         if answer is Lookup.HIT:  # served: recently used (see the module, "Recency")
             self._touch([k], tenant)
+            self.pins.note([k], req_context)
         return _ANSWER[answer]
 
     def _recompute_faster(self) -> bool:
@@ -365,7 +368,10 @@ class KvtiersTier(SecondaryTierManager):
         results, self._stash = self._stash, []
         if not self._closed:
             results.extend(self._poll())
-        return [r for r in (self._finish(res) for res in results) if r is not None]
+        out = [r for r in (self._finish(res) for res in results) if r is not None]
+        if not self._closed:
+            self.pins.flush(self.handle)
+        return out
 
     def _poll(self) -> list[TierResult]:
         try:
@@ -399,6 +405,7 @@ class KvtiersTier(SecondaryTierManager):
         else:
             stored = [ek for ek, k in zip(tj.keys, keys, strict=True) if k not in failed]
             self._failed_loads.difference_update(k for k in keys if k not in failed)
+            self.pins.note([k for k in keys if k not in failed], tj.req_context)
             if self._events is not None and stored:
                 ctx = {"req_context": tj.req_context} if EVENT_REQ_CONTEXT else {}  # vLLM 0.34
                 self._events.append(OffloadingEvent(keys=stored, medium=self.medium, removed=False,
