@@ -13,7 +13,8 @@ with the options in ``"tiny_model"`` (e.g. ``{"layer_types": [...], "sliding_win
 ``runs`` (optional) lists rounds, each a list of prompt indices served in order, one request
 at a time (default: every prompt once); ``"reset"`` between rounds drops vLLM's device prefix
 cache, so the next round's prefixes must come from the offload tiers. ``cache_salts`` (optional):
-``{"prompt index": salt}``, each such prompt's requests sent with that ``cache_salt``. ``load_format`` and
+``{"prompt index": salt}``, each such prompt's requests sent with that ``cache_salt``; ``kv_transfer_params``
+(optional): ``{"prompt index": {...}}``, sent as that prompt's ``kv_transfer_params``. ``load_format`` and
 ``model_loader_extra_config`` (optional) go to vLLM as given (e.g. ``"kvtiers"``); with ``"weights_sleep":
 true`` (that load format only) the engine's weights are then put to sleep, a request is sent (``weights``'
 ``asleep_request``: the error it met), and the weights are woken in every worker
@@ -264,7 +265,10 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         for i in indices:
             w0 = time.perf_counter()
             salt = (job.get("cache_salts") or {}).get(str(i))  # {"prompt index": salt}: vLLM's per-request cache_salt
-            (out,) = llm.generate([{"prompt_token_ids": prompts[i], **({"cache_salt": salt} if salt else {})}], params,
+            kvp = (job.get("kv_transfer_params") or {}).get(str(i))  # {"prompt index": kv_transfer_params}
+            sp = params if kvp is None else SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                                           extra_args={"kv_transfer_params": kvp})
+            (out,) = llm.generate([{"prompt_token_ids": prompts[i], **({"cache_salt": salt} if salt else {})}], sp,
                                   use_tqdm=False)
             wall = time.perf_counter() - w0
             after = _offload_counters(llm)
