@@ -32,3 +32,24 @@ def test_bench_arena_through_the_kvtiers_command():
     assert "median of 3 rounds" in lines[0]
     assert [ln.split()[0] for ln in lines[2:]] == ["store", "load"]
     assert all(ln.rstrip().endswith("x") for ln in lines[2:])
+
+
+def test_bench_arena_cpu_clock():
+    """--clock cpu: the report says so, the engine ran on one thread, figures sane; on an
+    accelerator device it is refused in one line."""
+    from kvtiers.commands.bench.arena import MiB, make_setup, measure
+
+    s = make_setup(MiB, 2, "pooled", cpu_threads=1)
+    try:
+        assert s.engine._cpu_threads == 1
+        results = measure(s, 3, clock="cpu")
+    finally:
+        s.close()
+    assert {r["op"] for r in results} == {"store", "load"}
+    assert all(r["clock"] == "cpu" and r["gbps"] > 0 and r["baseline_gbps"] > 0 for r in results)
+    res = CliRunner().invoke(arena, ["--clock", "cpu", "--rounds", "3", "--chunks", "1", "--chunk-mib", "1",
+                                     "--tensors", "pooled"])
+    assert res.exit_code == 0, res.output
+    assert "CPU time of one thread" in res.output.splitlines()[0]
+    res = CliRunner().invoke(arena, ["--clock", "cpu", "--device", "cuda"])
+    assert res.exit_code == 2 and "--clock cpu times CPU copies only" in res.output

@@ -7,6 +7,11 @@ the same total bytes with one raw copy between the same two buffers: ``np.copyto
 ``Tensor.copy_(non_blocking=True)`` + synchronize on an accelerator. Rounds interleave ours
 and the baseline (alternating which goes first); the figures are medians.
 
+``--clock cpu`` (CPU only) times the CPU time of the calling thread instead of the wall clock,
+with the engine on that one thread (``cpu_threads=1``): on a shared machine whose load is
+above its core count the wall clock mostly measures waits for a core; CPU time does not
+(memory and cache contention still show, on both sides alike).
+
 The device cache is either one allocation per model with per-layer views (``pooled``, the
 default, as engines that allocate one KV pool do) or one allocation per layer tensor
 (``separate``, as vLLM allocates): on CPU one strided copy per tensor per run of chunks.
@@ -97,9 +102,10 @@ def make_setup(chunk_bytes: int, chunks: int, tensors: str = "pooled", device: s
     return Setup(chunk_bytes, chunks, tensors, dev, host, engine, pool_flat, arena_flat)
 
 
-def make_hybrid_setup(model: str, chunk_bytes: int, chunks: int, device: str = "cpu") -> Setup:
+def make_hybrid_setup(model: str, chunk_bytes: int, chunks: int, device: str = "cpu", **engine_options: Any) -> Setup:
     """A hybrid layout (separate tensors per layer, 16 KiB blocks of 16 tokens) of about
-    ``chunk_bytes`` per chunk, with store and load plans as the manager builds them."""
+    ``chunk_bytes`` per chunk, with store and load plans as the manager builds them
+    (``engine_options`` go to :class:`~kvtiers.engine.dma.DmaEngine`)."""
     import numpy as np
     import torch
 
@@ -129,7 +135,7 @@ def make_hybrid_setup(model: str, chunk_bytes: int, chunks: int, device: str = "
                        for _ in range(g.num_layers)] for g in groups}
     cb = layout.chunk_bytes(bpc)
     host = create_host_arena(chunks, slot_bytes_for(cb))
-    engine = DmaEngine(layout, caches, host, bpc)
+    engine = DmaEngine(layout, caches, host, bpc, **engine_options)
     keys = tuple(c.to_bytes(8, "little") for c in range(chunks))
     blocks = list(range(nblocks))
     states = list(range(chunks)) if layout.groups[-1].is_state else None
@@ -191,9 +197,11 @@ def _timers(s: Setup) -> dict[str, tuple[Callable[[], None], Callable[[], None]]
     }
 
 
-def measure(s: Setup, rounds: int) -> list[dict[str, Any]]:
-    """Interleaved rounds (plus one warm-up) of ours vs the baseline; medians."""
+def measure(s: Setup, rounds: int, clock: str = "wall") -> list[dict[str, Any]]:
+    """Interleaved rounds (plus one warm-up) of ours vs the baseline; medians. ``clock``:
+    ``wall``, or ``cpu`` (the calling thread's CPU time)."""
     total = s.chunks * s.chunk_bytes
+    now = time.thread_time if clock == "cpu" else time.perf_counter
     timers = _timers(s)
     # One transfer of a few MiB takes ~1 ms, shorter than the scheduling noise of a busy
     # machine: each sample repeats the same transfer (same bytes, same buffers) `reps`
@@ -208,10 +216,10 @@ def measure(s: Setup, rounds: int) -> list[dict[str, Any]]:
         for op, (ours, base) in timers.items():
             order = [(0, ours), (1, base)] if r % 2 else [(1, base), (0, ours)]
             for which, fn in order:
-                t0 = time.perf_counter()
+                t0 = now()
                 for _ in range(reps):
                     fn()
-                dt = (time.perf_counter() - t0) / reps
+                dt = (now() - t0) / reps
                 if r:  # round 0 warms up
                     times[op][which].append(dt)
     out = []
@@ -223,20 +231,22 @@ def measure(s: Setup, rounds: int) -> list[dict[str, Any]]:
             "op": op, "chunk_bytes": s.chunk_bytes, "gbps": round(gbps, 3), "baseline_gbps": round(bgbps, 3),
             "ratio": round(gbps / bgbps, 3), "tensors": s.tensors, "chunks": s.chunks, "bytes": moved,
             "full_bytes": total, "model": s.model,
-            "rounds": rounds, "reps": reps, "device": str(s.device),
+            "rounds": rounds, "reps": reps, "device": str(s.device), "clock": clock,
             "baseline": "np.copyto" if s.device.type == "cpu" else "torch copy_ (pinned, non_blocking) + sync",
         })
     return out
 
 
 def run_bench(chunk_sizes: list[int], chunks: int, rounds: int, tensors: list[str], device: str,
-              model: str = "dense") -> list[dict]:
+              model: str = "dense", clock: str = "wall") -> list[dict]:
     results = []
+    opts = {"cpu_threads": 1} if clock == "cpu" else {}
     for t in tensors if model == "dense" else ["separate"]:
         for cb in chunk_sizes:
-            s = make_setup(cb, chunks, t, device) if model == "dense" else make_hybrid_setup(model, cb, chunks, device)
+            s = (make_setup(cb, chunks, t, device, **opts) if model == "dense"
+                 else make_hybrid_setup(model, cb, chunks, device, **opts))
             try:
-                results.extend(measure(s, rounds))
+                results.extend(measure(s, rounds, clock))
             finally:
                 s.close()
     return results
@@ -256,20 +266,26 @@ def run_bench(chunk_sizes: list[int], chunks: int, rounds: int, tensors: list[st
               help="Where the KV cache lives: cpu, or an accelerator (cuda, xpu, ...).")
 @click.option("--model", type=click.Choice(["dense", "hybrid-swa", "hybrid-ssm"]), default="dense",
               show_default=True, help="KV layout (hybrids: separate tensors, window-only / last-state loads).")
+@click.option("--clock", type=click.Choice(["wall", "cpu"]), default="wall", show_default=True,
+              help="cpu: time the calling thread's CPU time, the engine on that one thread (CPU only; for a "
+                   "machine loaded past its cores).")
 def arena(as_json: bool, rounds: int, chunk_mib: tuple[int, ...], chunks: int, tensors: str, device: str,
-          model: str) -> None:
+          model: str, clock: str) -> None:
     """Device<->arena chunk copies (flat, 32 layers, K and V) against one raw copy of the same bytes."""
     from ..requires import require
 
     require("kvtiers bench arena", "torch")
+    if clock == "cpu" and device != "cpu":
+        raise click.BadParameter("--clock cpu times CPU copies only; use --device cpu", param_hint="--clock")
     kinds = ["pooled", "separate"] if tensors == "both" else [tensors]
-    results = run_bench([m * MiB for m in chunk_mib], chunks, rounds, kinds, device, model)
+    results = run_bench([m * MiB for m in chunk_mib], chunks, rounds, kinds, device, model, clock)
     if as_json:
         click.echo(json.dumps({"results": results}, indent=1))
         return
     base = results[0]["baseline"] if results else ""
     click.echo(f"kvtiers bench arena: {LAYERS} layers x K,V, {chunks} chunks per transfer, "
-               f"median of {rounds} rounds, baseline {base}")
+               f"median of {rounds} rounds, baseline {base}"
+               + (", CPU time of one thread" if clock == "cpu" else ""))
     if model != "dense":
         click.echo(f"model {model}: per round, what each op copies of {results[0]['full_bytes'] / MiB:.1f} MiB "
                    "in whole chunks (the baseline copies as many bytes)")
