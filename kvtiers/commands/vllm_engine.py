@@ -14,7 +14,9 @@ with the options in ``"tiny_model"`` (e.g. ``{"layer_types": [...], "sliding_win
 at a time (default: every prompt once); ``"reset"`` between rounds drops vLLM's device prefix
 cache, so the next round's prefixes must come from the offload tiers. ``cache_salts`` (optional):
 ``{"prompt index": salt}``, each such prompt's requests sent with that ``cache_salt``; ``kv_transfer_params``
-(optional): ``{"prompt index": {...}}``, sent as that prompt's ``kv_transfer_params``. ``load_format`` and
+(optional): ``{"prompt index": {...}}``, sent as that prompt's ``kv_transfer_params``; ``"logprobs": k``
+(optional): each request's ``logprobs`` holds, per generated token, its top-``k`` ``[token, logprob]`` and the
+sampled token's. ``load_format`` and
 ``model_loader_extra_config`` (optional) go to vLLM as given (e.g. ``"kvtiers"``); with ``"weights_sleep":
 true`` (that load format only) the engine's weights are then put to sleep, a request is sent (``weights``'
 ``asleep_request``: the error it met), and the weights are woken in every worker
@@ -255,7 +257,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
            if job.get("model_loader_extra_config") else {}),
     )
     started = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    top = {"logprobs": int(job["logprobs"])} if job.get("logprobs") else {}
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **top)
     rounds = job.get("runs") or [list(range(len(prompts)))]
     requests: list[dict[str, Any]] = []
     before = _offload_counters(llm)
@@ -267,7 +270,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             salt = (job.get("cache_salts") or {}).get(str(i))  # {"prompt index": salt}: vLLM's per-request cache_salt
             kvp = (job.get("kv_transfer_params") or {}).get(str(i))  # {"prompt index": kv_transfer_params}
             sp = params if kvp is None else SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                                           extra_args={"kv_transfer_params": kvp})
+                                                           extra_args={"kv_transfer_params": kvp}, **top)
             (out,) = llm.generate([{"prompt_token_ids": prompts[i], **({"cache_salt": salt} if salt else {})}], sp,
                                   use_tqdm=False)
             wall = time.perf_counter() - w0
@@ -281,7 +284,10 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 prefill = m.first_token_ts - m.scheduled_ts
             requests.append({"round": r, "prompt": i, "prompt_tokens": len(prompts[i]),
                              "tokens": list(out.outputs[0].token_ids), "ttft_s": ttft, "prefill_s": prefill,
-                             "wall_s": wall, "cached_tokens": out.num_cached_tokens, "offload": offload})
+                             "wall_s": wall, "cached_tokens": out.num_cached_tokens, "offload": offload,
+                             **({"logprobs": [sorted([[int(t), float(lp.logprob)] for t, lp in pos.items()],
+                                                     key=lambda x: -x[1]) for pos in out.outputs[0].logprobs or []]}
+                                if top else {})})
 
     for r, indices in enumerate(rounds):
         if r and job.get("reset", True):
