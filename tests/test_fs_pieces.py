@@ -98,7 +98,9 @@ def test_the_piecewise_digest_is_the_recorded_one(big):
 
 
 def test_a_piece_that_fails_to_read_fails_the_key_after_every_read_ended(big, monkeypatch):
-    t = big.open(direct=False)
+    t = big.open()
+    if not t.direct:
+        pytest.skip("O_DIRECT unavailable here: buffered loads read their pieces on one thread")
     assert big.store(t, [b"k"]).ok
     # the middle piece fails at once, the others take a while: the job must not report while
     # they still write into the slot (the engine may reuse it as soon as the job fails)

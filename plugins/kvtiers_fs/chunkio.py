@@ -37,7 +37,7 @@ class _JobState:
 
 #: a chunk this large or larger is read in pieces of this size, several at once (``_read_pieces``)
 PIECE_BYTES = 4 << 20
-_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 
 
 class _Pieces:
@@ -294,17 +294,25 @@ class ChunkIO:
             raise Corrupt("checksum mismatch")
 
     def _read_pieces(self, fd: int, data: memoryview, trailer: memoryview) -> bytes:
-        """Read a large chunk as :data:`PIECE_BYTES` pieces, several at once, and return the
-        xxh3-128 of its bytes, hashed piece by piece in order as they land (the same digest
-        as one pass: the check is unchanged). The read pool's idle threads read pieces
-        ahead; this thread reads any piece none has taken yet itself (a busy pool only
-        slows this down to one piece at a time, it never waits on a queued task), and
-        returns only when no read into ``data`` is still running."""
+        """Read a large chunk as :data:`PIECE_BYTES` pieces and return the xxh3-128 of its
+        bytes, hashed piece by piece in order as they land (the same digest as one pass: the
+        check is unchanged), and return only when no read into ``data`` is still running.
+
+        O_DIRECT: the read pool's idle threads read pieces ahead, several requests in
+        flight on the device while this thread hashes; this thread reads any piece none
+        has taken yet itself (a busy pool only slows this down to one piece at a time, it
+        never waits on a queued task). Buffered: the CPU copies from the page cache, so
+        more threads would only contend for it; this thread asks the kernel to read the
+        whole file ahead (``POSIX_FADV_WILLNEED``) and hashes each piece while the device
+        fetches the next."""
         pieces = _Pieces(fd, data, trailer)
-        # O_DIRECT: the device works, so every idle reader adds a request in flight; buffered:
-        # the CPU copies from the page cache, so more readers than cores only add switches
-        helpers = self._reads.n - 1 if self.direct else _CORES - 1
-        self._reads.submit_many([pieces.helper] * min(len(pieces) - 1, max(1, helpers)))
+        if self.direct:
+            self._reads.submit_many([pieces.helper] * min(len(pieces) - 1, self._reads.n - 1))
+        elif _WILLNEED is not None:
+            try:
+                os.posix_fadvise(fd, 0, 0, _WILLNEED)
+            except OSError:
+                pass  # a hint only
         hasher = layout.data_hasher()
         try:
             for i in range(len(pieces)):

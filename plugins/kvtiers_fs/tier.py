@@ -10,7 +10,7 @@ The hooks only validate and enqueue: each key of a job is one task on the read p
 spread over every thread. A store writes ``[slot, trailer]`` with one ``pwritev`` into a
 unique temporary file and renames it into place (an existing chunk file means success);
 a load reads both with one ``preadv`` straight into the arena slot (a chunk of 8 MiB or
-more: 4 MiB pieces, several at once, hashed as they land) and checks the trailer and the
+more: 4 MiB pieces, hashed as they land; with O_DIRECT several read at once) and checks the trailer and the
 xxh3-128 of the bytes before reporting success.
 
 Nothing at a chunk's path can block or mislead a load: files are opened ``O_NONBLOCK |
