@@ -175,10 +175,6 @@ def _split_pairs(pairs: list[tuple[np.ndarray, np.ndarray]], parts: int) -> list
     return out
 
 
-def _is_run(ids: np.ndarray) -> bool:
-    return len(ids) > 0 and int(ids[-1]) - int(ids[0]) == len(ids) - 1 and bool(np.all(np.diff(ids) == 1))
-
-
 def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
     """Runs of consecutive ids in position order: ``(position, first id, count)``."""
     if len(ids) == 0:
