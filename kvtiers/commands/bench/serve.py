@@ -331,8 +331,8 @@ def _tier_extra(tier_config: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     return extra
 
 
-def _long_command(lengths: str, requests: int, tiers: str, repeats: int, model: str | None, suffix_len: int,
-                  output_len: int, gpu_blocks: int, tier_cpu_bytes: int, tier_config: tuple[str, ...],
+def _long_command(lengths: str, requests: int, rounds: int, tiers: str, repeats: int, model: str | None,
+                  suffix_len: int, output_len: int, gpu_blocks: int, tier_cpu_bytes: int, tier_config: tuple[str, ...],
                   serve_args: tuple[str, ...], workdir: str | None, as_json: bool) -> None:
     """``--long``: check the arguments (one line each), run :func:`.serve_long.run_long` with
     ``none`` and the first of ``--tiers``, print it; exit 1 unless it is OK."""
@@ -360,7 +360,7 @@ def _long_command(lengths: str, requests: int, tiers: str, repeats: int, model: 
 
     require("kvtiers bench serve --long", "vllm")
     model_dir, _ = resolve_model(model)
-    ls = serve_long.LongSettings(lengths=n_list, requests=requests, tier=tier)
+    ls = serve_long.LongSettings(lengths=n_list, requests=requests, tier=tier, rounds=rounds)
     base = sr.ServeSettings(model=model_dir, suffix_len=suffix_len, output_len=output_len,
                             extra_serve_args=list(serve_args))
     try:
@@ -510,6 +510,9 @@ def run_bench_serve(configs: list[sr.Config], settings: sr.ServeSettings, prefix
                    "8192,16384), their prefix from the first of --tiers against recomputed (none), one at a time.")
 @click.option("--long-requests", default=16, show_default=True, type=click.IntRange(1),
               help="--long: prompts per prefix length, each with a prefix of its own.")
+@click.option("--long-rounds", default=1, show_default=True, type=click.IntRange(1),
+              help="--long: times the tier's server sends every prompt again, cycling through them (each time "
+                   "from the tier).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--report", "report_file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Start nothing: print the table (and --plot) of a report saved with --json.")
@@ -520,7 +523,7 @@ def serve(tiers: str, peer: bool, configs: str | None, prefixes: str, concurrenc
           model: str | None, tier_config: tuple[str, ...],
           serve_args: tuple[str, ...], workdir: str | None, soak: str | None, interval: str, rate: float,
           servers: int, soak_prefixes: int, fs_max_bytes: int, long_lengths: str | None, long_requests: int,
-          plot_file: str | None, as_json: bool, report_file: str | None) -> None:
+          long_rounds: int, plot_file: str | None, as_json: bool, report_file: str | None) -> None:
     """Offloading on a real `vllm serve` under load, per configuration, with vLLM's own client."""
     from . import serve_report
 
@@ -544,8 +547,8 @@ def serve(tiers: str, peer: bool, configs: str | None, prefixes: str, concurrenc
         return
 
     if long_lengths is not None:
-        _long_command(long_lengths, long_requests, tiers, repeats, model, suffix_len, output_len, gpu_blocks,
-                      tier_cpu_bytes, tier_config, serve_args, workdir, as_json)
+        _long_command(long_lengths, long_requests, long_rounds, tiers, repeats, model, suffix_len, output_len,
+                      gpu_blocks, tier_cpu_bytes, tier_config, serve_args, workdir, as_json)
         return
 
     names = configs.split(",") if configs is not None else (

@@ -49,19 +49,24 @@ def _prompt_of(i: int, n: int) -> int:
     return i % (n // 2) if n % 2 == 0 and n else i
 
 
-def _match(ref: dict[str, Any], tokens: list[Any], tops: list[Top] | None, i: int, n: int
-           ) -> tuple[bool, float]:
-    """Whether answer ``i`` (``tokens``, ``tops``) equals, by tokens, one of the reference
-    run's answers to the same prompt (its first, computed, or its second, with the prefix
-    cached), and the smallest top-k difference among those that do (``inf`` if none)."""
-    p = _prompt_of(i, n)
-    same = [j for j in range(len(ref["greedy"])) if _prompt_of(j, len(ref["greedy"])) == p
-            and ref["greedy"][j] == tokens]
+def answer_diff(ref: dict[str, Any], tokens: list[Any], tops: list[Top] | None, prompt: int) -> tuple[bool, float]:
+    """Whether an answer to prompt ``prompt`` (``tokens``, ``tops``) equals, by tokens, one of
+    the reference run's answers to that prompt (the reference answered its prompts twice: its
+    first answer computed, its second with the prefix cached), and the smallest top-k difference
+    among those that do (``inf`` if none; 0.0 where either side has no logprobs)."""
+    n = len(ref["greedy"])
+    same = [j for j in range(n) if _prompt_of(j, n) == prompt and ref["greedy"][j] == tokens]
     if not same:
         return False, float("inf")
     if tops is None or not ref.get("greedy_logprobs"):
         return True, 0.0
     return True, min(top_diff(ref["greedy_logprobs"][j], tops) for j in same)
+
+
+def _match(ref: dict[str, Any], tokens: list[Any], tops: list[Top] | None, i: int, n: int
+           ) -> tuple[bool, float]:
+    """:func:`answer_diff` of answer ``i`` of a run of ``n`` answers (its prompts sent twice)."""
+    return answer_diff(ref, tokens, tops, _prompt_of(i, n))
 
 
 def _run_diff(ref: dict[str, Any], run: dict[str, Any]) -> tuple[bool, float]:
@@ -86,6 +91,17 @@ def plain_noise(runs: list[dict[str, Any]]) -> float | None:
     if not plain:
         return None
     return max((_run_diff(plain[0], other)[1] for other in plain[1:]), default=0.0)
+
+
+def path_noise(run: dict[str, Any]) -> float:
+    """The largest top-k difference between a run's computed and cached answer to each of its
+    prompts (answers ``i`` and ``i + n/2``) where their tokens are the same: the rounding that a
+    change of path (prefix computed, or taken from a cache) brings. 0.0 without logprobs."""
+    g, tops = run["greedy"], run.get("greedy_logprobs")
+    half = len(g) // 2
+    if not tops or len(g) % 2:
+        return 0.0
+    return max((top_diff(tops[i], tops[i + half]) for i in range(half) if g[i] == g[i + half]), default=0.0)
 
 
 def identity(report: dict[str, Any]) -> None:

@@ -9,7 +9,8 @@ sent one at a time:
 - ``none`` computes each prompt (its TTFT is the **recompute**) and sends it again at once (its
   prefix from vLLM's device cache: the floor a load can reach).
 - the tier's server computes every prompt once (**warm**: its KV is stored through the arena
-  into the tier), then sends them all again in the same order (**tier**). Its device cache
+  into the tier), then sends them all again in the same order (**tier**), ``--long-rounds``
+  times over. Its device cache
   holds one longest prompt and its arena 1.25 of them, so by then each prompt's prefix has been
   pushed out of both by the prompts after it: it comes from the tier. That is checked per
   request from the server's /metrics (prompt tokens cached, by the cache that supplied them).
@@ -47,6 +48,9 @@ PHASES = ("recompute", "device", "warm", "tier")
 #: the arena in front of the tier, in longest prompts: more than one (a load pins a whole
 #: prompt), fewer than two (so the prompts after a prompt push it out)
 ARENA_PROMPTS = 1.25
+#: vLLM stops an engine whose worker takes more than 300 s over one step: a 16K-token prefill is
+#: one step of 120 s on a CPU core at a load average of 18 (the engine died at a higher load)
+SERVER_ENV = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "3600"}
 #: the longest warm-up prompt a server answers before its measured ones
 WARM_UP_TOKENS = 4096
 
@@ -58,6 +62,10 @@ class LongSettings:
     lengths: list[int]
     requests: int = 16
     tier: str = "fs"
+    #: times the tier's server sends every prompt again, cycling through them (each time its
+    #: prefix pushed out of the device cache and the arena by the others): more requests from
+    #: the tier for the same prefills
+    rounds: int = 1
 
     def prompts(self, suffix_len: int) -> list[tuple[int, list[int]]]:
         """``(length, prompt)`` for every length, in order; the same in every run."""
@@ -153,7 +161,7 @@ def _settled(base_url: str, before: dict[str, float], prompt_len: int, timeout: 
 
 
 def _request(base_url: str, settings: sr.ServeSettings, phase: str, length: int, i: int,
-             prompt: list[int]) -> dict[str, Any]:
+             prompt: list[int], k: int) -> dict[str, Any]:
     """Send one prompt; its timing, answer and where its prompt tokens came from."""
     before = sm.scrape(base_url)
     ans = stream_answer(base_url, settings.model, prompt, settings.output_len)
@@ -162,22 +170,14 @@ def _request(base_url: str, settings: sr.ServeSettings, phase: str, length: int,
     return {"phase": phase, "length": length, "i": i, "prompt_tokens": len(prompt), "ttft_s": ans["ttft_s"],
             "e2e_s": ans["e2e_s"], "computed": d["prompt_tokens"].get("local_compute", 0.0),
             "cached": cached, "from_tier": sum(v for k, v in cached.items() if k not in ("device", "host")),
-            "tokens": ans["tokens"], "tops": ans["tops"], "load": sr.load_now()}
-
-
-def _launch(srv: sr.VllmServer) -> None:
-    """Spawn ``srv`` without waiting for it to be ready (:meth:`~sr.VllmServer.wait_ready` then)."""
-    ready, srv.ready = srv.ready, None
-    try:
-        srv.start()
-    finally:
-        srv.ready = ready
+            "prompt": k, "tokens": ans["tokens"], "tops": ans["tops"], "load": sr.load_now()}
 
 
 def _measure(srv: sr.VllmServer, run: dict[str, Any], cfg: sr.Config, settings: sr.ServeSettings,
              ls: LongSettings, log: str, say: Any) -> None:
-    """Wait for ``srv``, send its phases' prompts one at a time, stop it; into ``run`` (the
-    identity check's ``greedy``: the first pass's answers, then the second's)."""
+    """Wait for ``srv``, send its phases' prompts one at a time, stop it; into ``run``: the
+    requests, every answer (``answers``: prompt, tokens, top-k) and, for ``none``, the identity
+    check's ``greedy`` (each prompt's computed answer, then its cached one)."""
     t0 = time.monotonic()
     srv.wait_ready(timeout=settings.start_timeout)
     sr.warm_up(srv.base_url, settings.model)
@@ -192,14 +192,15 @@ def _measure(srv: sr.VllmServer, run: dict[str, Any], cfg: sr.Config, settings: 
     second: list[dict[str, Any]] = []
     try:
         if cfg.offloads:  # warm every prompt, then each again once the others pushed it out
-            for phase, out in (("warm", first), ("tier", second)):
-                for k, (n, p) in enumerate(prompts):
-                    out.append(_request(srv.base_url, settings, phase, n, k % ls.requests, p))
-                    say(_line(cfg.name, run["repeat"], out[-1]))
+            for phase, out, rounds in (("warm", first, 1), ("tier", second, ls.rounds)):
+                for _ in range(rounds):
+                    for k, (n, p) in enumerate(prompts):
+                        out.append(_request(srv.base_url, settings, phase, n, k % ls.requests, p, k))
+                        say(_line(cfg.name, run["repeat"], out[-1]))
         else:  # each prompt computed, then at once again from the device cache
             for k, (n, p) in enumerate(prompts):
                 for phase, out in (("recompute", first), ("device", second)):
-                    out.append(_request(srv.base_url, settings, phase, n, k % ls.requests, p))
+                    out.append(_request(srv.base_url, settings, phase, n, k % ls.requests, p, k))
                     say(_line(cfg.name, run["repeat"], out[-1]))
     except OSError as e:
         if srv.alive() and not sr.engine_error(log):
@@ -210,7 +211,9 @@ def _measure(srv: sr.VllmServer, run: dict[str, Any], cfg: sr.Config, settings: 
         srv.stop()
     reqs = first + second
     run["requests"] = [{k: v for k, v in r.items() if k not in ("tokens", "tops")} for r in reqs]
-    if len(reqs) == 2 * len(prompts):
+    run["answers"] = [[r["prompt"], r["tokens"], r["tops"]] for r in reqs]
+    run["complete"] = len(reqs) == len(prompts) * (1 + (ls.rounds if cfg.offloads else 1))
+    if not cfg.offloads and run["complete"]:
         run["greedy"] = [r["tokens"] for r in reqs]
         run["greedy_logprobs"] = [r["tops"] for r in reqs]
 
@@ -227,8 +230,8 @@ def _repeat(cfgs: list[sr.Config], repeat: int, settings: sr.ServeSettings, ls: 
             os.makedirs(wd, exist_ok=True)
             log = os.path.join(wd, "server.log")
             ktc = sr.server_config(cfg, settings, wd, stack, tier_extra)
-            srv = sr.VllmServer(settings, ktc, log)
-            _launch(srv)
+            srv = sr.VllmServer(settings, ktc, log, env=SERVER_ENV)
+            sr.launch(srv)
             stack.callback(srv.stop)
             run: dict[str, Any] = {"config": cfg.name, "repeat": repeat, "kv_transfer_config": ktc, "requests": []}
             runs.append(run)
@@ -291,7 +294,7 @@ def run_long(cfgs: list[sr.Config], settings: sr.ServeSettings, ls: LongSettings
     os.makedirs(wd, exist_ok=True)
     report: dict[str, Any] = {
         "kind": "serve-long", "engine": "vllm serve", "model": settings.model, "configs": [c.name for c in cfgs],
-        "lengths": ls.lengths, "requests": ls.requests, "repeats": repeats,
+        "lengths": ls.lengths, "requests": ls.requests, "rounds": ls.rounds, "repeats": repeats,
         "settings": {"suffix_len": settings.suffix_len, "output_len": settings.output_len,
                      "gpu_blocks": settings.gpu_blocks, "tier_cpu_bytes": settings.tier_cpu_bytes,
                      "max_model_len": settings.max_model_len,
@@ -303,20 +306,51 @@ def run_long(cfgs: list[sr.Config], settings: sr.ServeSettings, ls: LongSettings
             for run in _repeat(cfgs, r, settings, ls, wd, tier_extra or {}, say):
                 report["runs"].append(run)
                 with open(os.path.join(wd, "runs.jsonl"), "a") as f:  # what a run cut short keeps
-                    f.write(json.dumps({k: v for k, v in run.items() if k not in ("greedy", "greedy_logprobs")}) + "\n")
+                    f.write(json.dumps({k: v for k, v in run.items()
+                                        if k not in ("greedy", "greedy_logprobs", "answers")}) + "\n")
     finally:
         if own:
             shutil.rmtree(wd, ignore_errors=True)
     report["machine"]["load_at_end"] = list(os.getloadavg())
     aggregate(report)
-    serve_identity.identity(report)
+    identity(report)
     return report
+
+
+def identity(report: dict[str, Any]) -> None:
+    """``report["identity"]``: every answer of every run against the first ``none`` run's
+    answers to the same prompt (its computed or its cached one, matched by tokens,
+    :func:`.serve_identity.answer_diff`), top-k logprobs within the noise between ``none``'s
+    repeats (:func:`.serve_identity.plain_noise`; 0 with one: a tier's bytes are the device
+    cache's bytes)."""
+    plain = [r for r in report["runs"] if r["config"] == serve_identity.PLAIN and r.get("greedy")]
+    out: dict[str, Any] = {"reference": f"{plain[0]['config']} r{plain[0]['repeat']}" if plain else None,
+                           "prompts": len(plain[0]["greedy"]) // 2 if plain else 0}
+    if not plain:
+        report["identity"] = {**out, "identical": False, "differ": ["no complete run without offloading"]}
+        return
+    ref, tol = plain[0], serve_identity.plain_noise(plain) or 0.0
+    differ, diffs = [], {}
+    for run in report["runs"]:
+        if run is ref:
+            continue
+        name = f"{run['config']} r{run['repeat']}"
+        worst, same = 0.0, True
+        for k, tokens, tops in run.get("answers", []):
+            ok, d = serve_identity.answer_diff(ref, tokens, tops, k)
+            same, worst = same and ok, max(worst, d)
+        diffs[name] = worst if same else None
+        if not same or worst > tol:
+            differ.append(name)
+    out["logprobs"] = {"top_k": serve_identity.TOP_K, "tolerance": tol, "max_diff": diffs}
+    out.update(identical=not differ, differ=differ)
+    report["identity"] = out
 
 
 def ok(report: dict[str, Any]) -> bool:
     """No server died, every tier request took its prefix from the tier, the answers identical."""
     return (report["identity"]["identical"] and not report["not_from_tier"]
-            and not any(r.get("error") or r.get("greedy") is None for r in report["runs"]))
+            and not any(r.get("error") or not r.get("complete") for r in report["runs"]))
 
 
 def render(report: dict[str, Any]) -> str:
@@ -324,7 +358,8 @@ def render(report: dict[str, Any]) -> str:
     ratios, then the checks."""
     s = report["settings"]
     lines = [f"kvtiers bench serve --long: {report['engine']} ({report['model']}); {report['requests']} prompts per "
-             f"length, each its own prefix, {s['suffix_len']}-token suffix, {s['output_len']} output tokens, one "
+             f"length, each its own prefix, sent {report.get('rounds', 1)} time(s) from the tier, "
+             f"{s['suffix_len']}-token suffix, {s['output_len']} output tokens, one "
              f"at a time; device cache {s['gpu_blocks']} blocks, arena {s['tier_cpu_bytes'] >> 20} MiB in front of "
              f"{report['configs'][-1]}; {report['repeats']} repeat(s)",
              "TTFT, client side, median (range) over every request of every repeat:",

@@ -28,7 +28,7 @@ from ...launcher import ChildProcess, LaunchError, free_port, http_answers
 from ..vllm_engine import ENGINE_ENV, offload_config, prompt_family
 
 __all__ = ["BUILTIN", "Config", "ServeSettings", "VllmServer", "bench_cell", "configs_for", "greedy_answers",
-           "greedy_outputs", "check_tier", "engine_error", "shm_regions", "tier_entry"]
+           "greedy_outputs", "check_tier", "engine_error", "launch", "shm_regions", "tier_entry"]
 
 #: configurations that are not "host arena + one kvtiers tier"; ``ceiling``: no offloading, a
 #: device cache that holds the largest working set (:func:`ceiling_blocks`)
@@ -183,11 +183,13 @@ KEEP_ALIVE_S = 75
 
 
 class VllmServer(ChildProcess):
-    """``vllm serve`` (through kvtiers' passthrough) on 127.0.0.1, ready when /health answers."""
+    """``vllm serve`` (through kvtiers' passthrough) on 127.0.0.1, ready when /health answers;
+    ``env``: more variables for it (the caller's environment wins)."""
 
     stop_timeout = 30.0
 
-    def __init__(self, settings: ServeSettings, ktc: dict[str, Any] | None, log: str, port: int | None = None) -> None:
+    def __init__(self, settings: ServeSettings, ktc: dict[str, Any] | None, log: str, port: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         argv = [*VLLM, "serve", settings.model, "--host", "127.0.0.1", "--port", str(self.port),
@@ -196,11 +198,21 @@ class VllmServer(ChildProcess):
                 "--shutdown-timeout", "10", *settings.extra_serve_args]
         if ktc is not None:
             argv += ["--kv-transfer-config", json.dumps(ktc)]
-        env = dict(os.environ)
-        for k, v in {**ENGINE_ENV, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(KEEP_ALIVE_S)}.items():
-            env.setdefault(k, v)
-        super().__init__(argv, name="vllm serve", ready=http_answers(self.base_url + "/health"), env=env, log=log,
+        child_env = dict(os.environ)
+        for k, v in {**ENGINE_ENV, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(KEEP_ALIVE_S), **(env or {})}.items():
+            child_env.setdefault(k, v)
+        super().__init__(argv, name="vllm serve", ready=http_answers(self.base_url + "/health"), env=child_env, log=log,
                          new_session=True, die_with_parent=True)
+
+
+def launch(srv: ChildProcess) -> None:
+    """Spawn ``srv`` without waiting for it to be ready (``srv.wait_ready`` then): servers
+    started at once start sooner, a start being mostly importing vLLM."""
+    ready, srv.ready = srv.ready, None
+    try:
+        srv.start()
+    finally:
+        srv.ready = ready
 
 
 def server_config(cfg: Config, settings: ServeSettings, workdir: str, stack: contextlib.ExitStack,
@@ -257,16 +269,16 @@ def greedy_outputs(base_url: str, model: str, prompts: list[list[int]], max_toke
 
 
 def greedy_answers(base_url: str, model: str, prompts: list[list[int]], max_tokens: int = 16,
-                   timeout: float = 300.0, top_k: int = 5,
+                   timeout: float = 300.0, top_k: int = 5, extra: dict[str, Any] | None = None,
                    ) -> tuple[list[list[int] | str], list[list[dict[int, float]]]]:
     """Each prompt's greedy output (token ids where the server returns them, else text) and,
     with ``top_k`` > 0, the ``top_k`` most likely tokens and their logprobs at each generated
-    position (token id -> logprob)."""
+    position (token id -> logprob). ``extra``: more keys of each request (``cache_salt``)."""
     outs: list[list[int] | str] = []
     tops: list[list[dict[int, float]]] = []
     for p in prompts:
         req_body: dict[str, Any] = {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
-                                    "ignore_eos": True, "return_token_ids": True}
+                                    "ignore_eos": True, "return_token_ids": True, **(extra or {})}
         if top_k:
             req_body.update(logprobs=top_k, return_tokens_as_token_ids=True)
         req = urllib.request.Request(base_url + "/v1/completions", data=json.dumps(req_body).encode(),
