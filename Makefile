@@ -197,9 +197,11 @@ bench-serve-soak2: $(VLLM_STAMP)
 demo: $(BASE)
 	$(BIN)/kvtiers demo
 
+# pytest workers (pytest-xdist), each taking whole test files; 0: one process (docs/development.md)
+TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP) $(LMCACHE_STAMP) $(VLLM_NEXT_STAMP) $(LMCACHE_NEXT_STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # a soak of the fs tier at a bound (docs/bench.md#soak): rates, RSS, fds and bytes over time,
 # e.g. make soak SOAK=1h; make test runs a short one (tests/test_soak.py)

@@ -5,10 +5,19 @@ the fs tests' tier environment on a fresh root directory.
 The real vLLM engines dominate the suite's time. ``engine_runs`` runs the engines of every
 selected module that defines ``run_engines(workdir)`` (``tests/vllm_engines.py``), two at a time,
 in a process of their own (its threads, files and child processes are none of the tests'
-process), from the session's first test on (``_engine_phase``): the other tests run in the
-main process meanwhile, on the core the engines leave. The modules that wait for those
-engines, and those that start engines of their own (:data:`ENGINE_MODULES`), run last, in that
-order, so the main process reaches them when the engines are done or nearly."""
+process), from the session's first test on (``_engine_phase``): the other tests run meanwhile,
+on the CPU the engines leave. The modules that wait for those engines, and those that start
+engines of their own (:data:`ENGINE_MODULES`), run last, in that order.
+
+``make test`` runs pytest-xdist workers (``-n 2 --dist loadfile --no-loadscope-reorder``): each
+worker takes whole files in this order. The engine phase is started by the first worker to
+reach it and its outcomes are files every worker reads (``$KVTIERS_TEST_SHARED``); the engine
+slots are one lock file each there, so the workers and the phase together run two engines at
+most; a module of :data:`ENGINE_MODULES` waits for the phase's end and for any other such
+module (``_engine_module_alone``). Plain ``pytest`` (one process) runs the same way."""
+
+import fcntl
+import os
 
 import pytest
 
@@ -21,6 +30,9 @@ ENGINE_MODULES = {
     "test_lmcache_adapter", "test_vllm_loader_paths", "test_vllm_serve", "test_vllm_weights_sleep",
     "test_weights_vllm", "test_weights_vllm_kernels",
 }
+
+#: seconds an engine module's test may take, waiting included (pytest-timeout)
+ENGINE_WAIT_S = 2400
 
 
 def _runs_engines(module) -> bool:
@@ -42,6 +54,9 @@ def pytest_collection_modifyitems(session, config, items):
     for item in items:
         if _late(item):
             item.add_marker(pytest.mark.engine)
+            # their first test waits for the engine phase (or, under pytest-xdist, for the other
+            # worker's engine modules): longer than the suite's per-test timeout
+            item.add_marker(pytest.mark.timeout(ENGINE_WAIT_S))
     items[:] = sorted(items, key=_late)  # stable
 
 
@@ -55,18 +70,35 @@ def env(tmp_path):
     e.close()
 
 
-@pytest.fixture(scope="session")
-def engine_runs(request, tmp_path_factory):
-    """:class:`vllm_engines.EngineRuns` over the selected test modules that define
-    ``run_engines(workdir)``; a module's fixture takes its own with ``engine_runs.result(__name__)``."""
-    from vllm_engines import EngineRuns
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """``$KVTIERS_TEST_SHARED``: the directory the processes of this session share (the engine
+    slots and the engine runs' outcomes, ``tests/vllm_engines.py``): the session's base
+    temporary directory, or under ``pytest -n N`` (pytest-xdist) the one above the workers'."""
+    if "KVTIERS_TEST_SHARED" in os.environ and not hasattr(config, "workerinput"):
+        return  # set by whoever runs pytest
+    base = config._tmp_path_factory.getbasetemp()
+    os.environ["KVTIERS_TEST_SHARED"] = str(base.parent if hasattr(config, "workerinput") else base)
 
+
+def _phase_modules(session) -> list:
     modules = []
-    for item in request.session.items:
+    for item in session.items:
         module = getattr(item, "module", None)
         if _runs_engines(module) and module not in modules:
             modules.append(module)
-    runs = EngineRuns(modules, lambda name: tmp_path_factory.mktemp(name.rpartition(".")[2]))
+    return modules
+
+
+@pytest.fixture(scope="session")
+def engine_runs(request, tmp_path_factory):
+    """:class:`vllm_engines.EngineRuns` over the selected test modules that define
+    ``run_engines(workdir)``; a module's fixture takes its own with ``engine_runs.result(__name__)``.
+    Under pytest-xdist the first worker to get here starts them; every worker reads them."""
+    from vllm_engines import EngineRuns, shared_dir
+
+    runs = EngineRuns(_phase_modules(request.session), lambda name: tmp_path_factory.mktemp(name.rpartition(".")[2]),
+                      shared_dir() / "engine-runs")
     yield runs
     runs.close()
 
@@ -75,5 +107,28 @@ def engine_runs(request, tmp_path_factory):
 def _engine_phase(request):
     """Start ``engine_runs`` with the session's first test when any selected module needs it,
     so its engines run beside the tests that need none."""
-    if any(_runs_engines(getattr(item, "module", None)) for item in request.session.items):
+    if _phase_modules(request.session):
         request.getfixturevalue("engine_runs")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engine_module_alone(request):
+    """A module of :data:`ENGINE_MODULES` starts once the engine phase has ended, and while no
+    other such module runs in another pytest worker (an exclusive lock in the shared directory):
+    their engines would otherwise compete for the two cores."""
+    if request.module.__name__.rpartition(".")[2] not in ENGINE_MODULES:
+        yield
+        return
+    from vllm_engines import shared_dir
+
+    if _phase_modules(request.session):
+        try:
+            request.getfixturevalue("engine_runs").wait_end()
+        except RuntimeError:  # the phase's own tests report how it failed
+            pass
+    fd = os.open(shared_dir() / "engine-modules.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

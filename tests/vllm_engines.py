@@ -17,14 +17,17 @@ runs (greedy, one OpenMP thread each: ``ENGINE_ENV``).
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import importlib
 import json
 import multiprocessing
 import os
+import pickle
 import subprocess
 import tempfile
 import threading
+import time
 import traceback
 import uuid
 from collections.abc import Callable, Sequence
@@ -67,9 +70,46 @@ def job(kv_transfer_config: dict | None, runs: list[list[int]] | None = None, **
             "runs": runs, **extra}
 
 
-#: engine processes running at once, all modules together (two cores here: each engine's start
-#: is mostly one process importing vLLM on one core)
-AT_ONCE = threading.BoundedSemaphore(int(os.environ.get("KVTIERS_TEST_ENGINES_AT_ONCE", "2")))
+def shared_dir() -> Path:
+    """The directory every process of one test session shares (the pytest workers, the engine
+    phase's process): ``$KVTIERS_TEST_SHARED``, set by ``tests/conftest.py``; a directory of
+    this process's own where it is not set (a module imported outside pytest)."""
+    path = os.environ.get("KVTIERS_TEST_SHARED")
+    if path is None:
+        path = os.environ["KVTIERS_TEST_SHARED"] = tempfile.mkdtemp(prefix="kvtiers-tests-")
+    return Path(path)
+
+
+class EngineSlots:
+    """A semaphore of ``n`` places across the processes of a session (``with AT_ONCE:``): one
+    ``flock`` on one of ``n`` files in :func:`shared_dir`, so the engines of the pytest workers
+    and of the engine phase together never exceed ``n``. Each ``with`` opens its own file
+    description, so threads of one process wait for each other too."""
+
+    def __init__(self, n: int) -> None:
+        self.n = max(1, n)
+        self._held = threading.local()
+
+    def __enter__(self) -> EngineSlots:
+        while True:
+            for i in range(self.n):
+                fd = os.open(shared_dir() / f"engine-slot-{i}", os.O_CREAT | os.O_RDWR, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                self._held.__dict__.setdefault("fds", []).append(fd)
+                return self
+            time.sleep(0.25)
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._held.fds.pop())  # closing the description drops its lock
+
+
+#: engine processes running at once, all modules and pytest workers together (two cores here:
+#: each engine's start is mostly one process importing vLLM on one core)
+AT_ONCE = EngineSlots(int(os.environ.get("KVTIERS_TEST_ENGINES_AT_ONCE", "2")))
 
 
 #: niceness added to the engines of the engine phase (:class:`EngineRuns`): the tests beside
@@ -157,15 +197,19 @@ def _outcome(exc: BaseException | None, fut: Future | None = None, value: Any = 
     return "error", "".join(traceback.format_exception(exc))
 
 
-def _run_phase(jobs: list[tuple[str, str]], conn: Any) -> None:
+def _run_phase(jobs: list[tuple[str, str]], where: str) -> None:
     """The engine runs' process: each module's ``run_engines(workdir)`` in a thread of its own,
-    each outcome sent on ``conn`` as it ends (the reference's too), then ``("", "end", None)``."""
+    each outcome written to ``where/<key>.pkl`` as it ends (the reference's too), then
+    ``where/_end.pkl``."""
     global _phase_send
     lock = threading.Lock()
 
     def send(key: str, outcome: str, value: Any) -> None:
+        path = Path(where) / f"{key or '_end'}.pkl"
         with lock:
-            conn.send((key, outcome, value))
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(pickle.dumps((outcome, value)))
+            os.replace(tmp, path)  # whole, or not there
 
     _phase_send = send
 
@@ -185,7 +229,15 @@ def _run_phase(jobs: list[tuple[str, str]], conn: Any) -> None:
     if started:
         _reference_sent.wait()
     send("", "end", None)
-    conn.close()
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 class EngineRuns:
@@ -194,38 +246,49 @@ class EngineRuns:
     ``run_engines(workdir)`` in a thread of its own there (its engines wait for a place in
     :data:`AT_ONCE`), in a new directory from ``workdir_for(module name)``, with the reference
     engine where one of them starts it. :meth:`result` waits for a module's run and returns what
-    it returned, or skips or fails as it did."""
+    it returned, or skips or fails as it did.
 
-    def __init__(self, modules: Sequence[ModuleType], workdir_for: Callable[[str], Path]) -> None:
+    The outcomes are files in ``where`` (a directory of :func:`shared_dir`), so every pytest
+    worker of a session reads them: the first process to create ``where`` starts the runs and
+    waits for their end when it closes; the others only read."""
+
+    def __init__(self, modules: Sequence[ModuleType], workdir_for: Callable[[str], Path], where: Path) -> None:
         global _runs
-        jobs = [(m.__name__, str(workdir_for(m.__name__))) for m in modules]
-        self._names = {name for name, _ in jobs}
-        self._done: dict[str, tuple[str, Any]] = {}
-        self._ended = False
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_run_phase, args=(jobs, child_conn), name="vllm-engine-runs", daemon=True)
-        self._proc.start()
-        child_conn.close()
-        self._lock = threading.Lock()
+        self._names = {m.__name__ for m in modules}
+        self._dir = where
+        self._proc: Any = None
+        try:
+            where.mkdir()
+        except FileExistsError:  # another worker of the session started them
+            pass
+        else:
+            jobs = [(m.__name__, str(workdir_for(m.__name__))) for m in modules]
+            ctx = multiprocessing.get_context("spawn")
+            self._proc = ctx.Process(target=_run_phase, args=(jobs, str(where)), name="vllm-engine-runs", daemon=True)
+            self._proc.start()
+            (where / "pid.tmp").write_text(str(self._proc.pid))
+            os.replace(where / "pid.tmp", where / "pid")
         _runs = self
 
+    def _alive(self) -> bool:
+        if self._proc is not None:
+            return self._proc.is_alive()
+        try:
+            return _pid_alive(int((self._dir / "pid").read_text()))
+        except FileNotFoundError:  # the starting worker writes it right after the start
+            return True
+
     def _wait(self, key: str) -> Any:
-        with self._lock:
-            while key not in self._done and not self._ended:
-                try:
-                    k, outcome, value = self._conn.recv()
-                except EOFError:
-                    self._proc.join()
-                    raise RuntimeError(f"the engine runs' process ended (exit {self._proc.exitcode}) "
-                                       f"before {key or 'the end'}") from None
-                if outcome == "end":
-                    self._ended = True
-                else:
-                    self._done[k] = (outcome, value)
-        if key not in self._done:
-            raise LookupError(key)
-        outcome, value = self._done[key]
+        path, end = self._dir / f"{key or '_end'}.pkl", self._dir / "_end.pkl"
+        while not path.exists():
+            if end.exists() or not self._alive():
+                if path.exists():  # written just before the end
+                    break
+                if end.exists():
+                    raise LookupError(key)
+                raise RuntimeError(f"the engine runs' process ended before {key or 'the end'}")
+            time.sleep(0.5)
+        outcome, value = pickle.loads(path.read_bytes())
         if outcome == "skip":
             pytest.skip(value)
         if outcome == "error":
@@ -242,18 +305,20 @@ class EngineRuns:
         """The reference engine's result, if one of the runs started it (else ``LookupError``)."""
         return self._wait("reference")
 
+    def wait_end(self) -> None:
+        """Wait until every run has ended."""
+        self._wait("")
+
     def close(self) -> None:
-        """Wait for the runs still going (each engine ends by itself or by its timeout)."""
+        """In the process that started the runs: wait for those still going (each engine ends by
+        itself or by its timeout)."""
         global _runs
         try:
-            if not self._ended:
-                try:
-                    self._wait("")
-                except LookupError:
-                    pass
+            if self._proc is not None:
+                self.wait_end()
         finally:
-            self._proc.join()
-            self._conn.close()
+            if self._proc is not None:
+                self._proc.join()
             _runs = None
 
 
