@@ -31,6 +31,11 @@ ENGINE_MODULES = {
     "test_weights_vllm", "test_weights_vllm_kernels",
 }
 
+#: the longest modules without engines (minutes each where the others take seconds): first, so
+#: that no worker starts one of them while the other is about to end
+LONG_MODULES = ("test_docs", "test_encryption_conformance", "test_compression_conformance",
+                "test_admission_conformance", "test_conformance_scaffold", "test_demo")
+
 #: seconds an engine module's test may take, waiting included (pytest-timeout)
 ENGINE_WAIT_S = 2400
 
@@ -48,16 +53,24 @@ def _late(item) -> int:
     return 2 if module is not None and module.__name__.rpartition(".")[2] in ENGINE_MODULES else 0
 
 
+def _order(item) -> tuple[int, int]:
+    """The run's order: the :data:`LONG_MODULES` first, then the rest, then by :func:`_late`."""
+    late = _late(item)
+    name = getattr(getattr(item, "module", None), "__name__", "").rpartition(".")[2]
+    return late, (LONG_MODULES.index(name) if not late and name in LONG_MODULES else len(LONG_MODULES))
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """The engine modules last (see the module's docstring), otherwise the order kept; their
-    tests get the ``engine`` marker (``-m engine``: only them, ``-m "not engine"``: the rest)."""
+    """The long modules first, the engine modules last (see the module's docstring), otherwise
+    the order kept; the engine modules' tests get the ``engine`` marker (``-m engine``: only
+    them, ``-m "not engine"``: the rest)."""
     for item in items:
         if _late(item):
             item.add_marker(pytest.mark.engine)
             # their first test waits for the engine phase (or, under pytest-xdist, for the other
             # worker's engine modules): longer than the suite's per-test timeout
             item.add_marker(pytest.mark.timeout(ENGINE_WAIT_S))
-    items[:] = sorted(items, key=_late)  # stable
+    items[:] = sorted(items, key=_order)  # stable
 
 
 @pytest.fixture
