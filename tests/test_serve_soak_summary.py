@@ -32,3 +32,61 @@ def test_a_last_interval_of_at_least_half_counts():
 
 def test_a_failed_request_fails_the_verdict():
     assert not summarize(report([60, 120, 180], [0.3, 0.3, 0.3], failed=1))["ok"]
+
+
+def _plain(lp: float = -0.5) -> dict:
+    """A plain run's answers to 2 probes, each twice (computed, then cached): tokens, top-2 logprobs."""
+    greedy = [[7, 8], [9, 9], [7, 8], [9, 9]]
+    tops = [[{7: lp, 3: -2.0}, {8: -0.1, 4: -3.0}], [{9: -0.2, 5: -2.5}, {9: -0.3, 6: -2.0}]] * 2
+    return {"config": "none", "repeat": 0, "greedy": greedy, "greedy_logprobs": tops}
+
+
+def test_probe_answers_against_the_plain_server_to_its_runs_noise():
+    from kvtiers.commands.bench.serve_identity import plain_noise
+    from kvtiers.commands.bench.serve_soak import check_answers
+
+    ref = _plain()
+    tol = plain_noise([ref, {**_plain(-0.52), "repeat": 1}])
+    assert tol == pytest.approx(0.02)
+    same = ref["greedy_logprobs"][:2]
+    assert check_answers(ref, tol, ref["greedy"][:2], same) == (True, 0.0)
+    moved = [[{7: -0.51, 3: -2.0}, same[0][1]], same[1]]  # within the two plain runs' difference
+    assert check_answers(ref, tol, ref["greedy"][:2], moved)[0]
+    wrong = [[{7: -0.9, 3: -1.2}, same[0][1]], same[1]]  # the same tokens from other KV: logprobs moved
+    ok, worst = check_answers(ref, tol, ref["greedy"][:2], wrong)
+    assert not ok and worst == pytest.approx(0.8)
+    assert check_answers(ref, tol, [[7, 4], [9, 9]], same) == (False, None)  # a token differs
+
+
+def test_the_tolerance_covers_the_plain_servers_computed_and_cached_answers():
+    from kvtiers.commands.bench.serve_soak import tolerance
+
+    a = _plain()
+    a["greedy_logprobs"] = a["greedy_logprobs"][:2] + [[{7: -0.56, 3: -2.0}, {8: -0.1, 4: -3.0}],
+                                                       a["greedy_logprobs"][3]]  # cached: 0.06 nats off
+    assert tolerance([a, {**_plain(), "repeat": 1}]) == pytest.approx(0.06)
+    assert tolerance([_plain(), {**_plain(), "repeat": 1}]) == 0.0  # the same bytes, the same answers
+
+
+def test_the_soak_counts_its_own_servers_regions_in_dev_shm(tmp_path):
+    """Another engine starting on the machine has its offload region for a moment: not the soak's."""
+    import os
+    import types
+    import uuid
+
+    from kvtiers.commands.bench.serve_soak import own_shm
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    mine, other = uuid.uuid4(), uuid.uuid4()
+    paths = [f"/dev/shm/vllm_offload_{mine}.mmap", f"/dev/shm/vllm_offload_{other}.mmap"]
+    log = tmp_path / "server0.log"
+    log.write_text(f"(EngineCore pid=1) INFO Creating v1 connector: OffloadingConnector, engine_id: {mine}\n")
+    try:
+        for p in paths:
+            open(p, "wb").close()
+        shm = own_shm([types.SimpleNamespace(log=str(log))])
+        assert shm["regions"] == 1 and shm["regions_all"] >= 2
+    finally:
+        for p in paths:
+            os.unlink(p)

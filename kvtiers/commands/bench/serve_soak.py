@@ -13,8 +13,11 @@ histogram, quantiles interpolated within its buckets), the tier hit rate (chunk 
 queries of each tier, vLLM's tiering counters), RSS, open fds and threads of the API process,
 the engine core and its workers (``/proc``), and once: the bytes of the fs root's namespace
 directories against the bound, and ``/dev/shm``. And each interval each server answers two
-fixed greedy prompts, whose tokens must be those the first server answered at the start,
-computing them (the reference); later answers come through the arena or the tier.
+fixed greedy prompts, whose tokens and top-k logprobs must be those of a server without
+offloading (the reference: started with the soak's servers, it answers the prompts twice,
+computed and then cached, in two runs told apart by a ``cache_salt``, and stops; the largest
+top-k difference among its answers to a prompt is the tolerance, :func:`tolerance`,
+:mod:`.serve_identity`); the soak's answers come through the device cache, the arena or the tier.
 
 At the end: each client's own figures (completed, failed, TTFT), the ratios of the last
 interval's rates to the first full one's, how RSS, fds and threads grew, and the verdict:
@@ -39,6 +42,7 @@ from typing import Any
 
 from ...launcher import die_with_parent
 from ..vllm_engine import offload_config, prompt_family
+from . import serve_identity
 from . import serve_metrics as sm
 from . import serve_run as sr
 from .serve_soak_probes import histogram_quantile, process_tree, shm_usage
@@ -105,6 +109,36 @@ def _probes(settings: sr.ServeSettings) -> list[list[int]]:
     return prompt_family(PROBE_PREFIX, 2, settings.suffix_len, seed=7331)
 
 
+def plain_reference(base_url: str, settings: sr.ServeSettings, probes: list[list[int]]) -> list[dict[str, Any]]:
+    """Two plain runs of the probes on a server without offloading, each answering them twice
+    (computed, then cached), told apart by a ``cache_salt`` (so the second run computes them
+    again): :mod:`.serve_identity`'s runs of configuration ``none``."""
+    runs = []
+    for r in range(2):
+        got, tops = sr.greedy_answers(base_url, settings.model, probes + probes, settings.output_len,
+                                      top_k=serve_identity.TOP_K, extra={"cache_salt": f"kvtiers-plain-{r}"})
+        runs.append({"config": serve_identity.PLAIN, "repeat": r, "greedy": got, "greedy_logprobs": tops})
+    return runs
+
+
+def tolerance(plain_runs: list[dict[str, Any]]) -> float:
+    """The largest top-k difference among the plain server's answers to a probe: between its two
+    runs, and between its computed and cached answers. Under load a probe's prefix may come
+    part from a cache and part computed (a device cache drops a prefix's last blocks first), a
+    path between the two the plain server took: its rounding is of that order. Wrong KV moves
+    the logprobs far more (a prefix of another prompt: nats)."""
+    return max([serve_identity.plain_noise(plain_runs) or 0.0, *map(serve_identity.path_noise, plain_runs)])
+
+
+def check_answers(ref: dict[str, Any], tol: float, got: list[Any], tops: list[Any]) -> tuple[bool, float | None]:
+    """Whether each probe's answer has the tokens of one of the reference's answers to it and
+    top-k logprobs within ``tol`` of that one's, and the largest such difference (None: tokens differ)."""
+    diffs = [serve_identity.answer_diff(ref, g, t, i) for i, (g, t) in enumerate(zip(got, tops, strict=True))]
+    ok = all(same for same, _ in diffs)
+    worst = max(d for _, d in diffs) if ok else None
+    return ok and worst is not None and worst <= tol, worst
+
+
 def _wait_for_requests(servers: list[Any], clients: list[Any], timeout: float) -> float:
     """Wait until every server has requests from its client (a client takes tens of seconds to
     start and make its prompts), so the soak's clock starts with the load; the seconds waited."""
@@ -140,6 +174,15 @@ def _server_row(before: dict[str, float], after: dict[str, float], dt: float, tr
     }
 
 
+def own_shm(servers: list[Any]) -> dict[str, int]:
+    """:func:`shm_usage`, with ``regions`` counting this soak's servers' offload regions only (by
+    the engine ids in their logs: another engine starting on the machine has its region for a
+    moment too) and ``regions_all`` every one."""
+    shm = shm_usage()
+    own = set().union(*(sr.shm_regions(str(s.log)) for s in servers))
+    return {**shm, "regions_all": shm["regions"], "regions": len(own)}
+
+
 def _ns_usage(root: Path) -> dict[str, Any]:
     total = {"chunk_bytes": 0, "temp_bytes": 0, "disk_bytes": 0, "files": 0}
     if root.is_dir():
@@ -171,16 +214,22 @@ def run_serve_soak(settings: sr.ServeSettings, soak: SoakSettings, *, workdir: s
         for i in range(soak.servers):
             srv = sr.VllmServer(settings, ktc, str(wd / f"server{i}.log"))
             servers.append(srv)
+        plain = sr.VllmServer(settings, None, str(wd / "plain.log"))  # no offloading: the reference
         t_start = time.monotonic()
-        for srv in servers:
-            srv.start(timeout=settings.start_timeout)
+        for srv in [*servers, plain]:  # started at once: a start is mostly importing vLLM
+            sr.launch(srv)
             stack.callback(srv.stop)
-        for srv in servers:
+        for srv in [*servers, plain]:
+            srv.wait_ready(timeout=settings.start_timeout)
             sr.warm_up(srv.base_url, settings.model)
         report["start_s"] = time.monotonic() - t_start
-        say(f"{len(servers)} server(s) up in {report['start_s']:.0f} s")
-        reference = sr.greedy_outputs(servers[0].base_url, settings.model, probes, settings.output_len)
-        report["reference"] = reference
+        say(f"{len(servers)} server(s) and the plain one up in {report['start_s']:.0f} s")
+        plain_runs = plain_reference(plain.base_url, settings, probes)
+        plain.stop()
+        ref = plain_runs[0]
+        tol = tolerance(plain_runs)
+        report["reference"] = ref["greedy"][:len(probes)]
+        report["logprobs"] = {"top_k": serve_identity.TOP_K, "tolerance": tol, "max_diff": 0.0}
         clients = []
         for i, srv in enumerate(servers):
             res = wd / f"client{i}.json"
@@ -211,8 +260,11 @@ def run_serve_soak(settings: sr.ServeSettings, soak: SoakSettings, *, workdir: s
                         cur = sm.scrape(srv.base_url)
                         r = _server_row(prev[i], cur, t - prev_t, process_tree(srv.pid),
                                         len(probes) if report["intervals"] else 0)
-                        got = sr.greedy_outputs(srv.base_url, settings.model, probes, settings.output_len)
-                        r["greedy_ok"] = got == reference
+                        got, tops = sr.greedy_answers(srv.base_url, settings.model, probes, settings.output_len,
+                                                      top_k=serve_identity.TOP_K)
+                        r["greedy_ok"], r["logprob_diff"] = check_answers(ref, tol, got, tops)
+                        if r["logprob_diff"] is not None:
+                            report["logprobs"]["max_diff"] = max(report["logprobs"]["max_diff"], r["logprob_diff"])
                         mismatches += not r["greedy_ok"]
                         prev[i] = cur
                     except OSError as e:
@@ -221,7 +273,7 @@ def run_serve_soak(settings: sr.ServeSettings, soak: SoakSettings, *, workdir: s
                         continue
                     row["servers"].append(r)
                 row["fs"] = _ns_usage(root)
-                row["shm"] = shm_usage()
+                row["shm"] = own_shm(servers)
                 row["clients_running"] = sum(p.poll() is None for p, _ in clients)
                 prev_t = t
                 report["intervals"].append(row)
@@ -248,7 +300,7 @@ def run_serve_soak(settings: sr.ServeSettings, soak: SoakSettings, *, workdir: s
             report["clients"].append({k: data.get(k) for k in ("completed", "failed", "request_throughput",
                                                               "median_ttft_ms", "p99_ttft_ms", "duration")}
                                      | {"exit": p.returncode})
-        logs = [s.log for s in servers]
+        logs = [s.log for s in [*servers, plain]]
     left = set().union(*(sr.wait_gone(sr.shm_regions(str(lg))) for lg in logs))
     report["shm_left"] = sorted(left)
     for p in left:
@@ -310,6 +362,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         out["fs_max_chunk_bytes"] = max(r["fs"]["chunk_bytes"] for r in report["intervals"])
     failed = sum((c.get("failed") or 0) for c in report.get("clients", []))
     completed = sum((c.get("completed") or 0) for c in report.get("clients", []))
+    out["logprobs"] = report.get("logprobs")
     out.update(failed=failed, completed=completed, greedy_mismatches=report.get("greedy_mismatches", 0),
                errors=len(report["errors"]), shm_left=len(report.get("shm_left", [])))
     out["ok"] = (not failed and completed > 0 and not out["greedy_mismatches"] and not report["errors"]
@@ -325,6 +378,10 @@ def render(report: dict[str, Any]) -> str:
              f"{report['settings']['cpu_bytes'] >> 20} MiB, fs bound {soak.fs_max_bytes >> 20} MiB"]
     lines += [_line(r, soak) for r in report["intervals"]]
     s = report["summary"]
+    lp = s.get("logprobs")
+    if lp:
+        lines.append(f"greedy answers against a server without offloading: tokens, and top-{lp['top_k']} logprobs "
+                     f"within {lp['tolerance']:.3g} nats (its two runs' difference); largest seen {lp['max_diff']:.3g}")
     lines.append(f"completed {s['completed']}, failed {s['failed']}, greedy mismatches {s['greedy_mismatches']}, "
                  f"errors {s['errors']}, /dev/shm regions left {s['shm_left']}: {'OK' if s['ok'] else 'NOT OK'}")
     for e in report["errors"]:
