@@ -307,7 +307,10 @@ class ChunkIO:
         fetches the next."""
         pieces = _Pieces(fd, data, trailer)
         if self.direct:
-            self._reads.submit_many([pieces.helper] * min(len(pieces) - 1, self._reads.n - 1))
+            try:
+                self._reads.submit_many([pieces.helper] * min(len(pieces) - 1, self._reads.n - 1))
+            except ValueError:
+                pass  # the pool is shut down (a close that gave up on this job): read alone
         elif _WILLNEED is not None:
             try:
                 os.posix_fadvise(fd, 0, 0, _WILLNEED)
