@@ -48,8 +48,8 @@ PHASES = ("recompute", "device", "warm", "tier")
 #: the arena in front of the tier, in longest prompts: more than one (a load pins a whole
 #: prompt), fewer than two (so the prompts after a prompt push it out)
 ARENA_PROMPTS = 1.25
-#: vLLM stops an engine whose worker takes more than 300 s over one step: a 16K-token prefill is
-#: one step of 120 s on a CPU core at a load average of 18 (the engine died at a higher load)
+#: vLLM stops an engine whose worker takes more than 300 s over one step: the steps of a 16K-token
+#: prefill take minutes on a loaded CPU (TTFT 120 s at a load average of 18; an engine died at 80-90)
 SERVER_ENV = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "3600"}
 #: the longest warm-up prompt a server answers before its measured ones
 WARM_UP_TOKENS = 4096
