@@ -53,7 +53,8 @@ def test_a_cleaner_whose_clock_steps_back_an_hour_still_keeps_the_bound(tmp_path
         time.sleep(0.5)  # (a few passes on the stepped clock)
         left = _settled_count(root)  # a pass may still be evicting: count once the files stop changing
         r = w.store(tw, keys)  # the evicted keys are stored again (the ones left are kept as they are)
-        assert r.ok and r.nbytes == (30 - left) * SLOT
+        # (at least those counted; one more where a pass slowed by a loaded machine evicted after the count)
+        assert r.ok and (30 - left) * SLOT <= r.nbytes <= min(30, 31 - left) * SLOT, (r.nbytes, left)
         wait_for(lambda: len(chunk_files(root)) <= 8, timeout=60,
                  what=f"the cleaner to evict to its bound again ({len(chunk_files(root))} files of 8)")
     finally:
