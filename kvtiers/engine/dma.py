@@ -46,12 +46,13 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import dma_copies as copies
 from .arena import HostArena
 from .layout import KVLayout, tensor_block_bytes
 
@@ -117,104 +118,8 @@ def _pooled_rows(tensors: list[torch.Tensor], block_bytes: int) -> tuple[Any, np
     return rows, np.asarray([o // block_bytes for o in offs], dtype=np.int64)
 
 
-def _address_segments(tensors: list[Any], np_tensors: list[np.ndarray], num_blocks: int,
-                      block_bytes: int) -> list[tuple[int, int, np.ndarray]]:
-    """The tensors (slot order) cut into maximal runs that start at one address stride, each
-    as ``(first tensor, count, view [count, num_blocks, block_bytes])``: a pool's tensors, or
-    separate allocations made one after another (as vLLM makes them), are one run or a few;
-    a copy then costs one strided ``np.copyto`` per run, not one per tensor. Only the tensors'
-    own bytes are ever indexed (the view's first two axes stay within each tensor's
-    ``num_blocks`` rows); ``tensors`` keeps them alive."""
-    addrs = [t.data_ptr() for t in tensors]
-    size = max(t.shape[0] for t in tensors) * block_bytes
-    segs: list[tuple[int, int, np.ndarray]] = []
-    i, n = 0, len(addrs)
-    while i < n:
-        j = i + 1
-        step = addrs[j] - addrs[i] if j < n else 0
-        if abs(step) >= size:  # tensors that do not overlap (aliases of one tensor stay apart)
-            while j + 1 < n and addrs[j + 1] - addrs[j] == step:
-                j += 1
-            j += 1
-        if j - i == 1:
-            segs.append((i, 1, np_tensors[i][None, :num_blocks]))
-        else:
-            lo = min(addrs[i], addrs[j - 1])
-            raw = np.ctypeslib.as_array((ctypes.c_uint8 * (abs(step) * (j - i - 1) + size)).from_address(lo))
-            segs.append((i, j - i, np.lib.stride_tricks.as_strided(
-                raw[addrs[i] - lo :], shape=(j - i, num_blocks, block_bytes), strides=(step, block_bytes, 1),
-                writeable=True)))
-        i = j
-    return segs
-
-
 PARALLEL_MIN_BYTES = 4 << 20  # CPU: transfers at least this large are shared with helper threads
 PARALLEL_PARTS = 4  # ... in this many parts per thread
-
-
-def _copy_all(pairs: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
-    for dst, src in pairs:
-        np.copyto(dst, src)
-
-
-def _split_pairs(pairs: list[tuple[np.ndarray, np.ndarray]], parts: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The copies cut along their first axis longer than 1 into pieces of about
-    ``total / parts`` bytes (a copy smaller than that stays whole)."""
-    target = max(1, sum(d.nbytes for d, _ in pairs) // parts)
-    out = []
-    for d, src in pairs:
-        axes = [ax for ax, n in enumerate(d.shape) if n > 1]
-        m = min(d.shape[axes[0]], -(-d.nbytes // target)) if axes else 1
-        if m < 2:
-            out.append((d, src))
-            continue
-        ax = axes[0]
-        cuts = [d.shape[ax] * i // m for i in range(m + 1)]
-        idx = [slice(None)] * ax
-        out += [(d[(*idx, slice(a, b))], src[(*idx, slice(a, b))]) for a, b in zip(cuts, cuts[1:], strict=False)]
-    return out
-
-
-def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
-    """Runs of consecutive ids in position order: ``(position, first id, count)``."""
-    if len(ids) == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(ids)]))
-    return [(int(s), int(ids[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
-
-
-def _masked_runs(arr: np.ndarray) -> list[tuple[int, int, int]]:
-    """Runs of positions not skipped (``-1``) whose ids are consecutive: ``(position, first id, count)``."""
-    pos = np.flatnonzero(arr >= 0)
-    if not len(pos):
-        return []
-    ids = arr[pos]
-    breaks = np.flatnonzero((np.diff(pos) != 1) | (np.diff(ids) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(pos)]))
-    return [(int(pos[a]), int(ids[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
-
-
-def _merged_runs(full: list[bool], firsts: list[int], slots: list[int], npos: int) -> list[tuple[int, int, int, int]]:
-    """Chunks ``i:j`` to copy as one, ``(i, j, block step, slot step)``: full chunks (each
-    ``npos`` consecutive ids from ``firsts[c]``) whose first ids step evenly by at least
-    ``npos`` (up or down) going to slots that step evenly upwards; every other chunk alone
-    (``j = i + 1``)."""
-    out = []
-    i, n = 0, len(full)
-    while i < n:
-        j, db, ds = i + 1, npos, 1
-        if full[i] and j < n and full[j]:
-            ds, db = slots[j] - slots[i], firsts[j] - firsts[i]
-            if ds >= 1 and abs(db) >= npos:
-                j += 1
-                while j < n and full[j] and slots[j] - slots[j - 1] == ds and firsts[j] - firsts[j - 1] == db:
-                    j += 1
-        out.append((i, j, db, ds))
-        i = j
-    return out
 
 
 class _Masked:
@@ -319,7 +224,7 @@ class DmaEngine:
                 grp.addrs = [t.data_ptr() for t in grp.tensors]
                 if grp.rows is not None:
                     grp.np_rows = grp.rows.numpy()
-                grp.segs = _address_segments(grp.tensors, grp.np_tensors, grp.num_blocks, grp.block_bytes)
+                grp.segs = copies.address_segments(grp.tensors, grp.np_tensors, grp.num_blocks, grp.block_bytes)
         else:
             self._host_t = host.tensor()
             if not host.pinned and self.kind != "cpu":
@@ -532,7 +437,7 @@ class DmaEngine:
             runs, firsts = [False] * n, [0] * n
         slots = [s for _, s in plan]
         pairs: list[tuple[np.ndarray, np.ndarray]] = []  # (dst, src)
-        for i, j, db, ds in _merged_runs(runs, firsts, slots, bpc):
+        for i, j, db, ds in copies.merged_runs(runs, firsts, slots, bpc):
             if j - i > 1:
                 for grp in self._groups:
                     pairs += self._cpu_merged(grp, firsts[i], db, slots[i], ds, j - i, load, bpc)
@@ -558,7 +463,7 @@ class DmaEngine:
             if npos > 1:
                 full &= (np.diff(ids, axis=1) == 1).all(axis=1)
             any_kept = kept.any(axis=1).tolist()
-            for i, j, db, ds in _merged_runs(full.tolist(), ids[:, 0].tolist(), slots, npos):
+            for i, j, db, ds in copies.merged_runs(full.tolist(), ids[:, 0].tolist(), slots, npos):
                 if j - i > 1:
                     pairs += self._cpu_merged(grp, int(ids[i, 0]), db, slots[i], ds, j - i, load, npos)
                     continue
@@ -566,7 +471,7 @@ class DmaEngine:
                     continue
                 arr, slot = ids[i], slots[i]
                 region = self._arena_np[slot, grp.offset : grp.offset + width].reshape(lt, npos, bb)
-                runs = _masked_runs(arr)
+                runs = copies.masked_runs(arr)
                 if len(runs) > 4:  # scattered: one gather / scatter over the positions kept
                     pos = np.flatnonzero(arr >= 0)
                     kept_ids = arr[pos]
@@ -609,14 +514,14 @@ class DmaEngine:
         that plus the wait for a helper to be scheduled."""
         total = sum(d.nbytes for d, _ in pairs)
         if self._cpu_threads < 2 or total < PARALLEL_MIN_BYTES:
-            _copy_all(pairs)
+            copies.copy_all(pairs)
             return
-        parts = iter(_split_pairs(pairs, PARALLEL_PARTS * self._cpu_threads))  # next() is atomic under the GIL
+        parts = iter(copies.split_pairs(pairs, PARALLEL_PARTS * self._cpu_threads))  # next() is atomic under the GIL
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self._cpu_threads - 1, thread_name_prefix="kvtiers-dma")
-        helpers = [self._pool.submit(_copy_all, parts) for _ in range(self._cpu_threads - 1)]
+        helpers = [self._pool.submit(copies.copy_all, parts) for _ in range(self._cpu_threads - 1)]
         try:
-            _copy_all(parts)
+            copies.copy_all(parts)
         finally:
             for fut in helpers:
                 if not fut.cancel():
@@ -626,7 +531,7 @@ class DmaEngine:
         n = len(ids)
         bpc = self.blocks_per_chunk
         slot_arr = self._arena_np[slot]
-        runs = _runs(ids)
+        runs = copies.runs(ids)
         for grp in self._groups:
             lt, bb = grp.num_tensors, grp.block_bytes
             segs = grp.segs or []
