@@ -278,7 +278,7 @@ class P2PTier:
         return out
 
     def _items(self, job: Job, load: bool) -> list:
-        from .client import Item, JobState
+        from .inflight import Item, JobState
 
         now = time.monotonic()
         state = JobState(job.job_id, time.perf_counter(), now + self.timeout, len(job.keys))
