@@ -94,7 +94,8 @@ $(LMCACHE_STAMP): pyproject.toml Makefile
 lmcache-venv: $(LMCACHE_STAMP)
 
 # LMCache 0.5.7's files beside 0.5.6 (--no-deps --target: no second environment);
-# tests/test_lmcache_adapter.py runs its cases again with them first on PYTHONPATH
+# tests/test_lmcache_adapter.py runs its cases again with them first on PYTHONPATH, and
+# tests/test_lmcache_engine.py one engine pair (server and connector) on them
 LMCACHE_NEXT ?= lmcache==0.5.7rc2
 LMCACHE_NEXT_DIR ?= build/lmcache-0.5.7
 LMCACHE_NEXT_STAMP := $(LMCACHE_NEXT_DIR)/.installed
