@@ -85,6 +85,11 @@ def test_write_back_stores_only_what_the_host_evicts_and_it_loads_exactly(manage
     assert res.skipped_keys == () and res.ok, res
     settle(mgr)
     assert answers(fs, first) == [Lookup.HIT] * 4
+    # a chunk whose write-back was still in flight (its slot pinned) when a later key needed a
+    # slot stays in the host (a newer clean chunk went instead): four more push out what is left
+    # of the first four, clean now, so evicted first without another write-back
+    assert store_all(mgr, [key(i) for i in range(8, 12)], 8).ok
+    settle(mgr)
     assert mgr.lookup(first).sources == ("fs",) * 4
     res = load_back(mgr, kv, first, 30)
     assert res.ok, res
