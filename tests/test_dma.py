@@ -53,6 +53,15 @@ LOAD = [  # the same slots into other blocks
 ]
 
 
+
+def count_copies(monkeypatch) -> list:
+    """A list that grows by one at each ``np.copyto`` from now on (the copies still happen)."""
+    calls: list = []
+    real_copyto = np.copyto
+    monkeypatch.setattr(np, "copyto", lambda *a, **k: calls.append(1) or real_copyto(*a, **k))
+    return calls
+
+
 def make_caches(layout: KVLayout, dtype: torch.dtype, pooled: bool | str, seed: int = 0):
     """pooled=True: views of one pool; False: one allocation per tensor; "unaligned": one
     allocation per tensor, each tensor 0, 1 or 2 elements past its allocation's start (so the
@@ -224,9 +233,7 @@ def test_cpu_path_batches_pooled_groups(monkeypatch):
     caches = make_caches(layout, torch.float16, pooled=True)
     with create_host_arena(4, slot_bytes_for(layout.chunk_bytes(BPC)), pin=False) as host:
         eng = DmaEngine(layout, caches, host, BPC)
-        calls = []
-        real_copyto = np.copyto
-        monkeypatch.setattr(np, "copyto", lambda *a, **k: calls.append(1) or real_copyto(*a, **k))
+        calls = count_copies(monkeypatch)
         eng.submit_store(1, [([0, 1, 2, 3], 0), ([4, 5, 6, 7], 1), ([8, 9, 10, 11], 2)])
         assert len(calls) == 1  # consecutive blocks to consecutive slots: one strided copy
         eng.submit_load(2, [([20, 21, 22, 23], 0), ([30, 31], 3)])
@@ -264,9 +271,7 @@ def test_cpu_path_one_copy_per_tensor_run_for_runs_of_chunks(monkeypatch):
     with create_host_arena(6, slot_bytes_for(layout.chunk_bytes(BPC)), pin=False) as host:
         host.ndarray()[:] = POISON
         eng = DmaEngine(layout, caches, host, BPC)
-        calls = []
-        real_copyto = np.copyto
-        monkeypatch.setattr(np, "copyto", lambda *a, **k: calls.append(1) or real_copyto(*a, **k))
+        calls = count_copies(monkeypatch)
         eng.submit_store(1, [([8, 9, 10, 11], 1), ([12, 13, 14, 15], 2), ([16, 17, 18, 19], 3)])
         per_transfer = address_runs([t for layer in caches["kv"] for t in layer])
         assert len(calls) == per_transfer <= 10  # at most one per tensor: 5 layers x K,V
@@ -402,9 +407,7 @@ def test_copy_calls_per_transfer_for_separate_allocations(monkeypatch, gaps):
     caches = {"kv": [flat[2 * li : 2 * li + 2] for li in range(layers)]}
     with create_host_arena(8, slot_bytes_for(layout.chunk_bytes(BPC)), pin=False) as host:
         eng = DmaEngine(layout, caches, host, BPC, cpu_threads=1)
-        calls = []
-        real_copyto = np.copyto
-        monkeypatch.setattr(np, "copyto", lambda *a, **k: calls.append(1) or real_copyto(*a, **k))
+        calls = count_copies(monkeypatch)
         plan = [([4 * c + b for b in range(BPC)], c + 1) for c in range(4)]  # blocks 0..15 -> slots 1..4
         eng.submit_store(1, plan)
         assert len(calls) == per_transfer == address_runs(flat)
@@ -500,9 +503,7 @@ def test_cpu_path_batches_evenly_spaced_chunks_and_keeps_every_byte(monkeypatch,
     with create_host_arena(10, slot_bytes_for(layout.chunk_bytes(bpc)), pin=False) as host:
         host.ndarray()[:] = POISON
         eng = DmaEngine(layout, caches, host, bpc, cpu_threads=1)
-        calls = []
-        real_copyto = np.copyto
-        monkeypatch.setattr(np, "copyto", lambda *a, **k: calls.append(1) or real_copyto(*a, **k))
+        calls = count_copies(monkeypatch)
         eng.submit_store(1, evenly)
         assert len(calls) == runs  # three chunks, one copy per run of tensors
         eng.submit_store(2, down)
@@ -564,9 +565,7 @@ def test_cpu_masked_path_batches_chunks_to_every_other_slot(monkeypatch):
     with create_host_arena(8, slot_bytes_for(layout.chunk_bytes(bpc)), pin=False) as host:
         host.ndarray()[:] = POISON
         eng = DmaEngine(layout, caches, host, bpc, cpu_threads=1)
-        calls = []
-        real_copyto = np.copyto
-        monkeypatch.setattr(np, "copyto", lambda *a, **k: calls.append(1) or real_copyto(*a, **k))
+        calls = count_copies(monkeypatch)
         eng.submit_store(1, store)
         assert len(calls) == sum(address_runs(ts) for ts in flat.values())  # one per run of tensors per group
         arena = host.ndarray()

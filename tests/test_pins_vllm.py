@@ -27,13 +27,7 @@ def chunks(seed: int, n: int) -> dict:
 
 def store(e: Engine, data: dict, ctx: ReqContext) -> None:
     """``Engine.store`` with the request's own context."""
-    e.m.on_new_request(ctx)
-    out = e.m.prepare_store(list(data), ctx)
-    for key, row in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
-        e.rows[row] = np.frombuffer(data[key], dtype=np.uint8)
-    e.m.complete_store(list(data), ctx)
-    e.m.on_request_finished(ctx)
-    e.settle()
+    e.store(data, ctx)
 
 
 @pytest.fixture

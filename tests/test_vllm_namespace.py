@@ -65,8 +65,9 @@ class Engine:
             time.sleep(0.001)
         raise AssertionError("jobs still in flight after 60 s")
 
-    def store(self, chunks: dict[bytes, bytes]) -> None:
-        ctx = ReqContext(req_id="store")
+    def store(self, chunks: dict[bytes, bytes], ctx: ReqContext | None = None) -> None:
+        """Store ``chunks`` as one request (``ctx``: its context, else a plain one)."""
+        ctx = ctx or ReqContext(req_id="store")
         self.m.on_new_request(ctx)
         out = self.m.prepare_store(list(chunks), ctx)
         for key, row in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):

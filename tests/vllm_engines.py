@@ -322,6 +322,17 @@ class EngineRuns:
             _runs = None
 
 
+def json_report(engine_runs: EngineRuns, module: str) -> dict[str, Any]:
+    """``module``'s engine run (a command's ``{"rc", "stdout", "stderr"}``) with its JSON report
+    parsed from stdout as ``"report"``; the test fails with the command's stderr where there is none."""
+    run = engine_runs.result(module)
+    try:
+        run["report"] = json.loads(run["stdout"])
+    except json.JSONDecodeError:
+        pytest.fail(f"no JSON report (exit {run['rc']}): {run['stderr']}")
+    return run
+
+
 def fs_pair(name: str, job_for: Callable[[list[dict[str, Any]], list[list[int]]], dict[str, Any]],
             workdir: Path, beside_b: dict[str, Callable[[list[dict[str, Any]]], dict[str, Any]]] | None = None,
             ) -> dict[str, Any]:
