@@ -25,12 +25,23 @@ def fault_server(s3_fault_server):
     s3_fault_server.start()  # back up for the next test if a test killed it
 
 
-def test_paused_server_fails_jobs_in_bounded_time_then_recovers(fault_server):
+@pytest.fixture
+def k0_stored(fault_server):
+    """An obj tier on the fault server with fast bounds, ``k0`` stored from slot 0:
+    ``(ctx, tier, the bytes of k0)``; the tier is closed after the test."""
     ctx = make_ctx()
     h = open_obj(ctx, options_for(fault_server, **FAST))
     try:
         want = fill(ctx, 0, 1)
         assert run_job(h, True, [b"k0"], [0]).ok
+        yield ctx, h, want
+    finally:
+        h.close()
+
+
+def test_paused_server_fails_jobs_in_bounded_time_then_recovers(fault_server, k0_stored):
+    ctx, h, want = k0_stored
+    try:
         fault_server.pause()
         t0 = time.monotonic()
         h.submit_store(Job(2, (b"k1",), (1,)))
@@ -49,33 +60,26 @@ def test_paused_server_fails_jobs_in_bounded_time_then_recovers(fault_server):
         assert bytes(ctx.arena[2]) == want
     finally:
         fault_server.resume()
-        h.close()
 
 
-def test_killed_server_fails_fast_and_is_used_again_after_restart(fault_server):
-    ctx = make_ctx()
-    h = open_obj(ctx, options_for(fault_server, **FAST))
-    try:
-        want = fill(ctx, 0, 2)
-        assert run_job(h, True, [b"k0"], [0]).ok
-        fault_server.kill()
-        t0 = time.monotonic()
-        r = run_job(h, True, [b"k1"], [1], job_id=2, timeout=30)
-        assert r.failed_keys == (b"k1",) and r.error
-        r = run_job(h, False, [b"k0"], [2], job_id=3, timeout=30)
-        assert r.failed_keys == (b"k0",)
-        assert time.monotonic() - t0 < 20
-        fault_server.start()  # same directory, same ports
-        # The S3 endpoint answers before the restarted volume server takes writes; on a busy
-        # machine that gap can outlast op_timeout, so the first store may fail: retry it.
-        deadline, job_id = time.monotonic() + 90, 4
-        while not run_job(h, True, [b"k1"], [1], job_id=job_id, timeout=30).ok:
-            assert time.monotonic() < deadline, "the tier never stored again after the restart"
-            job_id += 1
-        assert run_job(h, False, [b"k0"], [2], job_id=job_id + 1, timeout=30).ok
-        assert bytes(ctx.arena[2]) == want
-    finally:
-        h.close()
+def test_killed_server_fails_fast_and_is_used_again_after_restart(fault_server, k0_stored):
+    ctx, h, want = k0_stored
+    fault_server.kill()
+    t0 = time.monotonic()
+    r = run_job(h, True, [b"k1"], [1], job_id=2, timeout=30)
+    assert r.failed_keys == (b"k1",) and r.error
+    r = run_job(h, False, [b"k0"], [2], job_id=3, timeout=30)
+    assert r.failed_keys == (b"k0",)
+    assert time.monotonic() - t0 < 20
+    fault_server.start()  # same directory, same ports
+    # The S3 endpoint answers before the restarted volume server takes writes; on a busy
+    # machine that gap can outlast op_timeout, so the first store may fail: retry it.
+    deadline, job_id = time.monotonic() + 90, 4
+    while not run_job(h, True, [b"k1"], [1], job_id=job_id, timeout=30).ok:
+        assert time.monotonic() < deadline, "the tier never stored again after the restart"
+        job_id += 1
+    assert run_job(h, False, [b"k0"], [2], job_id=job_id + 1, timeout=30).ok
+    assert bytes(ctx.arena[2]) == want
 
 
 def test_close_with_a_stuck_server_is_bounded_and_reports_every_job(fault_server):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -426,16 +425,12 @@ def run_bench_serve(configs: list[sr.Config], settings: sr.ServeSettings, prefix
                      "fit_requests": fit_requests,
                      "multi_turn": work.multi_turn.as_dict() if work.multi_turn else None},
         "variants": {c.name: sv.describe(c) for c in configs if c.base is not None},
-        "machine": {"cpus": os.cpu_count(), "load_at_start": list(os.getloadavg())}, "runs": []}
-    try:
+        "runs": []}
+    with sr.measuring(wd, own, report):
         with Progress(repeats * len(configs) * (1 + len(cells)), "bench serve", quiet=quiet) as bar:
             for r in range(repeats):
                 for cfg in configs:
                     report["runs"].append(_one_server(cfg, r, settings, work, wd, tier_extra or {}, bar))
-    finally:
-        if own:
-            shutil.rmtree(wd, ignore_errors=True)
-    report["machine"]["load_at_end"] = list(os.getloadavg())
     _aggregate(report)
     _identity(report)
     return report

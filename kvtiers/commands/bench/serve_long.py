@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -300,18 +299,14 @@ def run_long(cfgs: list[sr.Config], settings: sr.ServeSettings, ls: LongSettings
                      "max_model_len": settings.max_model_len,
                      "kv_bytes_per_token": kv_bytes_per_token(settings.model),
                      "serve_args": settings.extra_serve_args},
-        "machine": {"cpus": os.cpu_count(), "load_at_start": list(os.getloadavg())}, "runs": []}
-    try:
+        "runs": []}
+    with sr.measuring(wd, own, report):
         for r in range(repeats):
             for run in _repeat(cfgs, r, settings, ls, wd, tier_extra or {}, say):
                 report["runs"].append(run)
                 with open(os.path.join(wd, "runs.jsonl"), "a") as f:  # what a run cut short keeps
                     f.write(json.dumps({k: v for k, v in run.items()
                                         if k not in ("greedy", "greedy_logprobs", "answers")}) + "\n")
-    finally:
-        if own:
-            shutil.rmtree(wd, ignore_errors=True)
-    report["machine"]["load_at_end"] = list(os.getloadavg())
     aggregate(report)
     identity(report)
     return report

@@ -15,11 +15,12 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -334,3 +335,17 @@ def wait_gone(paths: set[str], timeout: float = 5.0) -> set[str]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def measuring(wd: str, own: bool, report: dict[str, Any]) -> Iterator[None]:
+    """Around the runs of one measurement: ``report["machine"]`` gets the CPU count and the
+    load average at start and end, which every figure in the report is read against; the
+    scratch folder ``wd`` is removed at the end when the measurement made it (``own``)."""
+    report["machine"] = {"cpus": os.cpu_count(), "load_at_start": list(os.getloadavg())}
+    try:
+        yield
+    finally:
+        if own:
+            shutil.rmtree(wd, ignore_errors=True)
+    report["machine"]["load_at_end"] = list(os.getloadavg())
