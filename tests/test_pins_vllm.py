@@ -16,7 +16,7 @@ pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is in
 from test_vllm_namespace import MODULE, ROW, STEP, Engine  # noqa: E402
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key  # noqa: E402
 
-from kvtiers.integrations.vllm import KvtiersOffloadingSpec  # noqa: E402
+from kvtiers.integrations.vllm import KvtiersOffloadingSpec, metrics  # noqa: E402
 from kvtiers.integrations.vllm.pins import requested_pin  # noqa: E402
 
 
@@ -28,6 +28,13 @@ def chunks(seed: int, n: int) -> dict:
 def store(e: Engine, data: dict, ctx: ReqContext) -> None:
     """``Engine.store`` with the request's own context."""
     e.store(data, ctx)
+
+
+def pin_stats(e: Engine) -> dict[str, float]:
+    """The fs tier's kvtiers_pin_chunks increments in vLLM's stats since the last call, by event."""
+    stats = e.m.get_stats().reduce()
+    head = f"{metrics.PIN_EVENTS}:('{e.tier.tier_type}', '"
+    return {k[len(head):-2]: v for k, v in stats.items() if k.startswith(head) and v}
 
 
 @pytest.fixture
@@ -43,6 +50,7 @@ def test_a_request_field_pins_what_vllm_stores_for_it_and_what_it_finds(engine):
     fs = e.tier.handle.tier
     store(e, chunks(0, 4), ReqContext(req_id="a", kv_transfer_params={"kvtiers_pin": {"ttl": 600}}))
     assert len(fs.pins) == 4 and e.tier.pins.counts["pinned"] == 4
+    assert pin_stats(e) == {"pinned": 4}  # on vLLM's /metrics: kvtiers_pin_chunks_total{tier,event}
     plain = chunks(1, 3)
     store(e, plain, ReqContext(req_id="b"))  # no field: nothing more pinned
     assert len(fs.pins) == 4
@@ -53,6 +61,7 @@ def test_a_request_field_pins_what_vllm_stores_for_it_and_what_it_finds(engine):
     e.m.on_schedule_end(STEP)
     e.tier.get_finished_jobs()
     assert len(fs.pins) == 7 and e.tier.pins.counts["pinned"] == 7
+    assert pin_stats(e) == {"pinned": 3}  # what was pinned since the last stats
 
 
 def test_a_bad_field_pins_nothing_and_says_so_once(engine, caplog):
@@ -61,6 +70,7 @@ def test_a_bad_field_pins_nothing_and_says_so_once(engine, caplog):
     for rid in ("a", "b"):
         store(e, chunks(ord(rid), 2), ReqContext(req_id=rid, kv_transfer_params={"kvtiers_pin": {"ttl": -1}}))
     assert len(e.tier.handle.tier.pins) == 0 and e.tier.pins.counts["bad_field"] == 2
+    assert pin_stats(e) == {"bad_field": 2}
     said = [r.getMessage() for r in caplog.records if "not pinned" in r.getMessage()]
     assert said == ["kvtiers tier 'fs': request not pinned: kv_transfer_params.kvtiers_pin: ttl must be positive, "
                     "got -1"]

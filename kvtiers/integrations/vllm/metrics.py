@@ -107,6 +107,7 @@ TIER_BACKLOG = "kvtiers_tier_backlog"
 EVICTIONS = "kvtiers_tier_evictions"
 REUSE_CEILING = "kvtiers_reuse_ceiling"
 LOAD_DECISIONS = "kvtiers_load_decisions"
+PIN_EVENTS = "kvtiers_pin_chunks"
 HOST_SLOTS = "kvtiers_host_slots"
 HOST_USED = "kvtiers_host_used_slots"
 HOST_PINNED = "kvtiers_host_pinned_slots"
@@ -137,6 +138,10 @@ def tier_series_definitions() -> dict[str, OffloadingMetricMetadata]:
         documentation="Chunk lookups a tier answered HIT (load) or MISS because the load was expected to take "
                       "longer than recomputing (recompute), recompute_when_faster.",
         labelnames=(TIER_LABEL, "decision"))
+    defs[PIN_EVENTS] = OffloadingCounterMetadata(  # kvtiers.integrations.vllm.pins
+        documentation="Chunk keys of requests' kvtiers_pin fields, by event: pinned or refused by the tier, "
+                      "bad_field (requests whose field was not understood; one each).",
+        labelnames=(TIER_LABEL, "event"))
     return defs
 
 
@@ -215,6 +220,12 @@ class TierSeries:
         for (_, decision), n in self._delta("decisions", Counter(decisions)).items():
             if n:
                 stats.increase_counter(LOAD_DECISIONS, n, labelvalues=(self.label, decision))
+
+    def pins(self, stats: Any, counts: Counter) -> None:
+        """Requests' pins since the last call (kvtiers.integrations.vllm.pins, ``RequestPins.counts``)."""
+        for event, n in self._delta("pins", Counter(counts)).items():
+            if n:
+                stats.increase_counter(PIN_EVENTS, n, labelvalues=(self.label, event))
 
 
 def host_stats(primary: Any, loads: Counter[str] | None = None) -> Any:

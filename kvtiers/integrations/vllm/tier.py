@@ -466,6 +466,7 @@ class KvtiersTier(SecondaryTierManager):
         self._series.backlog(stats, backlog)
         self._series.reuse(stats, self.reuse.summary())
         self._series.decisions(stats, self.costs.decisions)
+        self._series.pins(stats, self.pins.counts)
         return stats
 
     # vLLM 0.33's info-metric hooks; vLLM 0.32 has none and never calls them (see compat.py)
