@@ -147,6 +147,7 @@ def test_a_stale_or_torn_snapshot_never_loads_wrong_bytes(tmp_path):
     t = e.open()
     keys = [b"s-%d" % i for i in range(20)]
     assert e.store(t, keys).ok
+    assert t.scanned.wait(30)  # closed before its first scan ends, a tier writes no snapshot
     t.close()
     snap = snapshot.path(t.nsdir)
     assert os.path.exists(snap)

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .dma import PARALLEL_MIN_BYTES, _copy_all
+from .dma import PARALLEL_MIN_BYTES
+from .dma_copies import copy_all
 from .weights_derived import derived_tensors
 
 if TYPE_CHECKING:
@@ -348,7 +349,7 @@ class WeightCopier:
         KV DMA engine does: one core does not saturate memory bandwidth."""
         total = sum(d.nbytes for d, _ in pairs)
         if self.cpu_threads < 2 or total < PARALLEL_MIN_BYTES or len(pairs) < 2:
-            _copy_all(pairs)
+            copy_all(pairs)
             return
         acc, cut = 0, len(pairs) - 1
         for i, (d, _) in enumerate(pairs):
@@ -359,9 +360,9 @@ class WeightCopier:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.cpu_threads - 1,
                                                                thread_name_prefix="kvtiers-weights")
-        fut = self._pool.submit(_copy_all, pairs[cut:])
+        fut = self._pool.submit(copy_all, pairs[cut:])
         try:
-            _copy_all(pairs[:cut])
+            copy_all(pairs[:cut])
         finally:
             fut.result()
 
