@@ -155,18 +155,22 @@ bench-serve: $(VLLM_STAMP) multi-turn-client
 	  $(BENCH_SERVE_ARGS) --json > build/bench-serve.json
 	$(VLLM_VENV)/bin/kvtiers bench serve --report build/bench-serve.json --plot build/bench-serve.png
 
-# docs/vllm.md#load-or-recompute (issue 55 item 3): none, arena + fs, and fs with each load job held
-# back 500 ms ("slow_loads", fault injection) with recompute_when_faster on (fs-slow) and off
-# (fs-slow-off), interleaved; the goal: fs-slow >= 0.97x none in req/s, fs-slow-off below
-BENCH_SERVE_SLOW_ARGS ?= --prefixes 24 --concurrency 4 --repeats 3
-BENCH_SERVE_SLOW = "tier": {"slow_loads": {"delay_ms": 500}}
+# docs/measured-serving.md#load-or-recompute (issue 55 item 3): none, arena + fs, and fs with each
+# load job held back BENCH_SERVE_SLOW_MS ("slow_loads", fault injection) with recompute_when_faster
+# on (fs-slow) and off (fs-slow-off), interleaved, 3 repeats (about 35 minutes on 2 cores at 500 ms;
+# BENCH_SERVE_SLOW_MS=12000 makes a load lose to recomputing: about 45); the goal: fs-slow >= 0.97x
+# none in req/s, fs-slow-off below
+BENCH_SERVE_SLOW_MS ?= 500
+BENCH_SERVE_SLOW_CONFIGS ?= none,fs,fs-slow,fs-slow-off
+BENCH_SERVE_SLOW_ARGS ?= --prefixes 24 --concurrency 4 --repeats 3 --requests-per-prefix 4
+BENCH_SERVE_SLOW = "tier": {"slow_loads": {"delay_ms": $(BENCH_SERVE_SLOW_MS)}}
 .PHONY: bench-serve-slow
 bench-serve-slow: $(VLLM_STAMP)
 	mkdir -p build
 	$(VLLM_VENV)/bin/kvtiers bench serve --model $(BENCH_SERVE_MODEL) --workloads prefix \
-	  --configs none,fs,fs-slow,fs-slow-off --variant 'fs-slow=fs:{$(BENCH_SERVE_SLOW)}' \
+	  --configs $(BENCH_SERVE_SLOW_CONFIGS) --variant 'fs-slow=fs:{$(BENCH_SERVE_SLOW)}' \
 	  --variant 'fs-slow-off=fs:{"recompute_when_faster": false, $(BENCH_SERVE_SLOW)}' \
-	  $(BENCH_SERVE_SLOW_ARGS) --json > build/bench-serve-slow.json
+	  $(BENCH_SERVE_SLOW_ARGS) --json > build/bench-serve-slow-$(BENCH_SERVE_SLOW_MS).json
 
 # docs/admission.md#what-it-saves: each "admit" option on a serving trace (one-shot prompts and
 # shared prefixes) through the manager and a real fs tier, 3 rounds interleaved (a few minutes)
