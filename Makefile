@@ -157,9 +157,10 @@ bench-serve: $(VLLM_STAMP) multi-turn-client
 
 # docs/measured-serving.md#load-or-recompute (issue 55 item 3): none, arena + fs, and fs with each
 # load job held back BENCH_SERVE_SLOW_MS ("slow_loads", fault injection) with recompute_when_faster
-# on (fs-slow) and off (fs-slow-off), interleaved, 3 repeats (about 35 minutes on 2 cores at 500 ms;
-# BENCH_SERVE_SLOW_MS=12000 makes a load lose to recomputing: about 45); the goal: fs-slow >= 0.97x
-# none in req/s, fs-slow-off below
+# on (fs-slow) and off (fs-slow-off), interleaved, 3 repeats (32 minutes on 2 cores at 500 ms;
+# BENCH_SERVE_SLOW_MS=12000 makes a load lose to recomputing: 33 minutes with
+# BENCH_SERVE_SLOW_CONFIGS=none,fs-slow,fs-slow-off); the goal: fs-slow >= 0.97x none in req/s,
+# fs-slow-off below
 BENCH_SERVE_SLOW_MS ?= 500
 BENCH_SERVE_SLOW_CONFIGS ?= none,fs,fs-slow,fs-slow-off
 BENCH_SERVE_SLOW_ARGS ?= --prefixes 24 --concurrency 4 --repeats 3 --requests-per-prefix 4
