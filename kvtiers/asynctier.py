@@ -184,6 +184,13 @@ class AsyncTier:
                 self._present.discard(k)
                 self._misses.present(k)  # neither: the next lookup probes it
 
+    def known_stored(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The keys of ``keys`` this instance knows are stored (it stored or found them and
+        has not seen them leave), from memory: no I/O. For hooks that must not block, such
+        as ``pin``."""
+        with self._lock:
+            return [k for k in keys if k in self._present]
+
     def evicted(self, keys: Iterable[bytes], reason: str = "evicted") -> None:
         """Report ``keys`` as removed by the tier itself (eviction, corruption, gc).
 

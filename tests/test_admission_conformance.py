@@ -44,7 +44,7 @@ class TestAdmittedSealedFs(TierTests):
 
 
 class TestAdmittedSqliteExample(TierTests):
-    """A third-party tier found by entry point, at its claimed levels (core, durable, shared)."""
+    """A third-party tier found by entry point, at its claimed levels (core, durable, shared, bounded)."""
 
     @pytest.fixture
     def tier_config(self, tmp_path):

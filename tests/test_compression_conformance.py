@@ -56,7 +56,7 @@ class TestCompressedMemory(TierTests):
 
 
 class TestCompressedSqliteExample(TierTests):
-    """A third-party tier found by entry point, at its claimed levels (core, durable, shared)."""
+    """A third-party tier found by entry point, at its claimed levels (core, durable, shared, bounded)."""
 
     @pytest.fixture
     def tier_config(self, tmp_path):

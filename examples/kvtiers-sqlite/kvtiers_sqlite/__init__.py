@@ -8,6 +8,12 @@ every load; a bad chunk is deleted, reported with ``self.evicted(keys, "corrupt"
 answers MISS and reaches ``ctx.removed``) and fails its key. SQLite's transactions make a
 store killed half-way leave nothing behind.
 
+With ``max_bytes`` the database is bounded: a store that takes a namespace's table past it
+deletes the oldest rows (first stored, first out) in the same transaction and reports them
+with ``self.evicted``. Such a tier takes pins (rule 13): ``pin`` keeps keys this instance
+knows are stored from its own evictions until their time, at most half of ``max_bytes``;
+pins live in the instance's memory (another instance on the same file does not see them).
+
 Built on :class:`kvtiers.AsyncTier`: four coroutines, plus ``put_many``/``get_many_into`` so
 that a job is one transaction; the base class does the rest. SQLite calls run on the tier's
 own thread, never on the caller's.
@@ -16,7 +22,10 @@ own thread, never on the caller's.
 from __future__ import annotations
 
 import asyncio
+import math
 import sqlite3
+import threading
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,12 +39,20 @@ T = TypeVar("T")
 
 
 class SqliteTier(kvtiers.AsyncTier):
-    """Chunks as rows ``(key, crc, data)`` of an SQLite database at ``path``."""
+    """Chunks as rows ``(key, crc, data)`` of an SQLite database at ``path``; with
+    ``max_bytes``, at most that many bytes of chunks per namespace."""
 
-    levels = frozenset({"core", "durable", "shared"})
+    levels = frozenset({"core", "durable", "shared", "bounded"})
 
-    def __init__(self, ctx: kvtiers.TierContext, *, path: str, busy_timeout: float = 30.0) -> None:
+    def __init__(self, ctx: kvtiers.TierContext, *, path: str, busy_timeout: float = 30.0,
+                 max_bytes: int | None = None) -> None:
         super().__init__(ctx)
+        if max_bytes is not None and max_bytes < 0:  # the SDK has checked the type (int | None)
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._pins: dict[bytes, float] = {}  # key -> monotonic end (inf: until unpinned)
+        self._leaving: set[bytes] = set()  # chosen for eviction, not yet reported
+        self._pins_lock = threading.Lock()
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         ns = ctx.namespace
         self.table = f"chunks_{ns.digest}"  # hex digits only: safe as an identifier
@@ -104,8 +121,7 @@ class SqliteTier(kvtiers.AsyncTier):
         return bool(await self._sql(f"SELECT 1 FROM {self.table} WHERE key = ?", key))
 
     async def put(self, key: bytes, data: memoryview) -> None:
-        blob = bytes(data)  # copy now: once this coroutine ends or is cancelled, the slot is not ours
-        await self._sql(f"INSERT OR IGNORE INTO {self.table} VALUES (?, ?, ?)", key, zlib.crc32(blob), blob)
+        await self.put_many([(key, data)])
 
     async def get_into(self, key: bytes, out: memoryview) -> bool:
         rows = await self._sql(f"SELECT crc, data FROM {self.table} WHERE key = ?", key)
@@ -125,10 +141,81 @@ class SqliteTier(kvtiers.AsyncTier):
         for key, data in items:  # copy now, on the loop: the thread never sees a slot (rule 6)
             blob = bytes(data)
             rows.append((key, zlib.crc32(blob), blob))
+        size = len(rows[0][2]) if rows else 0
+        if self.max_bytes is not None and size > self.max_bytes:
+            raise ValueError(f"chunk of {size} bytes exceeds max_bytes={self.max_bytes}")
         query = f"INSERT OR IGNORE INTO {self.table} VALUES (?, ?, ?)"
-        # close the cursor on the tier's thread: one returned to the loop would be finalised
-        # there, racing the next statement ("InterfaceError: bad parameter or other API misuse")
-        await self._transaction(lambda: self.db.executemany(query, rows).close())
+        gone: list[bytes] = []
+
+        def store() -> None:
+            # close the cursor on the tier's thread: one returned to the loop would be finalised
+            # there, racing the next statement ("InterfaceError: bad parameter or other API misuse")
+            self.db.executemany(query, rows).close()
+            self._evict_over_bound(size, gone)
+
+        try:
+            await self._transaction(store)
+            if gone:
+                self.evicted(gone)
+        finally:
+            if gone:
+                with self._pins_lock:
+                    self._leaving.difference_update(gone)
+
+    # -- the bound and pins ----------------------------------------------------------------
+    def _evict_over_bound(self, size: int, gone: list[bytes]) -> None:
+        """On the tier's thread, inside the store's transaction: delete the oldest unpinned
+        rows until the table fits ``max_bytes`` (every chunk is one slot of ``size``); their
+        keys go to ``gone`` and, until reported, to ``_leaving`` (no pin takes them)."""
+        if self.max_bytes is None or not size:
+            return
+        (rows,) = self.db.execute(f"SELECT COUNT(*) FROM {self.table}").fetchone()
+        over = rows - self.max_bytes // size
+        if over <= 0:
+            return
+        oldest = self.db.execute(f"SELECT key FROM {self.table} ORDER BY rowid").fetchall()
+        with self._pins_lock:  # pins are at most half of the bound: enough rows are unpinned
+            kept = self._pinned_now()
+            gone.extend(k for (k,) in oldest if k not in kept)
+            del gone[over:]
+            self._leaving.update(gone)
+        self.db.executemany(f"DELETE FROM {self.table} WHERE key = ?", [(k,) for k in gone]).close()
+
+    def _pinned_now(self) -> set[bytes]:
+        """The keys whose pins have not ended, dropping the ended ones (under ``_pins_lock``)."""
+        now = time.monotonic()
+        for k in [k for k, end in self._pins.items() if end <= now]:
+            del self._pins[k]
+        return set(self._pins)
+
+    @kvtiers.hookimpl
+    def pin(self, keys: Sequence[bytes], seconds: float | None) -> str | None:
+        """Keep ``keys`` from this instance's evictions for ``seconds`` (None: until unpinned).
+        All or nothing: refused, with the reason, for a key this instance does not know is
+        stored, or when the pinned chunks would pass half of ``max_bytes``."""
+        keys = list(keys)
+        end = math.inf if seconds is None else time.monotonic() + seconds
+        stored = set(self.known_stored(keys))
+        with self._pins_lock:
+            absent = [k for k in keys if k not in stored or k in self._leaving]
+            if absent:
+                first = absent[0].hex()[:16]
+                return f"sqlite tier: {len(absent)} of {len(keys)} key(s) not stored here (first {first})"
+            if self.max_bytes is not None:
+                total = len(self._pinned_now() | set(keys)) * self.ctx.arena.slot_bytes
+                if total > self.max_bytes // 2:
+                    return (f"sqlite tier: pinning {len(keys)} chunk(s) would pin {total} bytes, "
+                            f"past half of max_bytes={self.max_bytes}")
+            for k in keys:
+                self._pins[k] = max(end, self._pins.get(k, end))
+        return None
+
+    @kvtiers.hookimpl
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        """End the pins of ``keys`` now (unknown keys are ignored)."""
+        with self._pins_lock:
+            for k in keys:
+                self._pins.pop(k, None)
 
     async def get_many_into(self, items: Sequence[tuple[bytes, memoryview]]) -> dict[bytes, object]:
         """Load a whole job in one read transaction; checks run on the tier's thread, the

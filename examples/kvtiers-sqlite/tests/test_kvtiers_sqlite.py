@@ -19,7 +19,7 @@ SLOT = 4096
 
 
 class TestSqliteConformance(TierTests):
-    """Every check of the suite, at the levels the tier claims: core, durable, shared."""
+    """Every check of the suite, at the levels the tier claims: core, durable, shared, bounded."""
 
     @pytest.fixture
     def tier_config(self, tmp_path: Path):
@@ -178,4 +178,5 @@ def test_path_is_required(db: Path) -> None:
 def test_listed_by_kvtiers_tiers() -> None:
     r = subprocess.run([sys.executable, "-m", "kvtiers.commands", "tiers"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "sqlite\tkvtiers-sqlite\t0.1.0\tentry point sqlite\tlevels=core,durable,shared" in r.stdout.splitlines()
+    line = "sqlite\tkvtiers-sqlite\t0.1.0\tentry point sqlite\tlevels=bounded,core,durable,shared"
+    assert line in r.stdout.splitlines()
