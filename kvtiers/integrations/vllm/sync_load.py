@@ -16,7 +16,10 @@ only for a scheduler whose manager came from ``KvtiersOffloadingSpec`` with the 
 
 - scheduler ``get_num_new_matched_tokens``: a hit (every chunk answered HIT: ready in the
   arena; a pending promotion or a RETRY defers the request as before) answers
-  ``load_kv_async=False``; the request is noted for this scheduling pass;
+  ``load_kv_async=False``; the request is noted for this scheduling pass. A hit of the whole
+  request (a prompt of whole chunks, all in the arena) stays asynchronous: vLLM's scheduler
+  asserts a sync hit leaves a token to compute, and its asynchronous path recomputes the
+  last token itself;
 - scheduler ``update_state_after_alloc``: the load job vLLM made for a noted request is a
   sync load;
 - scheduler ``build_connector_meta``: the step's sync load jobs travel to the workers in the
@@ -198,7 +201,10 @@ def _wrap_scheduler(cls: Any) -> None:
         book = _book(self)
         if book is None:
             return hits, load_async
-        if hits and load_async:  # every chunk answered HIT: ready in the host arena
+        # every chunk answered HIT: ready in the host arena. Not when the hit covers the whole
+        # request: vLLM's scheduler needs a token left to compute for a sync hit (it asserts
+        # so), and its asynchronous path recomputes the last token of such a hit itself
+        if hits and load_async and num_computed_tokens + hits < request.num_tokens:
             book.answered.add(request.request_id)
             return hits, False
         book.answered.discard(request.request_id)
