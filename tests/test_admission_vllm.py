@@ -1,12 +1,15 @@
-"""Under vLLM's own tiering (the vLLM adapter, docs/vllm.md) vLLM cascades every store to
-each secondary tier itself, so the manager's admission (docs/admission.md) is not in the path:
-a secondary tier entry with ``"admit"`` is refused with a one-line error, never ignored."""
+"""The ``"admit"`` option under vLLM's own tiering (the vLLM adapter, docs/admission.md#under-vllm):
+vLLM cascades every store to each secondary tier itself, and the adapter keeps back the chunks
+offered fewer than ``min_offers`` times (a store or a load from vLLM's primary tier is an
+offer); write-back, which needs the primary tier's evictions, is refused with one line. Run on
+vLLM's own spec, manager and primary region with a real fs tier."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is installed by `make test`")
@@ -18,10 +21,52 @@ lookup_wait = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(lookup_wait)
 
 
-def test_admit_on_a_vllm_secondary_tier_is_a_one_line_error(tmp_path) -> None:
+def test_write_back_on_a_vllm_secondary_tier_is_a_one_line_error(tmp_path) -> None:
     with pytest.raises(ConfigError) as e:
-        lookup_wait.make_manager(str(tmp_path), 16, {"admit": {"min_offers": 2}})
-    assert "option 'admit' is not applied under vLLM's tiering" in str(e.value) and "\n" not in str(e.value)
+        lookup_wait.make_manager(str(tmp_path), 16, {"admit": {"when": "evicted"}})
+    assert "'when': 'evicted' is not applied under vLLM's tiering" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        lookup_wait.make_manager(str(tmp_path), 16, {"admit": {"min_offers": 0}})
+    assert "min_offers" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_min_offers_keeps_one_shot_chunks_out_of_the_tier(tmp_path) -> None:
+    """Five chunks stored once are kept back (MISS in the tier, nothing written); pushed out of
+    vLLM's 16-row primary tier by 16 others and stored again, they go down; a new engine on
+    the same root finds exactly them. vLLM's /metrics counts the decisions."""
+    from test_vllm_namespace import MODULE, ROW, Engine, make_offload_key
+    from test_vllm_stats_series import rendered
+    from vllm.v1.kv_offload.base import LookupResult
+
+    from kvtiers.integrations.vllm.spec import KvtiersOffloadingSpec
+
+    root = tmp_path / "kv"
+    tier = {"type": "kvtiers_fs", "module_path": MODULE, "root_dir": str(root), "admit": {"min_offers": 2}}
+    rng = np.random.default_rng(3)
+    shared = {make_offload_key(rng.bytes(32), 0): rng.bytes(ROW) for _ in range(5)}
+    once = {make_offload_key(rng.bytes(32), 0): rng.bytes(ROW) for _ in range(16)}
+    e = Engine(tier, spec=KvtiersOffloadingSpec)
+    try:
+        e.store(shared)
+        assert e.answers(list(shared)) == {LookupResult.MISS}
+        assert not list(root.rglob("*.bin"))
+        e.store(once)  # the primary tier holds 16 rows: the shared chunks leave it
+        e.store(shared)  # recomputed and offered again: admitted
+        assert e.answers(list(shared)) == {LookupResult.HIT}
+        assert e.answers(list(once)) == {LookupResult.MISS}
+        stats = [e.m.get_stats()]
+    finally:
+        e.close()
+    m = rendered(stats, [tier])
+    assert m['kvtiers_tier_admission_chunks_total{decision="admitted",tier="kvtiers_fs"}'] == 5
+    assert m['kvtiers_tier_admission_chunks_total{decision="declined",tier="kvtiers_fs"}'] == 21
+    assert m['kvtiers_tier_write_bytes_total{tier="kvtiers_fs"}'] == 5 * ROW
+    plain = Engine({k: v for k, v in tier.items() if k != "admit"}, spec=KvtiersOffloadingSpec)
+    try:
+        assert plain.answers(list(shared)) == {LookupResult.HIT}
+        assert plain.answers(list(once)) == {LookupResult.MISS}
+    finally:
+        plain.close()
 
 
 def test_the_reuse_ceiling_reaches_vllms_metrics(tmp_path) -> None:

@@ -108,6 +108,7 @@ EVICTIONS = "kvtiers_tier_evictions"
 REUSE_CEILING = "kvtiers_reuse_ceiling"
 LOAD_DECISIONS = "kvtiers_load_decisions"
 PIN_EVENTS = "kvtiers_pin_chunks"
+ADMISSION = "kvtiers_tier_admission_chunks"
 HOST_SLOTS = "kvtiers_host_slots"
 HOST_USED = "kvtiers_host_used_slots"
 HOST_PINNED = "kvtiers_host_pinned_slots"
@@ -142,6 +143,10 @@ def tier_series_definitions() -> dict[str, OffloadingMetricMetadata]:
         documentation="Chunk keys of requests' kvtiers_pin fields, by event: pinned or refused by the tier, "
                       "bad_field (requests whose field was not understood; one each).",
         labelnames=(TIER_LABEL, "event"))
+    defs[ADMISSION] = OffloadingCounterMetadata(  # kvtiers.engine.admission, the "admit" option
+        documentation="Chunks of vLLM's stores a tier's \"admit\" option sent down (admitted) or kept back "
+                      "(declined: offered fewer than min_offers times).",
+        labelnames=(TIER_LABEL, "decision"))
     return defs
 
 
@@ -220,6 +225,12 @@ class TierSeries:
         for (_, decision), n in self._delta("decisions", Counter(decisions)).items():
             if n:
                 stats.increase_counter(LOAD_DECISIONS, n, labelvalues=(self.label, decision))
+
+    def admission(self, stats: Any, counts: dict[str, int]) -> None:
+        """The ``"admit"`` option's decisions since the last call (``{"admitted": n, "declined": n}``)."""
+        for decision, n in self._delta("admission", Counter(counts)).items():
+            if n:
+                stats.increase_counter(ADMISSION, n, labelvalues=(self.label, decision))
 
     def pins(self, stats: Any, counts: Counter) -> None:
         """Requests' pins since the last call (kvtiers.integrations.vllm.pins, ``RequestPins.counts``)."""

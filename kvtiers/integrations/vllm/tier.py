@@ -72,6 +72,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...commands.bench.slowtier import parse_slow_loads
 from ...encryption.tenants import as_tenant
+from ...engine.admission import Admission
 from ...engine.costs import LoadCosts
 from ...engine.reuse import ReuseEstimator
 from ...errors import ConfigError
@@ -104,6 +105,7 @@ class _Pending:
     job: TransferJob
     keys: tuple[bytes, ...]  # the tier's keys, in the job's order
     t0: float = 0.0  # submitted (perf_counter)
+    declined: frozenset[bytes] = frozenset()  # keys of a store the "admit" option kept back
 
 
 def _tokens_per_chunk(spec: Any) -> int | None:
@@ -143,8 +145,9 @@ class KvtiersTier(SecondaryTierManager):
     Options of the adapter itself: ``tier``, ``namespace`` (extra namespace fields),
     ``enable_kv_events`` and ``locality`` (as vLLM's fs tier), ``retry_wait_ms`` (see the
     module), ``slow_loads`` (fault injection for benches: ``{"delay_ms", "per_chunk_ms"}``, each
-    load job held back that long, kvtiers/commands/bench/slowtier.py). Every other key is an option
-    of the kvtiers tier, checked against its signature before it opens.
+    load job held back that long, kvtiers/commands/bench/slowtier.py), ``admit`` (``{"min_offers": N}``:
+    chunks of vLLM's stores offered fewer than N times are kept back, docs/admission.md#under-vllm).
+    Every other key is an option of the kvtiers tier, checked against its signature before it opens.
     """
 
     medium: ClassVar[Medium | None] = Medium.STORAGE
@@ -168,9 +171,7 @@ class KvtiersTier(SecondaryTierManager):
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         name = self._tier_name(tier_type, tier)
-        if "admit" in options:  # the manager's cascade applies it (docs/admission.md); vLLM cascades by itself
-            raise ConfigError(f"secondary tier {tier_type!r}: option 'admit' is not applied under vLLM's tiering "
-                              "(vLLM cascades every store itself); remove it")
+        self.admission = self._admission(tier_type, options.pop("admit", None))
         if type(self).kvtiers_tier is None and name in MEDIUM:  # the generic class: medium from the tier
             self.medium = MEDIUM[name]
             self.cache_hit_source = {Medium.CPU: CacheHitSource.HOST, Medium.STORAGE: CacheHitSource.DISK}[self.medium]
@@ -232,6 +233,17 @@ class KvtiersTier(SecondaryTierManager):
         if not HAS_CONFIG_INFO:
             log.info("vLLM secondary tier %r: this vLLM has no config_info hooks; kvtiers_tier and "
                      "kvtiers_namespace are not added to vllm:kv_offload_config_info", tier_type)
+
+    @staticmethod
+    def _admission(tier_type: str, option: Any) -> Admission | None:
+        """The ``"admit"`` option under vLLM's cascade (docs/admission.md#under-vllm): ``min_offers``
+        only; write-back needs the primary tier's evictions, which vLLM does not report."""
+        adm = Admission.from_option(tier_type, option)
+        if adm is not None and adm.write_back:
+            raise ConfigError(f"secondary tier {tier_type!r}: option 'admit': 'when': 'evicted' is not applied "
+                              "under vLLM's tiering (vLLM does not report its primary tier's evictions); "
+                              "use 'min_offers' or the default 'when': 'stored'")
+        return adm if adm is not None and adm.counter is not None else None
 
     def _tier_name(self, tier_type: str, tier: str | None) -> str:
         fixed = type(self).kvtiers_tier
@@ -329,6 +341,9 @@ class KvtiersTier(SecondaryTierManager):
         """Mark ``keys`` (vLLM's) recently used in the kvtiers tier, as the request's tenant."""
         tier_keys = [self._key(k) for k in keys]
         self.reuse.offer(tier_keys)  # a load from the primary tier offers its chunks
+        if self.admission is not None:  # and counts toward min_offers: the chunk goes down when next stored
+            for k in tier_keys:
+                self.admission.offer(k)
         self._touch(tier_keys, tenant_of(req_context))
 
     def _touch(self, keys: list[bytes], tenant: str | None) -> None:
@@ -353,16 +368,41 @@ class KvtiersTier(SecondaryTierManager):
     def _submit(self, tj: TransferJob, submit: Any) -> None:
         keys = tuple(self._key(k) for k in tj.keys)
         self.reuse.offer(keys)  # a store (vLLM's cascade) or a promotion offers its chunks
-        self._jobs[tj.job_id] = _Pending(tj, keys, time.perf_counter())
+        chunks = tuple(int(c) for c in tj.chunk_ids)
+        sent, declined = keys, frozenset[bytes]()
+        if self.admission is not None and not tj.is_promotion:
+            declined = self._decline(keys)
+            if declined:
+                keep = [i for i, k in enumerate(keys) if k not in declined]
+                sent, chunks = tuple(keys[i] for i in keep), tuple(chunks[i] for i in keep)
+        self._jobs[tj.job_id] = _Pending(tj, keys, time.perf_counter(), declined)
+        if declined and not chunks:  # nothing admitted: done, nothing failed
+            self._stash.append(TierResult(tj.job_id, ()))
+            return
         try:
             if self._closed:
                 raise RuntimeError("tier is shut down")
             with as_tenant(self.handle, tenant_of(tj.req_context)):  # the job's tenant, passed with it
-                submit(Job(tj.job_id, keys, tuple(int(c) for c in tj.chunk_ids)))
+                submit(Job(tj.job_id, sent, chunks))
         except Exception as e:  # the tier did not accept the job: report it failed, as vLLM expects a result
             log.warning("kvtiers tier %r: job %d not accepted: %s: %s", self.kvtiers_name, tj.job_id,
                         type(e).__name__, e)
             self._stash.append(TierResult(tj.job_id, keys, error=f"{type(e).__name__}: {e}"))
+
+    def _decline(self, keys: tuple[bytes, ...]) -> frozenset[bytes]:
+        """Count a store's offers; the keys offered fewer than ``min_offers`` times (this one
+        included) are kept back (kvtiers.engine.admission: never too few counted)."""
+        adm = self.admission
+        assert adm is not None
+        declined = set()
+        for k in keys:
+            adm.offer(k)
+            if adm.admits(k):
+                adm.admitted += 1
+            else:
+                declined.add(k)
+        adm.declined += len(declined)
+        return frozenset(declined)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results, self._stash = self._stash, []
@@ -388,7 +428,7 @@ class KvtiersTier(SecondaryTierManager):
         tj, keys = pending.job, pending.keys
         failed = set(res.failed_keys) & set(keys)
         if res.failed_keys and not failed:  # failed keys the job never had: the whole job is suspect
-            failed = set(keys)
+            failed = set(keys) - pending.declined
         self._stats.failed(len(failed), "load" if tj.is_promotion else "store")
         if res.error and failed:
             log.info("kvtiers tier %r: job %d: %d of %d keys failed: %s", self.kvtiers_name, tj.job_id,
@@ -403,9 +443,10 @@ class KvtiersTier(SecondaryTierManager):
             if failed and len(failed) < len(keys):
                 successful = tuple(ek for ek, k in zip(tj.keys, keys, strict=True) if k not in failed)
         else:
-            stored = [ek for ek, k in zip(tj.keys, keys, strict=True) if k not in failed]
-            self._failed_loads.difference_update(k for k in keys if k not in failed)
-            self.pins.note([k for k in keys if k not in failed], tj.req_context)
+            gone = failed | pending.declined  # declined: kept back by "admit", not stored and not failed
+            stored = [ek for ek, k in zip(tj.keys, keys, strict=True) if k not in gone]
+            self._failed_loads.difference_update(k for k in keys if k not in gone)
+            self.pins.note([k for k in keys if k not in gone], tj.req_context)
             if self._events is not None and stored:
                 ctx = {"req_context": tj.req_context} if EVENT_REQ_CONTEXT else {}  # vLLM 0.34
                 self._events.append(OffloadingEvent(keys=stored, medium=self.medium, removed=False,
@@ -467,6 +508,8 @@ class KvtiersTier(SecondaryTierManager):
         self._series.reuse(stats, self.reuse.summary())
         self._series.decisions(stats, self.costs.decisions)
         self._series.pins(stats, self.pins.counts)
+        if self.admission is not None:
+            self._series.admission(stats, {"admitted": self.admission.admitted, "declined": self.admission.declined})
         return stats
 
     # vLLM 0.33's info-metric hooks; vLLM 0.32 has none and never calls them (see compat.py)
