@@ -1,7 +1,8 @@
 """The ``"admit"`` option under vLLM's own tiering (the vLLM adapter, docs/admission.md#under-vllm):
-vLLM cascades every store to each secondary tier itself, and the adapter keeps back the chunks
-offered fewer than ``min_offers`` times (a store or a load from vLLM's primary tier is an
-offer); write-back, which needs the primary tier's evictions, is refused with one line. Run on
+vLLM cascades every store to each secondary tier itself; with ``"admit"`` the adapter asks vLLM
+for its request-level policy (each request offers the tier all its chunks) and keeps back the
+chunks offered fewer than ``min_offers`` times; write-back, which needs the primary tier's
+evictions, is refused with one line. Run on
 vLLM's own spec, manager and primary region with a real fs tier."""
 
 from __future__ import annotations
@@ -30,13 +31,28 @@ def test_write_back_on_a_vllm_secondary_tier_is_a_one_line_error(tmp_path) -> No
     assert "min_offers" in str(e.value) and "\n" not in str(e.value)
 
 
+def offer_again(e, chunks: dict, rid: str) -> None:
+    """A request whose chunks vLLM's primary tier holds: the scheduler offers them for storing
+    (request-level policy), the primary stores none, the manager cascades them."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    ctx = ReqContext(req_id=rid)
+    e.m.on_new_request(ctx)
+    out = e.m.prepare_store(list(chunks), ctx)
+    assert out is not None and not out.keys_to_store
+    e.m.on_request_finished(ctx)
+    e.settle()
+
+
 def test_min_offers_keeps_one_shot_chunks_out_of_the_tier(tmp_path) -> None:
-    """Five chunks stored once are kept back (MISS in the tier, nothing written); pushed out of
-    vLLM's 16-row primary tier by 16 others and stored again, they go down; a new engine on
-    the same root finds exactly them. vLLM's /metrics counts the decisions."""
+    """Five chunks stored by one request are kept back (MISS in the tier, nothing written);
+    offered by a second request, which finds them in vLLM's primary tier, they go down from
+    there (vLLM's request-level policy cascades them); a third request writes nothing again.
+    Sixteen chunks of one request stay out. A new engine on the same root finds exactly the
+    five. vLLM's /metrics counts the decisions and the bytes written."""
     from test_vllm_namespace import MODULE, ROW, Engine, make_offload_key
     from test_vllm_stats_series import rendered
-    from vllm.v1.kv_offload.base import LookupResult
+    from vllm.v1.kv_offload.base import LookupResult, OffloadPolicy, ReqContext
 
     from kvtiers.integrations.vllm.spec import KvtiersOffloadingSpec
 
@@ -44,25 +60,28 @@ def test_min_offers_keeps_one_shot_chunks_out_of_the_tier(tmp_path) -> None:
     tier = {"type": "kvtiers_fs", "module_path": MODULE, "root_dir": str(root), "admit": {"min_offers": 2}}
     rng = np.random.default_rng(3)
     shared = {make_offload_key(rng.bytes(32), 0): rng.bytes(ROW) for _ in range(5)}
-    once = {make_offload_key(rng.bytes(32), 0): rng.bytes(ROW) for _ in range(16)}
+    once = {make_offload_key(rng.bytes(32), 0): rng.bytes(ROW) for _ in range(6)}
     e = Engine(tier, spec=KvtiersOffloadingSpec)
     try:
-        e.store(shared)
+        assert e.m.on_new_request(ReqContext(req_id="policy")).policy is OffloadPolicy.REQUEST_LEVEL
+        e.store(shared, ReqContext(req_id="r1"))
         assert e.answers(list(shared)) == {LookupResult.MISS}
         assert not list(root.rglob("*.bin"))
-        e.store(once)  # the primary tier holds 16 rows: the shared chunks leave it
-        e.store(shared)  # recomputed and offered again: admitted
+        offer_again(e, shared, "r2")  # in the primary tier already: offered again, admitted
         assert e.answers(list(shared)) == {LookupResult.HIT}
+        offer_again(e, shared, "r3")  # held by the tier: not sent again
+        e.store(once, ReqContext(req_id="r4"))
         assert e.answers(list(once)) == {LookupResult.MISS}
         stats = [e.m.get_stats()]
     finally:
         e.close()
     m = rendered(stats, [tier])
     assert m['kvtiers_tier_admission_chunks_total{decision="admitted",tier="kvtiers_fs"}'] == 5
-    assert m['kvtiers_tier_admission_chunks_total{decision="declined",tier="kvtiers_fs"}'] == 21
+    assert m['kvtiers_tier_admission_chunks_total{decision="declined",tier="kvtiers_fs"}'] == 11
     assert m['kvtiers_tier_write_bytes_total{tier="kvtiers_fs"}'] == 5 * ROW
     plain = Engine({k: v for k, v in tier.items() if k != "admit"}, spec=KvtiersOffloadingSpec)
     try:
+        assert plain.m.on_new_request(ReqContext(req_id="policy")).policy is OffloadPolicy.CHUNK_LEVEL
         assert plain.answers(list(shared)) == {LookupResult.HIT}
         assert plain.answers(list(once)) == {LookupResult.MISS}
     finally:

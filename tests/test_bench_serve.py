@@ -405,3 +405,13 @@ def test_shm_regions_are_only_the_servers_own(tmp_path) -> None:
         for p in paths:
             os.unlink(p)
     assert shm_regions(str(log)) == set()
+
+
+def test_report_shows_the_bytes_the_tier_wrote() -> None:
+    """vLLM counts every chunk of a store job as written, also those a tier's "admit" kept
+    back; the report's "MiB out" is the tier's own count where the server exports it."""
+    tiers = {"kvtiers_fs": {"hits": 1.0, "queries": 2.0, "read_bytes": 0.0, "write_bytes": 10.0 * (1 << 20),
+                            "kvtiers": {"write_bytes": 2.0 * (1 << 20)}},
+             "fs": {"hits": 0.0, "queries": 0.0, "write_bytes": 3.0 * (1 << 20)}}
+    text = serve_report._tiers_text(tiers)
+    assert text == "kvtiers_fs: 1/2 hits, 0 MiB in, 2 MiB out; fs: 0/0 hits, 0 MiB in, 3 MiB out"

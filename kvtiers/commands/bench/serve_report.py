@@ -19,8 +19,11 @@ def _tiers_text(tiers: dict[str, Any]) -> str:
         hits = t.get("hits", 0.0)
         q = t.get("queries", 0.0)
         ceiling = t.get("reuse_ceiling", {}).get("15m")  # what an unbounded cache would hit (kvtiers_reuse_ceiling)
+        # written: the tier's own count where exported (vLLM counts a store job's every chunk,
+        # also those a tier's "admit" kept back)
+        out = t.get("kvtiers", {}).get("write_bytes", t.get("write_bytes", 0.0))
         parts.append(f"{name}: {hits:.0f}/{q:.0f} hits, {_mib(t.get('read_bytes', 0.0))} MiB in, "
-                     f"{_mib(t.get('write_bytes', 0.0))} MiB out"
+                     f"{_mib(out)} MiB out"
                      + (f", reuse ceiling {ceiling:.0%} (15 min)" if ceiling is not None else ""))
     return "; ".join(parts) or "-"
 

@@ -64,6 +64,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingEvent,
     OffloadingMetricMetadata,
     OffloadKey,
+    OffloadPolicy,
     ReqContext,
     RequestOffloadingContext,
 )
@@ -105,7 +106,7 @@ class _Pending:
     job: TransferJob
     keys: tuple[bytes, ...]  # the tier's keys, in the job's order
     t0: float = 0.0  # submitted (perf_counter)
-    declined: frozenset[bytes] = frozenset()  # keys of a store the "admit" option kept back
+    declined: frozenset[bytes] = frozenset()  # keys of a store not sent ("admit": kept back, or held already)
 
 
 def _tokens_per_chunk(spec: Any) -> int | None:
@@ -341,9 +342,6 @@ class KvtiersTier(SecondaryTierManager):
         """Mark ``keys`` (vLLM's) recently used in the kvtiers tier, as the request's tenant."""
         tier_keys = [self._key(k) for k in keys]
         self.reuse.offer(tier_keys)  # a load from the primary tier offers its chunks
-        if self.admission is not None:  # and counts toward min_offers: the chunk goes down when next stored
-            for k in tier_keys:
-                self.admission.offer(k)
         self._touch(tier_keys, tenant_of(req_context))
 
     def _touch(self, keys: list[bytes], tenant: str | None) -> None:
@@ -356,6 +354,12 @@ class KvtiersTier(SecondaryTierManager):
             log.debug("kvtiers tier %r: touch raised %s", self.kvtiers_name, e)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """With ``"admit"``, vLLM's request-level policy: every request offers this tier all its
+        chunks, those its primary tier holds already included, so a chunk's offers are the
+        requests that used it and one that meets ``min_offers`` goes down from the primary tier
+        then (docs/admission.md#under-vllm)."""
+        if self.admission is not None:
+            return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
         return RequestOffloadingContext()
 
     # --- jobs --------------------------------------------------------------------------------
@@ -371,7 +375,7 @@ class KvtiersTier(SecondaryTierManager):
         chunks = tuple(int(c) for c in tj.chunk_ids)
         sent, declined = keys, frozenset[bytes]()
         if self.admission is not None and not tj.is_promotion:
-            declined = self._decline(keys)
+            declined = self._hold_back(keys, tenant_of(tj.req_context))
             if declined:
                 keep = [i for i, k in enumerate(keys) if k not in declined]
                 sent, chunks = tuple(keys[i] for i in keep), tuple(chunks[i] for i in keep)
@@ -389,19 +393,28 @@ class KvtiersTier(SecondaryTierManager):
                         type(e).__name__, e)
             self._stash.append(TierResult(tj.job_id, keys, error=f"{type(e).__name__}: {e}"))
 
-    def _decline(self, keys: tuple[bytes, ...]) -> frozenset[bytes]:
-        """Count a store's offers; the keys offered fewer than ``min_offers`` times (this one
-        included) are kept back (kvtiers.engine.admission: never too few counted)."""
+    def _hold_back(self, keys: tuple[bytes, ...], tenant: str | None) -> frozenset[bytes]:
+        """The keys of a store not to send: those offered fewer than ``min_offers`` times (this
+        offer counted; kvtiers.engine.admission: never too few) and those the tier holds already
+        (the request-level policy offers a request's stored chunks again)."""
         adm = self.admission
         assert adm is not None
         declined = set()
         for k in keys:
             adm.offer(k)
-            if adm.admits(k):
-                adm.admitted += 1
-            else:
+            if not adm.admits(k):
                 declined.add(k)
         adm.declined += len(declined)
+        wanted = [k for k in keys if k not in declined]
+        if wanted:
+            try:
+                with as_tenant(self.handle, tenant):
+                    answers = self.handle.lookup(wanted)
+            except Exception:  # rule 4 says it does not raise; if it does, send them all
+                answers = [Lookup.MISS] * len(wanted)
+            present = {k for k, a in zip(wanted, answers, strict=True) if a is Lookup.HIT}
+            adm.admitted += len(wanted) - len(present)
+            declined |= present
         return frozenset(declined)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -443,7 +456,7 @@ class KvtiersTier(SecondaryTierManager):
             if failed and len(failed) < len(keys):
                 successful = tuple(ek for ek, k in zip(tj.keys, keys, strict=True) if k not in failed)
         else:
-            gone = failed | pending.declined  # declined: kept back by "admit", not stored and not failed
+            gone = failed | pending.declined  # not sent ("admit"): not stored now, not failed
             stored = [ek for ek, k in zip(tj.keys, keys, strict=True) if k not in gone]
             self._failed_loads.difference_update(k for k in keys if k not in gone)
             self.pins.note([k for k in keys if k not in gone], tj.req_context)
