@@ -6,7 +6,8 @@ and ``kvtiers_<name>`` for each tier in kvtiers' registry (``kvtiers_fs``,
 ``kvtiers_memory``, ``kvtiers_obj``, third-party tiers), so a config needs no
 ``module_path``. The prefix keeps them apart from vLLM's own ``fs``, ``obj`` and ``p2p``.
 It also registers the model load format ``kvtiers`` (:mod:`.loader`: publish a model's weights
-to the tiers as it loads, or start from weights another engine published; docs/vllm-weights.md).
+to the tiers as it loads, or start from weights another engine published; docs/vllm-weights.md),
+and the primary-tier policy ``kvtiers_bip`` (:mod:`.policy`: hits under cyclic reuse).
 Registering twice in one process is harmless, and a name vLLM already knows is left alone.
 """
 
@@ -56,6 +57,13 @@ def register() -> None:
         install()
     except Exception as e:  # noqa: BLE001 - as for the load format
         log.warning("kvtiers: the frontend hooks of the load format 'kvtiers' are unavailable in this vLLM: %s", e)
+
+    try:  # "eviction_policy": "kvtiers_bip" for vLLM's primary tier
+        from .policy import register as register_policy
+
+        register_policy()
+    except Exception as e:  # noqa: BLE001 - as for the load format
+        log.warning("kvtiers: the primary-tier policy 'kvtiers_bip' is unavailable in this vLLM: %s", e)
 
     try:
         names = vllm_type_names()
