@@ -5,6 +5,9 @@ everything; eviction skips pinned chunks and is all or nothing."""
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.cpu.manager", reason="vLLM 0.33.0 is installed by `make test`")
@@ -85,3 +88,37 @@ def test_one_insert_in_bip_every_enters_at_the_new_end() -> None:
     order = [k for k, _ in p.evict(len(keys), protected=set())]
     assert order[-1] == keys[BIP_EVERY - 1]  # the 32nd insert went to the new end
     assert order[0] == keys[-1]
+
+
+def test_a_chunk_promoted_from_a_kvtiers_tier_is_not_the_next_victim(tmp_path) -> None:
+    """Under KvtiersOffloadingSpec with a kvtiers fs tier: a chunk promoted from the tier is a
+    use (to the new end), so a store made before its request reads it does not evict it (at
+    the old end, where insertion put it, it would be the first victim and be promoted again)."""
+    from test_vllm_namespace import MODULE, ROW, STEP, Engine
+
+    from kvtiers.integrations.vllm.spec import KvtiersOffloadingSpec
+
+    rng = np.random.default_rng(5)
+
+    def chunks(n: int) -> dict:
+        return {make_offload_key(rng.bytes(32), 0): rng.bytes(ROW) for _ in range(n)}
+
+    e = Engine({"type": "kvtiers_fs", "module_path": MODULE, "root_dir": str(tmp_path / "kv")},
+               spec=KvtiersOffloadingSpec, eviction_policy="kvtiers_bip")
+    try:
+        a, b = chunks(16), chunks(16)  # the primary tier holds 16
+        e.store(a)  # to the primary tier and on to fs
+        e.store(b)  # every chunk of a leaves the primary tier
+        (a0, *_) = a
+        ctx = ReqContext(req_id="promote")
+        e.m.on_new_request(ctx)
+        for _ in range(2000):  # HIT_PENDING while the promotion from fs is in flight
+            if e.m.lookup(a0, ctx) is LookupResult.HIT:
+                break
+            e.m.on_schedule_end(STEP)
+            time.sleep(0.005)
+        assert e.m.primary_tier.lookup(a0, ctx) is LookupResult.HIT
+        e.store(chunks(1))  # one more store before the request reads a0
+        assert e.m.primary_tier.lookup(a0, ctx) is LookupResult.HIT
+    finally:
+        e.close()

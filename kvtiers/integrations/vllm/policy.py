@@ -8,7 +8,8 @@ Qureshi et al., ISCA 2007): a new chunk enters at the *old* end, so it is the fi
 unless it is used again first; a chunk that a request reuses moves to the new end; one insert
 in ``BIP_EVERY`` enters at the new end instead, so the resident set still turns over when the
 workload moves on. Under a cycle larger than the cache the chunks that got in stay and hit on
-every round; where LRU already hits, reused chunks are ordered as LRU orders them.
+every round; where LRU already hits, reused chunks are ordered as LRU orders them. A chunk
+promoted from a kvtiers secondary tier is a use: it goes to the new end (``promoted``).
 
 Registered as ``"kvtiers_bip"`` by kvtiers' vLLM plugin; elsewhere name the class:
 ``"eviction_policy": "BipCachePolicy", "cache_policy_module_path":
@@ -57,6 +58,13 @@ class BipCachePolicy(CachePolicy):
             if key in self.chunks:
                 self._new_end += 1
                 self._place(key, self._new_end)
+
+    def promoted(self, keys: Iterable[OffloadKey]) -> None:
+        """``keys`` are being promoted from a secondary tier for a request: to the new end.
+        Their insert put them at the old end, where the next stores would take them before
+        the request reads them (it reads them a step later) and they would be promoted again.
+        Called by kvtiers' secondary tiers (``KvtiersOffloadingSpec`` wires it)."""
+        self._to_new_end(keys)
 
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         return self.chunks.get(key)

@@ -90,6 +90,19 @@ def _refresh_on_load(manager: Any) -> None:
     manager.prepare_load = prepare_load_and_refresh
 
 
+def _promotions_to_policy(manager: Any) -> None:
+    """With ``kvtiers_bip`` as the primary tier's policy, the kvtiers secondary tiers tell it
+    which chunks they promote (a use: see :meth:`.policy.BipCachePolicy.promoted`)."""
+    from .policy import BipCachePolicy
+    from .tier import KvtiersTier
+
+    policy = getattr(getattr(manager, "primary_tier", None), "_policy", None)
+    if isinstance(policy, BipCachePolicy):
+        for tier in getattr(manager, "secondary_tiers", ()):
+            if isinstance(tier, KvtiersTier):
+                tier.on_promotion = policy.promoted
+
+
 class KvtiersOffloadingSpec(TieringOffloadingSpec):
     """``TieringOffloadingSpec`` that also offloads on vLLM's CPU platform (see the module)."""
 
@@ -122,6 +135,7 @@ class KvtiersOffloadingSpec(TieringOffloadingSpec):
                 setattr(manager, sync_load.MANAGER_ATTR, sync_load.SyncLoads())
             _add_host_stats(manager)
             _refresh_on_load(manager)
+            _promotions_to_policy(manager)
             try:
                 self.promotion_wait = install_promotion_wait(manager, self.extra_config)
             except BaseException:  # a bad kvtiers_promotion_wait_ms: leave no tier open behind the error

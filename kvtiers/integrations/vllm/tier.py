@@ -53,7 +53,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -221,6 +221,8 @@ class KvtiersTier(SecondaryTierManager):
         if slow is not None:
             self.handle.add_wrapper(slow, name="kvtiers-slow-loads")
         self._series = TierSeries(tier_type, observer)
+        #: told the vLLM keys of each promotion (the primary tier's kvtiers_bip policy, set by the spec)
+        self.on_promotion: Callable[[Sequence[OffloadKey]], None] | None = None
         self.pins = RequestPins(name)  # requests' kv_transfer_params.kvtiers_pin (docs/pins.md#from-vllm)
         self.reuse = ReuseEstimator()  # the reuse ceiling of the keys vLLM stores and loads (docs/observability.md)
         # load or recompute (kvtiers.engine.costs): this tier's promotions timed here, the engine's steps
@@ -372,6 +374,8 @@ class KvtiersTier(SecondaryTierManager):
     def _submit(self, tj: TransferJob, submit: Any) -> None:
         keys = tuple(self._key(k) for k in tj.keys)
         self.reuse.offer(keys)  # a store (vLLM's cascade) or a promotion offers its chunks
+        if tj.is_promotion and self.on_promotion is not None:
+            self.on_promotion(tj.keys)
         chunks = tuple(int(c) for c in tj.chunk_ids)
         sent, declined = keys, frozenset[bytes]()
         if self.admission is not None and not tj.is_promotion:
