@@ -12,7 +12,7 @@ import json
 import pytest
 import tier_helpers
 from kvtiers_conformance import DEFAULT_LIMITS, TierTests
-from s3_fixture import options_for
+from s3_fixture import options_for, s3_limits
 from tier_helpers import key_file, p2p_entry
 
 pytest_plugins = ["s3_fixture"]
@@ -78,7 +78,7 @@ class TestCompressedP2P(TierTests):
 class TestCompressedObj(TierTests):
     """The obj tier on SeaweedFS (real S3 traffic: 10 stateful examples, as the encrypted run)."""
 
-    limits = DEFAULT_LIMITS.replace(examples=10)
+    limits = s3_limits(10)
     levels = frozenset({"core", "durable", "shared"})  # bounded: as TestCompressedFsBounded says
 
     @pytest.fixture

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from kvtiers_conformance import DEFAULT_LIMITS, TierTests
-from s3_fixture import options_for
+from kvtiers_conformance import TierTests
+from s3_fixture import options_for, s3_limits
 from tier_helpers import key_file
 
 pytest_plugins = ["s3_fixture"]
@@ -47,7 +47,7 @@ class TestEncryptedObj(TierTests):
     """The obj tier on SeaweedFS (every step is real S3 traffic: about 8 minutes with 30
     stateful examples on a busy 2-core machine, so 10 here; the plain obj run has 30)."""
 
-    limits = DEFAULT_LIMITS.replace(examples=10)
+    limits = s3_limits(10)
 
     @pytest.fixture
     def tier_config(self, tmp_path, s3_server):

@@ -19,27 +19,33 @@ from kvtiers.commands.cli import cli
 from kvtiers.registry import get_registry
 
 
-def _drop_rate(idx: Index, keys: list[bytes]) -> float:
-    t0 = time.perf_counter()
-    for k in keys:
-        idx.add(k)
-        idx.drop(k)
-    return len(keys) / (time.perf_counter() - t0)
+def _drop_rate(idx: Index, tag: bytes) -> float:
+    """Adds and drops per second of CPU time, the best of five rounds of 2000: the other test
+    worker and the machine's load slow single rounds down, never the best one much."""
+    best = 0.0
+    for r in range(5):
+        t0 = time.process_time()
+        for i in range(2000):
+            k = b"%s-%d-%d" % (tag, r, i)
+            idx.add(k)
+            idx.drop(k)
+        best = max(best, 2000 / max(time.process_time() - t0, 1e-6))
+    return best
 
 
 def test_a_drop_costs_the_same_after_a_hundred_thousand_and_memory_stays_bounded():
     idx = Index(negative_ttl=3600.0, file_bytes=10)  # MISSes remembered an hour: nothing expires
-    early = _drop_rate(idx, [b"early-%d" % i for i in range(2000)])
+    early = _drop_rate(idx, b"early")
     for i in range(100_000):
         idx.add(b"k-%d" % i)
         idx.drop(b"k-%d" % i)
-    late = _drop_rate(idx, [b"late-%d" % i for i in range(2000)])
+    late = _drop_rate(idx, b"late")
     # the old dict of dropped fingerprints rebuilt itself on every drop past 65 536 entries
     assert late >= 0.3 * early, f"{late:.0f} drops/s after 100k drops, {early:.0f} at first"
     assert len(idx.dropped) == drops.CAPACITY and isinstance(idx.dropped, DropRing)
     assert idx.dropped.fp.nbytes + idx.dropped.at.nbytes == 16 * drops.CAPACITY
     assert len(idx.absent) <= index.ABSENT_KEYS
-    assert b"late-1999" in idx.absent  # the latest drops are still remembered as MISSes
+    assert b"late-4-1999" in idx.absent  # the latest drops are still remembered as MISSes
 
 
 def test_keys_probed_absent_and_never_asked_again_stay_bounded():

@@ -4,8 +4,8 @@ shared (two instances on one bucket) and bounded (max_bytes), each test in a fre
 from __future__ import annotations
 
 import pytest
-from kvtiers_conformance import DEFAULT_LIMITS, TierTests
-from s3_fixture import options_for
+from kvtiers_conformance import TierTests
+from s3_fixture import options_for, s3_limits
 
 pytest_plugins = ["s3_fixture"]
 
@@ -17,7 +17,7 @@ class TestObjConformance(TierTests):
     is real S3 traffic. ``kvtiers conformance obj --config ...`` runs the full default.
     """
 
-    limits = DEFAULT_LIMITS.replace(examples=30)
+    limits = s3_limits(30)
 
     @pytest.fixture
     def tier_config(self, tmp_path, s3_server):
