@@ -41,6 +41,11 @@ def piece_key(key: bytes, i: int) -> bytes:
     return hashlib.blake2b(key, digest_size=32, person=b"kvtiers-piece", salt=i.to_bytes(8, "little")).digest()
 
 
+
+#: seconds of work a hook's call does on the caller's thread before it returns (rule 5); the
+#: next call goes on where it stopped
+POLL_BUDGET_S = 0.05
+
 class PieceBook:
     """What the wrapper remembers of pieces, bounded (``capacity`` keys each): the caller's
     key of each further piece it stored or loaded, so the tier's removal of a piece is
@@ -221,11 +226,11 @@ class CompressedTier:
         if outer is None:
             return
         self._waiting.extend(_Item(outer, k, s, None, 1) for k, s in zip(job.keys, job.slots, strict=True))
-        self._drive()
+        self._drive(budget_s=POLL_BUDGET_S)
 
     @hookimpl
     def get_finished_jobs(self) -> list[JobResult]:
-        self._drive()
+        self._drive(budget_s=POLL_BUDGET_S)
         return drain(self._results)
 
     @hookimpl
@@ -400,10 +405,15 @@ class CompressedTier:
                                        time.perf_counter() - outer.t0, error))
         self._pending -= 1
 
-    def _drive(self, final: bool = False) -> None:
+    def _drive(self, final: bool = False, budget_s: float | None = None) -> None:
         """Move every job on, on the caller's thread: stage encoded chunks, collect the
-        tier's results, hand loaded chunks to the workers to decode."""
+        tier's results, hand loaded chunks to the workers to decode. With ``budget_s`` (the
+        hooks' calls) it returns once that long has passed and the next call goes on, so a
+        poll never blocks for long (rule 5)."""
+        deadline = None if budget_s is None else time.monotonic() + budget_s
         while True:
+            if deadline is not None and time.monotonic() > deadline:
+                return
             progressed = False
             while self._done:
                 with self._lock:
