@@ -402,12 +402,9 @@ class KvtiersTier(SecondaryTierManager):
         offer counted; kvtiers.engine.admission: never too few) and those the tier holds already
         (the request-level policy offers a request's stored chunks again)."""
         adm = self.admission
-        assert adm is not None
-        declined = set()
-        for k in keys:
-            adm.offer(k)
-            if not adm.admits(k):
-                declined.add(k)
+        assert adm is not None and adm.counter is not None
+        # add() returns the key's new estimate: one hash per key, not a second for admits()
+        declined = {k for k in keys if adm.counter.add(k) < adm.min_offers}
         adm.declined += len(declined)
         wanted = [k for k in keys if k not in declined]
         if wanted:
