@@ -173,8 +173,11 @@ class SqliteTier(kvtiers.AsyncTier):
         over = rows - self.max_bytes // size
         if over <= 0:
             return
-        oldest = self.db.execute(f"SELECT key FROM {self.table} ORDER BY rowid").fetchall()
-        with self._pins_lock:  # pins are at most half of the bound: enough rows are unpinned
+        # the oldest rows, enough to pass over every pin (at most half the bound), not the whole table
+        most_pinned = self.max_bytes // 2 // size
+        oldest = self.db.execute(f"SELECT key FROM {self.table} ORDER BY rowid LIMIT ?", (over + most_pinned,))
+        oldest = oldest.fetchall()
+        with self._pins_lock:
             kept = self._pinned_now()
             gone.extend(k for (k,) in oldest if k not in kept)
             del gone[over:]
