@@ -170,7 +170,15 @@ def test_three_processes_storing_ten_times_the_bound_stay_within_the_slack(tmp_p
         assert total <= allowed, f"{total} bytes at {ts:.3f}, documented slack allows {allowed}"
         worst = max(worst, total)
     print(f"shared root: bound {bound} B, worst sample {worst} B, final {final} B, {len(samples)} samples")
-    assert len(samples) > 20 and worst > bound  # the writers did overlap, and the test saw it
+    # the test means something only if the writers raced: stores of two writers overlapped in
+    # time, and the samples saw the namespace at the bound (a sample past it is luck of timing
+    # on a loaded machine, so it is not required)
+    last_end: dict[int, float] = {}
+    raced = False
+    for s0, s1, i in sorted((s0, s1, i) for i, (_, st, _) in enumerate(logs_read) for s0, s1, _ in st):
+        raced |= any(end > s0 for j, end in last_end.items() if j != i)
+        last_end[i] = max(last_end.get(i, s1), s1)
+    assert len(samples) > 20 and raced and worst >= bound, (len(samples), raced, worst)
 
 
 # -- item 6: a writer in another PID namespace is alive while it holds its lock ----------------
