@@ -158,7 +158,7 @@ def run_client(client: Path, base_url: str, model: str, mt: MultiTurnSettings, c
     (:func:`parse_result`). Raises ``LaunchError`` (one line, the log's tail) if the client fails."""
     from ...launcher import LaunchError
 
-    wd = Path(workdir)
+    wd = Path(workdir).resolve()  # the client runs in its own folder: a relative path would name a file there
     words = 2 * (mt.common_prefix_len + conversations * (mt.prefix_len + 2 * mt.turns * mt.turn_len)) + 1000
     text = write_text(wd / f"multi-turn-text-{words}.txt", words)
     conf = wd / f"multi-turn-c{conversations}-s{seed}.json"
