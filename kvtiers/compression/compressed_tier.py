@@ -338,11 +338,14 @@ class CompressedTier:
                 out.append((k, f"{type(e).__name__}: {e}"))
         return out
 
-    def _stage(self) -> None:
+    def _stage(self, deadline: float | None = None) -> None:
         """Give waiting chunks staging slots, in order, and hand them to the tier: one job
-        per kind and caller's job each pass."""
+        per kind and caller's job each pass; past ``deadline`` (monotonic) no more chunks
+        than the first are staged in this pass."""
         jobs: dict[tuple[int, str], list[_Item]] = {}
         while self._waiting and len(self._free) >= self._waiting[0].need:
+            if jobs and deadline is not None and time.monotonic() > deadline:
+                break
             it = self._waiting.popleft()
             it.staged = [self._free.pop() for _ in range(it.need)]
             kind = "store" if it.outer.kind == "store" else ("more" if it.data is not None else "load")
@@ -416,6 +419,8 @@ class CompressedTier:
                 return
             progressed = False
             while self._done:
+                if deadline is not None and progressed and time.monotonic() > deadline:
+                    return
                 with self._lock:
                     what, outer, out = self._done.popleft()
                 progressed = True
@@ -426,7 +431,7 @@ class CompressedTier:
                     progressed = True
                     self._inner_result(entry, r, final)
             if self._waiting and not final and len(self._free) >= self._waiting[0].need:
-                self._stage()
+                self._stage(deadline)
                 progressed = True
             if not progressed:
                 return
