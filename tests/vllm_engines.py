@@ -64,6 +64,28 @@ def child_json(script: str, work: Path, timeout: float = 500) -> Any:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+#: asks vLLM's own oneDNN for a bfloat16 matmul handle, as vLLM's CPU dispatch does for a weight
+_ONEDNN_PROBE = """import torch, vllm._custom_ops as ops
+try:
+    ops.create_onednn_mm(torch.zeros(256, 256, dtype=torch.bfloat16).t(), 32)
+    print("bfloat16")
+except RuntimeError:
+    print("float32")
+"""
+
+
+@functools.cache
+def onednn_dtype() -> str:
+    """The dtype in which vLLM's CPU backend gives a large linear weight to oneDNN on this CPU:
+    ``bfloat16`` where oneDNN multiplies bf16 here (AVX-512 or AMX), ``float32`` where it does
+    not (an AVX2-only CPU such as AMD EPYC Milan: vLLM falls back to torch's own linear for a
+    bf16 layer, and oneDNN still packs a float32 one). Tests of the oneDNN path run their
+    models in this dtype, so they mean the same on every x86 CPU. Asked once per process."""
+    proc = subprocess.run([str(VLLM_PY), "-c", _ONEDNN_PROBE], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
 def job(kv_transfer_config: dict | None, runs: list[list[int]] | None = None, **extra: Any) -> dict[str, Any]:
     """An engine job over :data:`PROMPTS` (the tiny model, made on first use)."""
     return {"model": None, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "kv_transfer_config": kv_transfer_config,

@@ -5,7 +5,8 @@ Run in vLLM's environment (``make demo-vllm`` and the end-to-end tests use ``.ve
     python -m kvtiers.commands.vllm_engine JOB.json OUT.json
 
 ``JOB.json``: ``{"model": dir, "prompts": [[token ids], ...], "max_tokens": N,
-"kv_transfer_config": {...} or null, "max_model_len": N, "kvcache_gib": N, "runs": [...]}``.
+"kv_transfer_config": {...} or null, "max_model_len": N, "kvcache_gib": N, "runs": [...]}``;
+``"dtype"`` (optional) is vLLM's, ``bfloat16`` by default.
 ``"tensor_parallel_size": N`` runs N workers (on CPU give each its cores: ``"env":
 {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}``; ``env`` is set before vLLM is imported).
 With no ``model``, the tiny model of ``kvtiers.commands.tinymodel`` is made (once) and used,
@@ -243,7 +244,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = LLM(
         model=job["model"],
-        dtype="bfloat16",
+        dtype=job.get("dtype", "bfloat16"),
         max_model_len=max_len,
         max_num_batched_tokens=max(max_len, 2048),
         max_num_seqs=4,

@@ -9,7 +9,8 @@ and the weight's size (``vllm/model_executor/layers/utils.py``, ``dispatch_cpu_u
 
 - the SGL kernel (CPUs with AMX, weights of at most 1 MiB): a packed tensor, ``packed_weight``;
 - zentorch (AMD Zen with zentorch installed): a tensor, ``zen_weight``, prepacked or not;
-- ``torch.nn.functional.linear``: the parameter itself, nothing to add;
+- ``torch.nn.functional.linear``: the parameter itself, nothing to add (also a bf16 weight on
+  an AVX2-only CPU, whose oneDNN has no bf16 matmul);
 - oneDNN (every other x86 case: large weights, CPUs without AMX): a handle to memory that
   oneDNN packed and owns; no tensor reaches those bytes.
 
