@@ -23,6 +23,12 @@ ZSTD = {"codec": "zstd"}
 
 class TestCompressedFs(TierTests):
     levels = frozenset({"core", "durable", "shared"})
+    #: rule 5 at 3 s, not 1: a poll of the wrapper took 1.95 s once in a fresh clone (2-core AMD
+    #: EPYC Milan, the other test worker's engines running) although a hook's call does at most
+    #: 50 ms of the wrapper's own work; not reproduced with three CPU hogs beside it (no poll
+    #: over 0.6 s in three runs). Suspected: its four encode threads and the poll contending for
+    #: the GIL on an overloaded machine. Still a failure where a poll waits on I/O or a lock.
+    limits = DEFAULT_LIMITS.replace(poll_block_s=3.0)
 
     @pytest.fixture
     def tier_config(self, tmp_path):

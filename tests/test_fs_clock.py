@@ -52,9 +52,11 @@ def test_a_cleaner_whose_clock_steps_back_an_hour_still_keeps_the_bound(tmp_path
         open(step, "w").close()  # the cleaner's wall clock goes back an hour
         time.sleep(0.5)  # (a few passes on the stepped clock)
         left = _settled_count(root)  # a pass may still be evicting: count once the files stop changing
-        r = w.store(tw, keys)  # the evicted keys are stored again (the ones left are kept as they are)
-        # (at least those counted; one more where a pass slowed by a loaded machine evicted after the count)
-        assert r.ok and (30 - left) * SLOT <= r.nbytes <= min(30, 31 - left) * SLOT, (r.nbytes, left)
+        assert 0 < left <= 8, left  # the stepped clock neither emptied the root nor let it past its bound
+        r = w.store(tw, keys)  # the evicted keys are stored again, at least those counted: the store's
+        # new files push the namespace past the bound, and a pass during the store may evict some of
+        # the ones left (the oldest) before the store reaches their keys (3 of 8 in one fresh run)
+        assert r.ok and (30 - left) * SLOT <= r.nbytes <= 30 * SLOT, (r.nbytes, left)
         wait_for(lambda: len(chunk_files(root)) <= 8, timeout=60,
                  what=f"the cleaner to evict to its bound again ({len(chunk_files(root))} files of 8)")
     finally:
