@@ -44,12 +44,12 @@ ENGINE = textwrap.dedent('''
         from kvtiers.integrations.vllm.kernels import linear_kernels
         model = worker.model_runner.model
         try:
-            w = ModelWeights(worker.model_runner.model, CFG, name="tiny-vllm", revision="v1", rank=worker.rank,
+            w = ModelWeights(model, CFG, name="tiny-vllm", revision="v1", rank=worker.rank,
                              world_size=worker.parallel_config.world_size, chunk_bytes=1 << 20)
         except UnreachableCopy as e:
             return {"refused": str(e), "amx": torch.cpu._is_amx_tile_supported(), "kernels": linear_kernels(model)}
         w.close()
-        with ModelWeights(worker.model_runner.model, CFG, name="tiny-vllm", revision="v1", rank=worker.rank,
+        with ModelWeights(model, CFG, name="tiny-vllm", revision="v1", rank=worker.rank,
                           world_size=worker.parallel_config.world_size, chunk_bytes=1 << 20) as w:
             slept = w.sleep(2)
             woke = w.wake()

@@ -65,12 +65,12 @@ def child_json(script: str, work: Path, timeout: float = 500) -> Any:
 
 
 #: asks vLLM's own oneDNN for a bfloat16 matmul handle, as vLLM's CPU dispatch does for a weight
-_ONEDNN_PROBE = """import torch, vllm._custom_ops as ops
+_ONEDNN_PROBE = """import json, torch, vllm._custom_ops as ops
 try:
     ops.create_onednn_mm(torch.zeros(256, 256, dtype=torch.bfloat16).t(), 32)
-    print("bfloat16")
+    print(json.dumps("bfloat16"))
 except RuntimeError:
-    print("float32")
+    print(json.dumps("float32"))
 """
 
 
@@ -81,9 +81,7 @@ def onednn_dtype() -> str:
     not (an AVX2-only CPU such as AMD EPYC Milan: vLLM falls back to torch's own linear for a
     bf16 layer, and oneDNN still packs a float32 one). Tests of the oneDNN path run their
     models in this dtype, so they mean the same on every x86 CPU. Asked once per process."""
-    proc = subprocess.run([str(VLLM_PY), "-c", _ONEDNN_PROBE], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.strip().splitlines()[-1]
+    return child_json(_ONEDNN_PROBE, ROOT, timeout=300)
 
 
 def job(kv_transfer_config: dict | None, runs: list[list[int]] | None = None, **extra: Any) -> dict[str, Any]:
