@@ -11,11 +11,14 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 from test_encryption_cli import _all_load, _key_ids, _rotated
 
+from kvtiers.commands import encrypt
 from kvtiers.commands.encrypt import STAGING_PREFIX
 
 KVTIERS = os.path.join(os.path.dirname(sys.executable), "kvtiers")
@@ -112,7 +115,8 @@ def test_a_staging_directory_swapped_for_a_link_midway_is_not_followed(tmp_path)
         deadline, swapped = time.monotonic() + 60, None
         while swapped is None and child.poll() is None and time.monotonic() < deadline:
             for p in root.iterdir():
-                if p.name.startswith(STAGING_PREFIX) and p.is_dir() and not p.is_symlink():
+                # midway: once the rewrite holds it open (a swap before that is the next test's)
+                if p.name.startswith(STAGING_PREFIX) and p.is_dir() and not p.is_symlink() and _held(child.pid, p):
                     os.rename(p, moved)
                     _plant(p, theirs)
                     swapped = p
@@ -131,6 +135,71 @@ def test_a_staging_directory_swapped_for_a_link_midway_is_not_followed(tmp_path)
     assert _everything_under(moved) == []  # emptied through its descriptor
     assert _key_ids(root / digest) == {"k-new": n}
     assert _all_load(root, keys, {"key_file": rotated["key_file"], "key_id": "k-new"}, slot) == []
+
+
+def _held(pid: int, d) -> bool:
+    """Whether process ``pid`` has directory ``d`` open."""
+    st = d.stat()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            fst = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if (fst.st_dev, fst.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
+def _swapping_mkdtemp(monkeypatch, theirs, swaps: int) -> list:
+    """Fault injection: the first ``swaps`` staging directories are renamed away and a link
+    to ``theirs`` put in their place the moment ``mkdtemp`` has made them, before the rewrite
+    can open them; the swapped names are returned as they happen."""
+    real, swapped = tempfile.mkdtemp, []
+
+    def mkdtemp(*args, **kwargs):
+        path = real(*args, **kwargs)
+        if len(swapped) < swaps:
+            os.rename(path, f"{path}.moved")
+            _plant(path, theirs)
+            swapped.append(path)
+        return path
+
+    monkeypatch.setattr(encrypt.tempfile, "mkdtemp", mkdtemp)
+    return swapped
+
+
+def test_a_staging_directory_swapped_before_it_is_held_is_given_up_for_a_fresh_one(tmp_path, monkeypatch):
+    """Swapped between its making and its opening: the rewrite leaves that name (now a link)
+    alone, makes another, and nothing is written through the link."""
+    root, theirs = tmp_path / "kv", _attacker(tmp_path)
+    root.mkdir()
+    swapped = _swapping_mkdtemp(monkeypatch, theirs, swaps=2)
+    staging = encrypt._Staging(str(root))
+    try:
+        assert len(swapped) == 2 and staging.path not in swapped
+        with open(os.path.join(staging.where, "chunk"), "wb") as f:
+            f.write(b"x")
+        assert (Path(staging.path) / "chunk").read_bytes() == b"x"
+    finally:
+        staging.remove()
+    assert _everything_under(theirs) == []
+    assert all(Path(p).is_symlink() and os.readlink(p) == str(theirs) for p in swapped)
+    assert not Path(staging.path).exists()
+
+
+def test_a_root_whose_staging_directories_are_always_swapped_is_refused_with_the_reason(tmp_path, monkeypatch):
+    root, theirs = tmp_path / "kv", _attacker(tmp_path)
+    root.mkdir()
+    swapped = _swapping_mkdtemp(monkeypatch, theirs, swaps=encrypt.STAGING_TRIES)
+    with pytest.raises(OSError, match=rf"{encrypt.STAGING_TRIES} staging directories made in .* were each replaced "
+                                      r"before they could be opened .*nothing was written there"):
+        encrypt._Staging(str(root))
+    assert len(swapped) == encrypt.STAGING_TRIES
+    assert _everything_under(theirs) == []
 
 
 def test_stale_staging_directories_removed_only_when_ours(tmp_path):

@@ -49,6 +49,8 @@ BATCH_BYTES = 256 << 20
 #: a rewrite's staging directory, beside the chunks: this prefix, 8 random characters
 #: (``mkdtemp``), then ``-<pid>@<host>``
 STAGING_PREFIX = ".kvtiers-rewrite-"
+#: staging directories a rewrite makes in one root before it gives up on that root
+STAGING_TRIES = 3
 #: what follows :data:`STAGING_PREFIX` in a staging directory's name: pid and host (the
 #: random part is absent in the names of rewrites before it had one)
 _STAGING_TAIL = re.compile(r"(?:[a-z0-9_]{8}-)?([0-9]+)@(.+)\Z")
@@ -386,18 +388,25 @@ class _Staging:
     """A rewrite's staging directory inside ``root``: created exclusively by ``mkdtemp``
     (fresh random name, 0700, this user's), held open as :attr:`fd`, and named to the tier as
     :attr:`where`, the descriptor's ``/proc/self/fd/N`` where there is one: if the directory
-    is renamed away and a link put in its place, the tier still writes into this directory."""
+    is renamed away and a link put in its place, the tier still writes into this directory.
+    One swapped before it could be held (between ``mkdtemp`` and the open) is given up, its
+    name left alone, and a fresh one made, up to :data:`STAGING_TRIES` times."""
 
     def __init__(self, root: str) -> None:
-        self.path = tempfile.mkdtemp(prefix=STAGING_PREFIX, suffix=f"-{os.getpid()}@{socket.gethostname()}",
-                                     dir=root)
-        self.root, self.name = root, os.path.basename(self.path)
-        self.fd = os.open(self.path, _DIR_FLAGS)  # a link swapped in since mkdtemp: ELOOP
+        self.root = root
+        for attempt in range(1, STAGING_TRIES + 1):
+            self.path = tempfile.mkdtemp(prefix=STAGING_PREFIX, suffix=f"-{os.getpid()}@{socket.gethostname()}",
+                                         dir=root)
+            try:
+                self.fd = self._hold()
+                break
+            except OSError as e:
+                if attempt == STAGING_TRIES:
+                    raise OSError(f"{STAGING_TRIES} staging directories made in {root} were each replaced "
+                                  f"before they could be opened (the last: {e}); nothing was written there") from None
+                click.echo(f"{e}; making another", err=True)
+        self.name = os.path.basename(self.path)
         st = os.fstat(self.fd)
-        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
-            os.close(self.fd)
-            raise OSError(f"the staging directory {self.path} was replaced by someone else's (owner uid "
-                          f"{st.st_uid}, mode {stat.filemode(st.st_mode)})")
         self.ident = (st.st_dev, st.st_ino)
         pinned = f"/proc/self/fd/{self.fd}"
         try:
@@ -406,6 +415,20 @@ class _Staging:
         except OSError:
             same = False  # no /proc: the path, created fresh and only this user's to write in
         self.where = pinned if same else self.path
+
+    def _hold(self) -> int:
+        """Open :attr:`path` (no link followed) and check it is still this user's 0700 directory."""
+        try:
+            fd = os.open(self.path, _DIR_FLAGS)
+        except OSError as e:  # a link there now (ENOTDIR with O_DIRECTORY | O_NOFOLLOW) or nothing
+            raise OSError(f"the staging directory {self.path} was replaced before it could be opened "
+                          f"({os.strerror(e.errno) if e.errno else e})") from None
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            os.close(fd)
+            raise OSError(f"the staging directory {self.path} was replaced by someone else's (owner uid "
+                          f"{st.st_uid}, mode {stat.filemode(st.st_mode)})")
+        return fd
 
     def remove(self) -> None:
         """Empty the directory through its descriptor, then remove its name from ``root`` if
