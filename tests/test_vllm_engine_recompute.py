@@ -42,12 +42,13 @@ def test_the_slow_tier_is_loaded_while_learning_then_recomputed(run) -> None:
     assert len(reqs) == 3 * ROUNDS
     # the first three prefixes are new; the next LEARN come from the tier, as without the feature
     assert [r["cached_tokens"] for r in reqs[3:3 + LEARN]] == [PREFIX] * LEARN, describe(run)
-    # then the tier's loads are known to lose to the prefill: the engine recomputes
-    # (at least one: a request may rightly be loaded still where the machine's load made a
-    # prefill as slow as the held load: 8.7-18.1 s seen beside another engine on an AVX2-only
-    # CPU, and 1.25 x the prefill's fit then exceeds 12 s; a feature that never recomputes
-    # fails this and the hits bound below)
-    late = reqs[3 + LEARN + 1:]
+    # then the tier's loads are known to lose to the prefill: the engine recomputes at least one
+    # of the later prefixes. Not every one: on an AVX2-only CPU beside another engine a prefill
+    # took 6.7-18.1 s, so 1.25 x the prefill's fit may exceed the 12 s hold and the next prefix
+    # is rightly loaded (seen: the first after learning loaded and the next two recomputed, and
+    # the first recomputed in 10 s and the next three loaded). A feature that never recomputes
+    # fails this and the hits bound below.
+    late = reqs[3 + LEARN:]
     assert any(r["cached_tokens"] < PREFIX for r in late), describe(run)
     hits = metric(run, "vllm:kv_offload_tiering_chunk_hits", tier=FS)
     assert hits < (3 * ROUNDS - 3) * PREFIX // 128, describe(run)
