@@ -22,6 +22,24 @@ def test_both_sides_use_the_same_directory_kind(tmp_path: Path):
     assert adapter_spec("lmcache", tmp_path / "b") == {"type": "fs", "base_path": str(tmp_path / "b")}
 
 
+def test_io_puts_both_sides_in_one_mode(tmp_path: Path):
+    """``--io``: O_DIRECT or buffered on both sides (each side's own option), so a ratio
+    compares like with like; without it each keeps its own default."""
+    for io, direct in (("direct", True), ("buffered", False)):
+        ours = parse_params(adapter_spec("kvtiers", tmp_path / "a", None, io)["adapter_params"])
+        assert ours.tier_options["direct"] is direct
+        assert adapter_spec("lmcache", tmp_path / "b", None, io) == {"type": "fs", "base_path": str(tmp_path / "b"),
+                                                                      "use_odirect": direct}
+    assert "direct" not in parse_params(adapter_spec("kvtiers", tmp_path / "a")["adapter_params"]).tier_options
+
+
+def test_io_and_a_direct_tier_option_conflict_one_line():
+    r = subprocess.run([*KVTIERS, "bench", "lmcache", "--io", "buffered", "--tier-options", '{"direct": true}'],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert 'Invalid value for --tier-options: sets "direct", which --io buffered sets for both sides' in r.stderr
+
+
 def test_without_lmcache_one_line():
     r = subprocess.run([*KVTIERS, "bench", "lmcache", "--rounds", "1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr

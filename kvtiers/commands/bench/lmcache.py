@@ -5,7 +5,9 @@ Run it where LMCache is installed (``make .venv-lmcache/.installed``;
 ``.venv-lmcache/bin/kvtiers bench lmcache``). One trial, for each adapter in turn, ``--rounds``
 times: a fresh directory under ``--dir``; ``lmcache server`` on 127.0.0.1 with that one L2
 adapter (kvtiers: ``{"type": "fs", "root_dir": DIR}`` through the plugin seam; LMCache's:
-``{"type": "fs", "base_path": DIR}``); LMCache's ``lmcache bench server --mode cpu`` over
+``{"type": "fs", "base_path": DIR}``; ``--io direct|buffered`` puts both in that mode, its
+``direct`` and LMCache's ``use_odirect``, else each keeps its own default); LMCache's
+``lmcache bench server --mode cpu`` over
 ``--requests`` sequences of ``--num-tokens`` tokens (the store pass: L1, then every chunk to
 L2); once L2 holds them all, ``lmcache kvcache clear`` empties L1 and the same bench runs
 again (the load pass: every chunk comes back from L2, checksums compared by LMCache's
@@ -45,12 +47,22 @@ KVTIERS_PLUGIN = {"type": "plugin", "module_path": "kvtiers.integrations.lmcache
                   "config_class_name": "KvtiersL2AdapterConfig"}
 
 
-def adapter_spec(kind: str, root: Path, tier_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The ``--l2-adapter`` JSON of one side over ``root`` (``tier_options``: more fs tier options)."""
+#: ``--io``: the option that puts each side's file I/O in that mode
+#: (the fs tier's options, LMCache's fs adapter's)
+IO_MODES = {"direct": ({"direct": True}, {"use_odirect": True}),
+            "buffered": ({"direct": False}, {"use_odirect": False})}
+
+
+def adapter_spec(kind: str, root: Path, tier_options: dict[str, Any] | None = None,
+                 io: str | None = None) -> dict[str, Any]:
+    """The ``--l2-adapter`` JSON of one side over ``root`` (``tier_options``: more fs tier
+    options; ``io``: ``direct`` or ``buffered`` for both sides, None for each side's default:
+    O_DIRECT for the fs tier, buffered for LMCache's adapter)."""
+    ours, theirs = IO_MODES[io] if io else ({}, {})
     if kind == "kvtiers":
-        tier = {"type": "fs", **(tier_options or {}), "root_dir": str(root)}
+        tier = {"type": "fs", **(tier_options or {}), **ours, "root_dir": str(root)}
         return {**KVTIERS_PLUGIN, "adapter_params": {"tier": tier}}
-    return {"type": "fs", "base_path": str(root)}
+    return {"type": "fs", "base_path": str(root), **theirs}
 
 
 def lmcache_bin() -> str:
@@ -141,11 +153,12 @@ def _results(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def trial(exe: str, kind: str, root: Path, *, requests: int, num_tokens: int, l1_gb: float, shape: str | None,
-          tier_options: dict[str, Any] | None = None, cold: bool = False, timeout: float = 600.0) -> dict[str, Any]:
+          tier_options: dict[str, Any] | None = None, io: str | None = None, cold: bool = False,
+          timeout: float = 600.0) -> dict[str, Any]:
     """One adapter's store pass and load pass on a fresh ``root``; LMCache's GB/s and checks
     (``cold``: the files dropped from the page cache between the passes)."""
     root.mkdir(parents=True)
-    srv = _Server(exe, adapter_spec(kind, root, tier_options), l1_gb, root.parent / f"{root.name}.log")
+    srv = _Server(exe, adapter_spec(kind, root, tier_options, io), l1_gb, root.parent / f"{root.name}.log")
     args = ["--start", "0", "--end", str(requests), "--num-tokens", str(num_tokens)]
     if shape:
         args += ["--kvcache-shape-spec", shape]
@@ -175,8 +188,8 @@ def trial(exe: str, kind: str, root: Path, *, requests: int, num_tokens: int, l1
 
 
 def run_bench_lmcache(*, dir: str | None, rounds: int, requests: int, num_tokens: int, l1_gb: float,
-                      shape: str | None, tier_options: dict[str, Any] | None = None, cold: bool = False,
-                      echo: Any = click.echo) -> dict[str, Any]:
+                      shape: str | None, tier_options: dict[str, Any] | None = None, io: str | None = None,
+                      cold: bool = False, echo: Any = click.echo) -> dict[str, Any]:
     """Interleaved trials (kvtiers, LMCache's fs, ...) and their summary."""
     exe = lmcache_bin()
     base = Path(tempfile.mkdtemp(prefix="kvtiers-bench-lmcache-", dir=dir))
@@ -185,7 +198,7 @@ def run_bench_lmcache(*, dir: str | None, rounds: int, requests: int, num_tokens
         for r in range(rounds):
             for kind in ADAPTERS:
                 t = trial(exe, kind, base / f"{kind}-{r}", requests=requests, num_tokens=num_tokens, l1_gb=l1_gb,
-                          shape=shape, tier_options=tier_options, cold=cold)
+                          shape=shape, tier_options=tier_options, io=io, cold=cold)
                 trials.append(t)
                 echo(f"round {r} {kind:8s} store {t['store_gbps']:.3f} GB/s ({t['store_tasks']} tasks)  "
                      f"load {t['load_gbps']:.3f} GB/s ({t['load_tasks']} tasks)  files {t['files']}  "
@@ -221,11 +234,14 @@ def run_bench_lmcache(*, dir: str | None, rounds: int, requests: int, num_tokens
               help="LMCache's KV shape spec (default: its bench default, (2,1024,16,8,128):float16:32).")
 @click.option("--tier-options", default=None,
               help='More options of the kvtiers fs tier, as JSON (e.g. \'{"direct": false}\': buffered I/O).')
+@click.option("--io", type=click.Choice(sorted(IO_MODES)), default=None,
+              help="Both sides' file I/O: direct (O_DIRECT: the fs tier's direct, LMCache's use_odirect) or "
+                   "buffered; default: each side's own (the fs tier O_DIRECT, LMCache's adapter buffered).")
 @click.option("--cold", is_flag=True,
               help="Drop both sides' files from the page cache before the load pass (loads from the device).")
 @click.option("--json", "json_out", default=None, help="Also write the trials and summary to this file.")
 def lmcache(dir_: str | None, rounds: int, requests: int, num_tokens: int, l1_size_gb: float, shape: str | None,
-            tier_options: str | None, cold: bool, json_out: str | None) -> None:
+            tier_options: str | None, io: str | None, cold: bool, json_out: str | None) -> None:
     """LMCache's server bench through the kvtiers fs adapter vs LMCache's fs L2 adapter."""
     opts = None
     if tier_options:
@@ -235,7 +251,10 @@ def lmcache(dir_: str | None, rounds: int, requests: int, num_tokens: int, l1_si
             raise click.BadParameter(f"not JSON: {e}", param_hint="--tier-options") from None
         if not isinstance(opts, dict):
             raise click.BadParameter("expected a JSON object", param_hint="--tier-options")
+        if io and "direct" in opts:
+            raise click.BadParameter(f"sets \"direct\", which --io {io} sets for both sides: give one of them",
+                                     param_hint="--tier-options")
     summary = run_bench_lmcache(dir=dir_, rounds=rounds, requests=requests, num_tokens=num_tokens,
-                                l1_gb=l1_size_gb, shape=shape, tier_options=opts, cold=cold)
+                                l1_gb=l1_size_gb, shape=shape, tier_options=opts, io=io, cold=cold)
     if json_out:
         Path(json_out).write_text(json.dumps(summary, indent=1))
