@@ -398,7 +398,7 @@ class _Staging:
             self.path = tempfile.mkdtemp(prefix=STAGING_PREFIX, suffix=f"-{os.getpid()}@{socket.gethostname()}",
                                          dir=root)
             try:
-                self.fd = self._hold()
+                self.fd, st = self._hold()
                 break
             except OSError as e:
                 if attempt == STAGING_TRIES:
@@ -406,7 +406,6 @@ class _Staging:
                                   f"before they could be opened (the last: {e}); nothing was written there") from None
                 click.echo(f"{e}; making another", err=True)
         self.name = os.path.basename(self.path)
-        st = os.fstat(self.fd)
         self.ident = (st.st_dev, st.st_ino)
         pinned = f"/proc/self/fd/{self.fd}"
         try:
@@ -416,8 +415,9 @@ class _Staging:
             same = False  # no /proc: the path, created fresh and only this user's to write in
         self.where = pinned if same else self.path
 
-    def _hold(self) -> int:
-        """Open :attr:`path` (no link followed) and check it is still this user's 0700 directory."""
+    def _hold(self) -> tuple[int, os.stat_result]:
+        """Open :attr:`path` (no link followed) and check it is still this user's 0700
+        directory: its descriptor and status."""
         try:
             fd = os.open(self.path, _DIR_FLAGS)
         except OSError as e:  # a link there now (ENOTDIR with O_DIRECTORY | O_NOFOLLOW) or nothing
@@ -428,7 +428,7 @@ class _Staging:
             os.close(fd)
             raise OSError(f"the staging directory {self.path} was replaced by someone else's (owner uid "
                           f"{st.st_uid}, mode {stat.filemode(st.st_mode)})")
-        return fd
+        return fd, st
 
     def remove(self) -> None:
         """Empty the directory through its descriptor, then remove its name from ``root`` if
