@@ -594,3 +594,18 @@ def test_cpu_masked_path_batches_chunks_to_every_other_slot(monkeypatch):
                     want = before[name][i][src[name][b]] if b in src[name] else torch.full_like(t[b], POISON)
                     assert torch.equal(t[b], want), (name, i, b)
         eng.close()
+
+
+def test_strided_view_shares_memory_and_stays_in_its_buffer():
+    """A segment's strided view writes through to the tensor's bytes and cannot reach past
+    the buffer it was made over."""
+    from kvtiers.engine import dma_copies
+
+    t = torch.zeros((6, 32), dtype=torch.uint8)
+    (seg,) = dma_copies.address_segments([t], [t.numpy()], 6, 32)
+    _, _, _, base = seg
+    v = dma_copies.strided(base, 2 * 32, (2, 1, 1, 32), (2 * 32, 0, 32, 1))  # blocks 2 and 4
+    v[...] = 7
+    assert t[2].eq(7).all() and t[4].eq(7).all() and t[[0, 1, 3, 5]].eq(0).all()
+    with pytest.raises(ValueError):
+        dma_copies.strided(base, 5 * 32, (2, 1, 1, 32), (32, 0, 32, 1))  # block 6 is past the tensor

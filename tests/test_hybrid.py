@@ -174,6 +174,41 @@ def test_dma_rejects_bad_group_ids():
         host.close()
 
 
+def test_dma_takes_any_mapping_and_names_bad_block_ids():
+    """Chunks given per group as any read-only mapping (not only a dict) copy the same bytes;
+    a bad id of an attention group is refused naming it, with nothing copied."""
+    from types import MappingProxyType
+
+    src, layout = hybrid_caches(pooled=False, seed=3)
+    dst, _ = hybrid_caches(pooled=False, seed=4)
+    host = create_host_arena(4, slot_bytes_for(layout.chunk_bytes(BPC)))
+    try:
+        store = DmaEngine(layout, src, host, BPC)
+        load = DmaEngine(layout, dst, host, BPC)
+        spec = {g.name: ([2] if g.is_state else [4, 5, 6, 7]) for g in layout.groups}
+        store.submit_store(1, [(MappingProxyType(spec), 0)])
+        back = {g.name: ([7] if g.is_state else [20, 21, -1, 23]) for g in layout.groups}
+        before = {g: block_bytes(dst, g, 22) for g in ("full", "swa")}
+        load.submit_load(2, [(MappingProxyType(back), 0)])
+        assert store.poll() == [1] and load.poll() == [2]
+        for g in ("full", "swa", "mla", "idx"):
+            for p, b in ((0, 20), (1, 21), (3, 23)):
+                assert block_bytes(dst, g, b) == block_bytes(src, g, 4 + p), (g, b)
+        assert {g: block_bytes(dst, g, 22) for g in before} == before  # -1: position 2 not written
+        assert block_bytes(dst, "conv", 7) == block_bytes(src, "conv", 2)
+        dst_before = {g.name: [block_bytes(dst, g.name, b) for b in range(8)] for g in layout.groups
+                      if not g.is_state}
+        for bad, word in ((NBLOCKS, f"device block {NBLOCKS} out of range"), (-2, "device block -2 out of range")):
+            with pytest.raises(IndexError, match=word):
+                load.submit_load(3, [({"full": [0, 1, 2, 3]}, 1), ({"swa": [4, bad, 6, 7]}, 2)])
+        with pytest.raises(ValueError, match="KV group 'full' is loaded twice"):
+            load.submit_load(4, [({"full": [0, 1, 2, 3]}, 1), ({"full": [3, 4, 5, 6]}, 2)])
+        assert load.poll() == []
+        assert {n: [block_bytes(dst, n, b) for b in range(8)] for n in dst_before} == dst_before
+    finally:
+        host.close()
+
+
 def test_chunk_specs_window_and_state():
     _, layout = hybrid_caches(pooled=True)
     keys = tuple(bytes([i]) * 8 for i in range(4))

@@ -77,9 +77,10 @@ class _Group:
     rows: Any = None  # CPU, pooled: uint8 view [nrows, block_bytes] over the shared allocation
     row_off: np.ndarray | None = None  # CPU, pooled: first row of each tensor in `rows`
     np_rows: np.ndarray | None = None  # CPU, pooled
-    segs: list[tuple[int, int, np.ndarray]] | None = None  # CPU: runs of tensors (slot order) at one
-    # address stride (a pool, or separate allocations placed one after another): (first tensor,
-    # count, strided view [count, num_blocks, block_bytes]); a lone tensor is a run of one
+    segs: list[tuple[int, int, np.ndarray, tuple[np.ndarray, int]]] | None = None  # CPU: runs of tensors
+    # (slot order) at one address stride (a pool, or separate allocations placed one after
+    # another): (first tensor, count, strided view [count, num_blocks, block_bytes], (flat
+    # buffer, the view's offset in it)); a lone tensor is a run of one
     np_tensors: list[np.ndarray] | None = None  # CPU
     addrs: list[int] | None = None  # CPU: address of each tensor's block 0
     span_first: np.ndarray | None = None  # accelerator: span row of each tensor's block 0 (host copy)
@@ -122,13 +123,26 @@ PARALLEL_MIN_BYTES = 4 << 20  # CPU: transfers at least this large are shared wi
 PARALLEL_PARTS = 4  # ... in this many parts per thread
 
 
-class _Masked:
-    """A chunk's ids given per group (or for a layout with SSM groups), until checked."""
+class _PerGroup:
+    """A transfer's chunks given per group, checked: ``ids[g]`` is an int64 matrix
+    ``(chunks, positions of group g)``, ``-1`` where a position is skipped; ``slots[c]`` is
+    chunk ``c``'s slot. One matrix per group, so planning a transfer costs a few numpy calls
+    per group, not per chunk."""
 
-    __slots__ = ("ids",)
+    __slots__ = ("ids", "slots")
 
-    def __init__(self, ids: Any) -> None:
+    def __init__(self, ids: list[np.ndarray], slots: list[int]) -> None:
         self.ids = ids
+        self.slots = slots
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def select(self, keep: Any) -> _PerGroup:
+        """The chunks picked by ``keep`` (a slice, or a boolean mask over the chunks)."""
+        if isinstance(keep, slice):
+            return _PerGroup([m[keep] for m in self.ids], self.slots[keep])
+        return _PerGroup([m[keep] for m in self.ids], [s for s, k in zip(self.slots, keep.tolist(), strict=True) if k])
 
 
 class DmaEngine:
@@ -315,7 +329,7 @@ class DmaEngine:
             self._pool = None
 
     # --- validation ------------------------------------------------------------------------
-    def _check(self, transfer_id: int, chunks: Chunks, load: bool) -> tuple[int, list[tuple[Any, int]]]:
+    def _check(self, transfer_id: int, chunks: Chunks, load: bool) -> tuple[int, list[tuple[Any, int]] | _PerGroup]:
         if self._closed:
             raise ValueError("DMA engine is closed")
         try:
@@ -328,6 +342,7 @@ class DmaEngine:
         plan: list[tuple[Any, int]] = []
         slots = set()
         nslots = self.host.num_slots
+        masked = self._has_state  # chunks given per group (or SSM groups): checked per group below
         for item in chunks:
             try:
                 ids, slot = item
@@ -339,88 +354,84 @@ class DmaEngine:
             if slot in slots and not load:
                 raise ValueError(f"transfer {tid}: slot {slot} given twice")
             slots.add(slot)
-            if isinstance(ids, Mapping) or self._has_state:
-                plan.append((_Masked(ids), slot))  # checked per group below
-                continue
+            if not masked and (type(ids) is dict or isinstance(ids, Mapping)):
+                masked = True
+            plan.append((ids, slot))
+        if masked:
+            return tid, self._group_plan(tid, plan, load)
+        for c, (ids, slot) in enumerate(plan):
             arr = np.asarray(ids, dtype=np.int64).reshape(-1)
             if len(arr) > self.blocks_per_chunk:
                 raise ValueError(f"transfer {tid}: chunk for slot {slot} has {len(arr)} blocks, "
                                  f"more than blocks_per_chunk={self.blocks_per_chunk}")
-            plan.append((arr, slot))
-        plain = [a for a, _ in plan if not isinstance(a, _Masked)]
-        all_ids = np.concatenate(plain) if plain else np.zeros(0, np.int64)
+            plan[c] = (arr, slot)
+        all_ids = np.concatenate([a for a, _ in plan]) if plan else np.zeros(0, np.int64)
         if len(all_ids) and (all_ids.min() < 0 or all_ids.max() >= self._min_blocks):  # name the first bad one
-            for arr in plain:
+            for arr, _ in plan:
                 lo, hi = (int(arr.min()), int(arr.max())) if len(arr) else (0, 0)
                 for grp in self._groups:
                     if lo < 0 or hi >= grp.num_blocks:
                         bad = lo if lo < 0 else hi
                         raise IndexError(f"transfer {tid}: device block {bad} out of range: KV group "
                                          f"{grp.name!r} has {grp.num_blocks} blocks")
-        if len(plain) < len(plan):  # masked: every chunk per group
-            return tid, self._group_plan(tid, plan, load)
         if load and len(all_ids) > 1:
             if len(np.unique(all_ids)) != len(all_ids):
                 raise ValueError(f"transfer {tid}: a device block is loaded twice")
         return tid, plan
 
-    def _group_plan(self, tid: int, plan: list[tuple[Any, int]], load: bool) -> list[tuple[list[np.ndarray], int]]:
+    def _group_plan(self, tid: int, plan: list[tuple[Any, int]], load: bool) -> _PerGroup:
         """Every chunk's ids per group, each padded to the group's positions with ``-1`` (skip),
-        checked against each group: ``[(per-group id rows, slot)]``."""
+        checked against each group: one ``(chunks, positions)`` matrix per group."""
         n = len(plan)
         names = [g.name for g in self._groups]
         known = set(names)
-        per_group: list[list[Any]] = [[] for _ in names]
-        for ids, slot in plan:
-            ids = ids.ids if isinstance(ids, _Masked) else ids
-            if isinstance(ids, Mapping):
-                if not known.issuperset(ids):
-                    raise ValueError(f"transfer {tid}: chunk for slot {slot} names KV groups "
-                                     f"{sorted(set(ids) - known)}; the layout has {names}")
-                for rows, name in zip(per_group, names, strict=True):
-                    rows.append(ids.get(name, ()))
-            else:
-                for rows, g in zip(per_group, self._groups, strict=True):
-                    rows.append(() if g.is_state else ids)
+        specs = [ids for ids, _ in plan]
+        is_map = [type(x) is dict or isinstance(x, Mapping) for x in specs]
+        for x, m, (_, slot) in zip(specs, is_map, plan, strict=True):
+            if m and not known.issuperset(x):
+                raise ValueError(f"transfer {tid}: chunk for slot {slot} names KV groups "
+                                 f"{sorted(set(x) - known)}; the layout has {names}")
         mats = []
-        for grp, rows in zip(self._groups, per_group, strict=True):
-            m = None
-            if all(hasattr(r, "__len__") and len(r) == grp.positions for r in rows):  # all named: one conversion
-                with contextlib.suppress(ValueError, TypeError):
-                    m = np.asarray(rows, dtype=np.int64)
-            if m is None or m.shape != (n, grp.positions):
-                m = np.full((n, grp.positions), -1, dtype=np.int64)
+        for grp in self._groups:
+            rows = [x.get(grp.name, ()) if m else (() if grp.is_state else x)
+                    for x, m in zip(specs, is_map, strict=True)]
+            mat = None
+            with contextlib.suppress(ValueError, TypeError):  # ragged or scalars: one chunk at a time below
+                mat = np.asarray(rows, dtype=np.int64)
+            if mat is None or mat.shape != (n, grp.positions):
+                mat = np.full((n, grp.positions), -1, dtype=np.int64)
                 for c, gids in enumerate(rows):
                     arr = np.asarray(gids, dtype=np.int64).reshape(-1)
                     if len(arr) > grp.positions:
                         what = "a state slot" if grp.is_state else f"blocks_per_chunk={grp.positions} blocks"
                         raise ValueError(f"transfer {tid}: chunk for slot {plan[c][1]} has {len(arr)} ids for "
                                          f"KV group {grp.name!r}, which takes {what}")
-                    m[c, : len(arr)] = arr
-            mats.append(m)
-        for grp, m in zip(self._groups, mats, strict=True):
-            bad = (m < -1) | (m >= grp.num_blocks)
+                    mat[c, : len(arr)] = arr
             what = "state slot" if grp.is_state else "device block"
-            if bad.any():
-                raise IndexError(f"transfer {tid}: {what} {int(m[bad][0])} out of range: KV group {grp.name!r} has "
+            # one reduction for both bounds: shifted by one, -1 is 0 and anything below wraps high
+            if mat.size and int((mat + 1).view(np.uint64).max()) > grp.num_blocks:
+                bad = (mat < -1) | (mat >= grp.num_blocks)
+                raise IndexError(f"transfer {tid}: {what} {int(mat[bad][0])} out of range: KV group {grp.name!r} has "
                                  f"{grp.num_blocks} (-1 skips a position)")
             if load:
-                used = m[m >= 0]
-                if len(np.unique(used)) != len(used):
+                used = mat[mat >= 0]
+                distinct = len(set(used.tolist())) if len(used) <= 512 else len(np.unique(used))  # a set: fewer calls
+                if distinct != len(used):
                     raise ValueError(f"transfer {tid}: a {what} of KV group {grp.name!r} is loaded twice")
-        return [([m[c] for m in mats], slot) for c, (_, slot) in enumerate(plan)]
+            mats.append(mat)
+        return _PerGroup(mats, [slot for _, slot in plan])
 
     def _finish_now(self, tid: int) -> None:
         with self._lock:
             self._done.append(tid)
 
     # --- CPU -------------------------------------------------------------------------------
-    def _cpu_transfer(self, plan: list[tuple[np.ndarray, int]], load: bool) -> None:
+    def _cpu_transfer(self, plan: list[tuple[np.ndarray, int]] | _PerGroup, load: bool) -> None:
         """Copy on the caller's thread. Full chunks of consecutive blocks, the chunks at one
         block step going to slots at one slot step (consecutive chunks into consecutive slots,
         or every other slot, ...), are merged into one strided copy per run of tensors at one
         address stride (one per group for a pool); other chunks are copied one by one."""
-        if plan and isinstance(plan[0][0], list):
+        if isinstance(plan, _PerGroup):
             self._cpu_masked(plan, load)
             return
         bpc, n = self.blocks_per_chunk, len(plan)
@@ -445,19 +456,18 @@ class DmaEngine:
                 self._cpu_chunk(plan[i][0], slots[i], load)
         self._copy_pairs(pairs)
 
-    def _cpu_masked(self, plan: list[tuple[Any, int]], load: bool) -> None:
+    def _cpu_masked(self, plan: _PerGroup, load: bool) -> None:
         """Chunks given per group. Per group: chunks whose positions are all kept, with ids
         consecutive inside each chunk, the chunks' first ids stepping evenly into slots that
         step evenly, are merged into one strided copy per run of tensors at one address stride;
         other chunks one copy per such run of tensors per run of kept positions, or one
         gather/scatter when scattered."""
         pairs: list[tuple[np.ndarray, np.ndarray]] = []  # (dst, src)
-        slots = [s for _, s in plan]
-        for gi, grp in enumerate(self._groups):
+        slots = plan.slots
+        for grp, ids in zip(self._groups, plan.ids, strict=True):  # ids: (chunk, position), -1: skip
             lt, npos, bb = grp.num_tensors, grp.positions, grp.block_bytes
             width = lt * npos * bb
             segs = grp.segs or []
-            ids = np.stack([per[gi] for per, _ in plan])  # (chunk, position), -1: skip
             kept = ids >= 0
             full = kept.all(axis=1)
             if npos > 1:
@@ -475,14 +485,14 @@ class DmaEngine:
                 if len(runs) > 4:  # scattered: one gather / scatter over the positions kept
                     pos = np.flatnonzero(arr >= 0)
                     kept_ids = arr[pos]
-                    for t0, cnt, view in segs:
+                    for t0, cnt, view, _ in segs:
                         if load:
                             view[:, kept_ids] = region[t0 : t0 + cnt, pos]
                         else:
                             region[t0 : t0 + cnt, pos] = view[:, kept_ids]
                     continue
                 for pos, first, count in runs:
-                    for t0, cnt, view in segs:
+                    for t0, cnt, view, _ in segs:
                         dev, reg = view[:, first : first + count], region[t0 : t0 + cnt, pos : pos + count]
                         pairs.append((dev, reg) if load else (reg, dev))
         self._copy_pairs(pairs)
@@ -497,10 +507,9 @@ class DmaEngine:
         slots = self._arena_np[slot : slot + (k - 1) * slot_step + 1 : slot_step]
         region = slots[:, grp.offset : grp.offset + lt * npos * bb].reshape(k, lt, npos, bb)
         pairs: list[tuple[np.ndarray, np.ndarray]] = []
-        for t0, cnt, view in grp.segs or []:
+        for t0, cnt, view, base in grp.segs or []:
             st, sb, su = view.strides
-            dev = np.lib.stride_tricks.as_strided(view[:, first:], shape=(k, cnt, npos, bb),
-                                                  strides=(block_step * sb, st, sb, su), writeable=True)
+            dev = copies.strided(base, first * sb, (k, cnt, npos, bb), (block_step * sb, st, sb, su))
             reg = region[:, t0 : t0 + cnt]
             pairs.append((dev, reg) if load else (reg, dev))
         return pairs
@@ -538,7 +547,7 @@ class DmaEngine:
             region = slot_arr[grp.offset : grp.offset + lt * bpc * bb].reshape(lt, bpc, bb)
             if len(segs) < lt and len(runs) <= 4:  # runs of tensors at one stride: one copy per run each
                 for pos, first, count in runs:
-                    for t0, cnt, view in segs:
+                    for t0, cnt, view, _ in segs:
                         dev, reg = view[:, first : first + count], region[t0 : t0 + cnt, pos : pos + count]
                         if load:
                             np.copyto(dev, reg)
@@ -551,7 +560,7 @@ class DmaEngine:
                 else:
                     np.take(grp.np_rows, idx, axis=0, out=region[:, :n], mode="clip")
             elif len(runs) > 4:  # scattered blocks: one gather / scatter per run of tensors
-                for t0, cnt, view in segs:
+                for t0, cnt, view, _ in segs:
                     if load:
                         view[:, ids] = region[t0 : t0 + cnt, :n]
                     else:
@@ -568,12 +577,17 @@ class DmaEngine:
                             _memmove(dst + pos * bb, addr + first * bb, count * bb)
 
     # --- accelerators ----------------------------------------------------------------------
-    def _submit_accel(self, tid: int, plan: list[tuple[np.ndarray, int]], load: bool) -> None:
+    def _submit_accel(self, tid: int, plan: list[tuple[np.ndarray, int]] | _PerGroup, load: bool) -> None:
         import torch
 
         stream = self._load_stream if load else self._store_stream
-        plan = [(ids, slot) for ids, slot in plan if any((a >= 0).any() for a in ids)] if plan and isinstance(
-            plan[0][0], list) else [(ids, slot) for ids, slot in plan if len(ids)]
+        if isinstance(plan, _PerGroup):  # chunks with a position kept in some group
+            kept = np.zeros(len(plan), dtype=bool)
+            for m in plan.ids:
+                kept |= (m >= 0).any(axis=1)
+            plan = plan.select(kept)
+        else:
+            plan = [(ids, slot) for ids, slot in plan if len(ids)]
         if stream is None:  # _torch_path_on_cpu: synchronous, no events
             ctx: Any = contextlib.nullcontext()
         else:
@@ -584,9 +598,11 @@ class DmaEngine:
             if stream is not None:
                 stream.wait_event(ready)
             step = self._batch_chunks
-            staged = self._staged_masked if plan and isinstance(plan[0][0], list) else self._staged
             for i in range(0, len(plan), step):
-                staged(plan[i : i + step], load)
+                if isinstance(plan, _PerGroup):
+                    self._staged_masked(plan.select(slice(i, i + step)), load)
+                else:
+                    self._staged(plan[i : i + step], load)
             if stream is None:
                 self._finish_now(tid)
                 return
@@ -629,18 +645,15 @@ class DmaEngine:
             srows = srows.index_select(0, self._rows_index([g.stage_rows for g in self._groups], ids_d[1], n, base))
         self._span.index_copy_(0, span_idx, srows)
 
-    def _staged_masked(self, plan: list[tuple[Any, int]], load: bool) -> None:
+    def _staged_masked(self, plan: _PerGroup, load: bool) -> None:
         """One batch of chunks given per group through a staging buffer laid out like the
         slots, moving only the span rows of positions not skipped (indices built on the host)."""
         import torch
 
         n, unit = len(plan), self._unit
         span_parts, mask_parts = [], []
-        for gi, grp in enumerate(self._groups):
-            npos, rpb = grp.positions, grp.block_bytes // unit
-            ids = np.full((n, npos), -1, dtype=np.int64)
-            for c, (per, _) in enumerate(plan):
-                ids[c, : len(per[gi])] = per[gi]
+        for grp, ids in zip(self._groups, plan.ids, strict=True):
+            rpb = grp.block_bytes // unit
             valid = ids >= 0
             rows = (grp.span_first[None, :, None, None] + np.where(valid, ids, 0)[:, None, :, None] * rpb
                     + np.arange(rpb, dtype=np.int64)[None, None, None, :])  # (chunk, tensor, position, sub-row)
@@ -652,7 +665,7 @@ class DmaEngine:
         span_d = torch.from_numpy(span_idx).to(self.device, non_blocking=True)
         staging = torch.empty((n, self.chunk_bytes), dtype=torch.uint8, device=self.device)
         srows = staging.view(self._span.dtype).view(n * self._chunk_rows, -1)
-        slots = [s for _, s in plan]
+        slots = plan.slots
         if not load:
             srows.index_copy_(0, stage_d, self._span.index_select(0, span_d))
             self._host_copies(staging, slots, load=False)

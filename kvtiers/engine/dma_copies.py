@@ -12,16 +12,18 @@ import numpy as np
 
 
 def address_segments(tensors: list[Any], np_tensors: list[np.ndarray], num_blocks: int,
-                     block_bytes: int) -> list[tuple[int, int, np.ndarray]]:
+                     block_bytes: int) -> list[tuple[int, int, np.ndarray, tuple[np.ndarray, int]]]:
     """The tensors (slot order) cut into maximal runs that start at one address stride, each
-    as ``(first tensor, count, view [count, num_blocks, block_bytes])``: a pool's tensors, or
-    separate allocations made one after another (as vLLM makes them), are one run or a few;
-    a copy then costs one strided ``np.copyto`` per run, not one per tensor. Only the tensors'
-    own bytes are ever indexed (the view's first two axes stay within each tensor's
-    ``num_blocks`` rows); ``tensors`` keeps them alive."""
+    as ``(first tensor, count, view [count, num_blocks, block_bytes], (buffer, offset))``: a
+    pool's tensors, or separate allocations made one after another (as vLLM makes them), are
+    one run or a few; a copy then costs one strided ``np.copyto`` per run, not one per tensor.
+    ``buffer`` is a flat byte array over the whole run and ``offset`` the position of the
+    view's first byte in it, for :func:`strided` views. Only the tensors' own bytes are ever
+    indexed (the view's first two axes stay within each tensor's ``num_blocks`` rows);
+    ``tensors`` keeps them alive."""
     addrs = [t.data_ptr() for t in tensors]
     size = max(t.shape[0] for t in tensors) * block_bytes
-    segs: list[tuple[int, int, np.ndarray]] = []
+    segs: list[tuple[int, int, np.ndarray, tuple[np.ndarray, int]]] = []
     i, n = 0, len(addrs)
     while i < n:
         j = i + 1
@@ -31,15 +33,25 @@ def address_segments(tensors: list[Any], np_tensors: list[np.ndarray], num_block
                 j += 1
             j += 1
         if j - i == 1:
-            segs.append((i, 1, np_tensors[i][None, :num_blocks]))
+            own = np_tensors[i].reshape(-1)
+            segs.append((i, 1, np_tensors[i][None, :num_blocks], (own, 0)))
         else:
             lo = min(addrs[i], addrs[j - 1])
             raw = np.ctypeslib.as_array((ctypes.c_uint8 * (abs(step) * (j - i - 1) + size)).from_address(lo))
             segs.append((i, j - i, np.lib.stride_tricks.as_strided(
                 raw[addrs[i] - lo :], shape=(j - i, num_blocks, block_bytes), strides=(step, block_bytes, 1),
-                writeable=True)))
+                writeable=True), (raw, addrs[i] - lo)))
         i = j
     return segs
+
+
+def strided(base: tuple[np.ndarray, int], offset: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
+    """A writeable byte view of ``shape`` and ``strides`` starting ``offset`` bytes after a
+    segment's first byte (``base``: its buffer and position, from :func:`address_segments`).
+    numpy refuses a view that would reach outside the buffer. ``as_strided`` does the same
+    for any array but costs about ten times as much per call, which shows on a small transfer."""
+    buf, pos = base
+    return np.ndarray(shape, np.uint8, buffer=buf, offset=pos + offset, strides=strides)
 
 
 def copy_all(pairs: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
