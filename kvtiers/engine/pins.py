@@ -16,7 +16,6 @@ gives another); expired pins are counted when :meth:`LifetimePins.expire` finds 
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
 from collections import Counter
@@ -24,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..deadlines import Deadlines
 from ..errors import ConfigError
 
 DEFAULT_MAX_TTL = 86400.0  # seconds: the longest soft pin, unless the options say otherwise
@@ -103,8 +103,7 @@ class LifetimePins:
         self.cap = cap
         self.max_ttl = max_ttl
         self.clock = clock
-        self._until: dict[bytes, float] = {}
-        self._heap: list[tuple[float, bytes]] = []  # (deadline, key); stale entries skipped
+        self._until: Deadlines[bytes] = Deadlines()
         self.pinned = self.unpinned = self.expired = self.refused = 0
         #: chunk keys per ``(tier, event)`` (``pinned``, ``refused``, ``unpinned``: asked to unpin), as the
         #: manager saw the tiers answer; a tier's own expiries are its own (the fs tier: ``pins.expired``)
@@ -118,8 +117,7 @@ class LifetimePins:
 
     def held(self, key: bytes) -> bool:
         """Whether ``key`` is pinned now (an expired pin no longer holds, counted or not yet)."""
-        until = self._until.get(key)
-        return until is not None and until > self.clock()
+        return self._until.held(key, self.clock())
 
     def until(self, key: bytes) -> float | None:
         """The deadline of ``key``'s pin (``math.inf``: hard), or ``None``."""
@@ -136,32 +134,18 @@ class LifetimePins:
                     f"(max_share of the host slots): unpin some, or pin fewer")
         until = math.inf if ttl is None else self.clock() + ttl
         for k in dict.fromkeys(keys):
-            old = self._until.get(k)
-            if old is None or until > old:
-                self._until[k] = until
-                if until != math.inf:
-                    heapq.heappush(self._heap, (until, k))
+            self._until.extend(k, until)
             self.pinned += 1
-        if len(self._heap) > 2 * len(self._until) + 1024:  # renewals left stale entries: keep it in proportion
-            self._heap = [(u, x) for x, u in self._until.items() if u != math.inf]
-            heapq.heapify(self._heap)
         return None
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Unpin ``keys`` (soft or hard); returns how many were pinned."""
-        n = sum(self._until.pop(k, None) is not None for k in dict.fromkeys(keys))
+        n = sum(self._until.pop(k) is not None for k in dict.fromkeys(keys))
         self.unpinned += n
         return n
 
     def expire(self) -> list[bytes]:
         """Forget the pins whose time has come; return their keys."""
-        now = self.clock()
-        gone = []
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            until, key = heapq.heappop(heap)
-            if self._until.get(key) == until:
-                del self._until[key]
-                gone.append(key)
+        gone = self._until.due(self.clock())
         self.expired += len(gone)
         return gone

@@ -11,11 +11,12 @@ which is why a bounded instance that is not the cleaner refuses pins (the cleane
 
 from __future__ import annotations
 
-import heapq
 import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+
+from kvtiers.deadlines import Deadlines
 
 from .keytable import fingerprint
 
@@ -28,8 +29,7 @@ class PinTable:
     def __init__(self, cap: int | None, clock: Callable[[], float] = time.monotonic) -> None:
         self.cap = cap
         self.clock = clock
-        self._until: dict[int, float] = {}
-        self._heap: list[tuple[float, int]] = []
+        self._until: Deadlines[int] = Deadlines()
         self._lock = threading.Lock()  # pins come from the engine thread, victims from the store threads
         self.pinned = self.unpinned = self.expired = self.refused = 0
 
@@ -38,8 +38,7 @@ class PinTable:
 
     def held(self, fp: int) -> bool:
         """Whether a pin holds the key of fingerprint ``fp`` now."""
-        until = self._until.get(fp)
-        return until is not None and until > self.clock()
+        return self._until.held(fp, self.clock())
 
     def add(self, keys: Sequence[bytes], seconds: float | None) -> str | None:
         """Pin ``keys`` (all or none); ``None`` or why not."""
@@ -53,21 +52,14 @@ class PinTable:
                         f"{self.cap} ({PIN_SHARE:g} of max_bytes): eviction could no longer keep the bound")
             until = math.inf if seconds is None else self.clock() + seconds
             for fp in fps:
-                old = self._until.get(fp)
-                if old is None or until > old:
-                    self._until[fp] = until
-                    if until != math.inf:
-                        heapq.heappush(self._heap, (until, fp))
+                self._until.extend(fp, until)
             self.pinned += len(fps)
-            if len(self._heap) > 2 * len(self._until) + 1024:  # renewals left stale entries: keep it in proportion
-                self._heap = [(u, x) for x, u in self._until.items() if u != math.inf]
-                heapq.heapify(self._heap)
             return None
 
     def remove(self, keys: Sequence[bytes]) -> None:
         with self._lock:
             for k in keys:
-                if self._until.pop(fingerprint(k), None) is not None:
+                if self._until.pop(fingerprint(k)) is not None:
                     self.unpinned += 1
 
     def expire(self) -> int:
@@ -76,11 +68,6 @@ class PinTable:
             return self._expire()
 
     def _expire(self) -> int:
-        now, heap, n = self.clock(), self._heap, 0
-        while heap and heap[0][0] <= now:
-            until, fp = heapq.heappop(heap)
-            if self._until.get(fp) == until:
-                del self._until[fp]
-                n += 1
+        n = len(self._until.due(self.clock()))
         self.expired += n
         return n

@@ -12,11 +12,12 @@ pinned key is never one of :meth:`LruBytes.victims` before its time, and at most
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+
+from kvtiers.deadlines import Deadlines
 
 PIN_SHARE = 0.5  #: of max_bytes: the most a bounded obj tier keeps pinned
 
@@ -29,9 +30,8 @@ class Pins:
     def __init__(self, cap: int | None, clock: Callable[[], float] = time.monotonic) -> None:
         self.cap = cap
         self.clock = clock
-        self._until: dict[bytes, float] = {}
+        self._until: Deadlines[bytes] = Deadlines()
         self._size: dict[bytes, int] = {}
-        self._heap: list[tuple[float, bytes]] = []  # (deadline, key); stale entries skipped
         self.bytes = 0  # pinned now (expired pins included until expire() finds them)
         self.pinned = self.unpinned = self.expired = self.refused = 0
 
@@ -40,8 +40,7 @@ class Pins:
 
     def held(self, key: bytes) -> bool:
         """Whether a pin holds ``key`` now."""
-        until = self._until.get(key)
-        return until is not None and until > self.clock()
+        return self._until.held(key, self.clock())
 
     def add(self, keys: Sequence[bytes], size: int, seconds: float | None) -> str | None:
         """Pin ``keys`` (objects of ``size`` bytes) for ``seconds`` (``None``: until unpinned),
@@ -55,25 +54,17 @@ class Pins:
                     f"{self.cap} bytes ({PIN_SHARE:g} of max_bytes): eviction could no longer keep the bound")
         until = math.inf if seconds is None else self.clock() + seconds
         for k in keys:
-            old = self._until.get(k)
-            if old is None:
+            if self._until.extend(k, until):
                 self._size[k] = size
                 self.bytes += size
-            if old is None or until > old:
-                self._until[k] = until
-                if until != math.inf:
-                    heapq.heappush(self._heap, (until, k))
         self.pinned += len(keys)
-        if len(self._heap) > 2 * len(self._until) + 1024:  # renewals left stale entries: keep it in proportion
-            self._heap = [(u, k) for k, u in self._until.items() if u != math.inf]
-            heapq.heapify(self._heap)
         return None
 
     def remove(self, keys: Iterable[bytes]) -> int:
         """End the pins of ``keys`` (unknown keys are ignored); how many there were."""
         n = 0
         for k in keys:
-            if self._until.pop(k, None) is not None:
+            if self._until.pop(k) is not None:
                 self.bytes -= self._size.pop(k)
                 n += 1
         self.unpinned += n
@@ -81,15 +72,11 @@ class Pins:
 
     def expire(self) -> int:
         """Forget the pins whose time has come; how many."""
-        now, heap, n = self.clock(), self._heap, 0
-        while heap and heap[0][0] <= now:
-            until, k = heapq.heappop(heap)
-            if self._until.get(k) == until:
-                del self._until[k]
-                self.bytes -= self._size.pop(k)
-                n += 1
-        self.expired += n
-        return n
+        gone = self._until.due(self.clock())
+        for k in gone:
+            self.bytes -= self._size.pop(k)
+        self.expired += len(gone)
+        return len(gone)
 
 
 class LruBytes:

@@ -32,7 +32,6 @@ pinned, so eviction can always make room; a pin past that is refused whole, with
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 import mmap
@@ -41,6 +40,8 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
+
+from kvtiers.deadlines import Deadlines
 
 SLAB_BYTES = 64 << 20  #: buffers are mapped this many bytes at a time (at most)
 MIN_CHUNK_BYTES = 4096  #: the smallest chunk a store keeps (an arena slot's granularity)
@@ -191,8 +192,8 @@ class MemoryStore:
         self.on_slab: Any = None  #: called with each newly mapped slab (NIXL registers it; slabs then stay)
         # lifetime pins: pinned items leave _lru for _held (never a victim) until their last pin ends
         self._held: dict[str, dict[bytes, list[Any]]] = {}
-        self._pins: dict[tuple[str, bytes], dict[str, float]] = {}  # (ns, key) -> owner -> until
-        self._pin_heap: list[tuple[float, str, bytes, str]] = []  # (until, ns, key, owner); stale ones skipped
+        self._pins: dict[tuple[str, bytes], set[str]] = {}  # (ns, key) -> its pins' owners
+        self._pin_until: Deadlines[tuple[str, bytes, str]] = Deadlines()  # (ns, key, owner) -> until
         self._npinned = 0  # chunks in _held
         self._ns_pinned: dict[str, int] = {}  # bytes held per namespace
         self.pinned_bytes = 0
@@ -320,7 +321,8 @@ class MemoryStore:
         """Evict every chunk of ``ns`` (a server reclaims the namespace), pinned ones too;
         returns how many."""
         for pk in [pk for pk in self._pins if pk[0] == ns]:
-            del self._pins[pk]
+            for owner in self._pins.pop(pk):
+                self._pin_until.pop((ns, pk[1], owner))
             self._release(ns, pk[1])
         n = 0
         while self._lru.get(ns):
@@ -364,14 +366,9 @@ class MemoryStore:
         until = math.inf if seconds is None else self.clock() + seconds
         new = []
         for k in keys:
-            owners = self._pins.setdefault((ns, k), {})
-            old = owners.get(owner)
-            if old is None:
+            self._pins.setdefault((ns, k), set()).add(owner)
+            if self._pin_until.extend((ns, k, owner), until):
                 new.append(k)
-            if old is None or until > old:
-                owners[owner] = until
-                if until != math.inf:
-                    heapq.heappush(self._pin_heap, (until, ns, k, owner))
             item = lru.pop(k, None)
             if item is not None:  # out of the LRU: no eviction sees it now
                 item[4] = next(self._tick)
@@ -379,10 +376,6 @@ class MemoryStore:
                 self._npinned += 1
                 self._ns_pinned[ns] = self._ns_pinned.get(ns, 0) + item[2]
                 self.pinned_bytes += item[2]
-        if len(self._pin_heap) > 2 * sum(map(len, self._pins.values())) + 1024:  # renewals: keep it in proportion
-            self._pin_heap = [(u, n, k, o) for (n, k), os_ in self._pins.items() for o, u in os_.items()
-                              if u != math.inf]
-            heapq.heapify(self._pin_heap)
         return None, new
 
     def unpin(self, ns: str, keys: Sequence[bytes] | None, owner: str) -> int:
@@ -393,7 +386,9 @@ class MemoryStore:
         n = 0
         for pk in pks:
             owners = self._pins.get(pk)
-            if owners is not None and owners.pop(owner, None) is not None:
+            if owners is not None and owner in owners:
+                owners.discard(owner)
+                self._pin_until.pop((*pk, owner))
                 n += 1
                 if not owners:
                     del self._pins[pk]
@@ -402,12 +397,11 @@ class MemoryStore:
 
     def expire_pins(self) -> int:
         """End the pins whose time has come; how many."""
-        now, heap, n = self.clock(), self._pin_heap, 0
-        while heap and heap[0][0] <= now:
-            until, ns, key, owner = heapq.heappop(heap)
+        n = 0
+        for ns, key, owner in self._pin_until.due(self.clock()):
             owners = self._pins.get((ns, key))
-            if owners is not None and owners.get(owner) == until:
-                del owners[owner]
+            if owners is not None and owner in owners:
+                owners.discard(owner)
                 n += 1
                 if not owners:
                     del self._pins[(ns, key)]
