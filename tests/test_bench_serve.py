@@ -415,3 +415,25 @@ def test_report_shows_the_bytes_the_tier_wrote() -> None:
              "fs": {"hits": 0.0, "queries": 0.0, "write_bytes": 3.0 * (1 << 20)}}
     text = serve_report._tiers_text(tiers)
     assert text == "kvtiers_fs: 1/2 hits, 0 MiB in, 2 MiB out; fs: 0/0 hits, 0 MiB in, 3 MiB out"
+
+
+def test_a_failed_measurement_keeps_its_logs_and_drops_tier_data(tmp_path, capsys) -> None:
+    """The error of a failed cell names its log: the scratch folder stays for it (the tiers'
+    data removed), and stderr says where; a measurement that ends well removes it all."""
+    from kvtiers.commands.bench import serve_run as sr
+    from kvtiers.launcher import LaunchError
+
+    wd = tmp_path / "wd"
+    cell = wd / "fs-r0"
+    (cell / "fs" / "ab").mkdir(parents=True)
+    (cell / "fs" / "ab" / "chunk").write_bytes(b"x" * 4096)
+    (cell / "bench.log").write_text("vllm bench serve: timed out\n")
+    report: dict = {}
+    with pytest.raises(LaunchError), sr.measuring(str(wd), True, report):
+        raise LaunchError(f"vllm bench serve timed out (log {cell / 'bench.log'})")
+    assert (cell / "bench.log").read_text() == "vllm bench serve: timed out\n"
+    assert not (cell / "fs").exists()
+    assert str(wd) in capsys.readouterr().err
+    with sr.measuring(str(wd), True, report):
+        pass
+    assert not wd.exists() and "load_at_end" in report["machine"]

@@ -337,15 +337,27 @@ def wait_gone(paths: set[str], timeout: float = 5.0) -> set[str]:
         time.sleep(0.2)
 
 
+TIER_DATA = ("fs", "vllm-fs", "weed")  # a cell folder's tier data (see tier_entry)
+
+
 @contextlib.contextmanager
 def measuring(wd: str, own: bool, report: dict[str, Any]) -> Iterator[None]:
     """Around the runs of one measurement: ``report["machine"]`` gets the CPU count and the
-    load average at start and end, which every figure in the report is read against; the
-    scratch folder ``wd`` is removed at the end when the measurement made it (``own``)."""
+    load average at start and end, which every figure in the report is read against. The
+    scratch folder ``wd``, when the measurement made it (``own``), is removed at the end; if
+    the measurement fails it is kept for the logs its error names, less the tiers' data, and
+    stderr says where."""
     report["machine"] = {"cpus": os.cpu_count(), "load_at_start": list(os.getloadavg())}
     try:
         yield
-    finally:
+    except BaseException:
         if own:
-            shutil.rmtree(wd, ignore_errors=True)
+            for cell in glob.glob(os.path.join(glob.escape(wd), "*")):
+                for name in TIER_DATA:
+                    shutil.rmtree(os.path.join(cell, name), ignore_errors=True)
+            print(f"kvtiers bench serve: the run failed; its servers' and clients' logs are kept in {wd} "
+                  "(remove it when done)", file=sys.stderr)
+        raise
+    if own:
+        shutil.rmtree(wd, ignore_errors=True)
     report["machine"]["load_at_end"] = list(os.getloadavg())
