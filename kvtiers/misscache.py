@@ -1,5 +1,6 @@
 """What a tier remembers between lookups besides its HITs: recent MISSes (and, for a tier
-with a remote or slow backend, the keys being probed).
+with a remote or slow backend, the keys being probed), and the keys it holds until a time
+(:class:`Deadlines`, the table of every lifetime pin).
 
 :class:`MissTable` is the MISS memory itself: a fixed-size, 4-way set-associative table of
 64-bit key fingerprints, each with when its MISS expires and whether a probe's MISS is still
@@ -18,14 +19,17 @@ the caller holds its own lock around every call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import heapq
+import math
+from collections.abc import Callable, Hashable, ItemsView, Sequence
+from typing import Generic, TypeVar
 
 import numpy as np
 import xxhash
 
 from .types import Lookup
 
-__all__ = ["MISS_SLOTS", "MissCache", "MissTable", "miss_fingerprint"]
+__all__ = ["MISS_SLOTS", "Deadlines", "MissCache", "MissTable", "miss_fingerprint"]
 
 MISS_SLOTS = 1 << 16  # the default MissTable size: MISSes remembered at most
 WAYS = 4  # slots per set (answer_fps reads a set's 4 match flags as one uint32)
@@ -215,3 +219,72 @@ class MissCache:
     def present(self, key: bytes) -> None:
         """``key`` is known present: forget its MISS."""
         self.absent.pop(key)
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+class Deadlines(Generic[K]):
+    """``key -> deadline``, with the keys due at a time found in deadline order (keys of one
+    deadline in key order: keys must be orderable, as bytes, ints and tuples of them are).
+
+    A deadline is a time on the caller's clock, ``math.inf`` for a key that holds until it is
+    removed. Due keys are found through a heap, so expiring costs the keys that expire, not the
+    table; a renewed or removed key leaves a stale heap entry that is skipped when it comes up,
+    and the heap is rebuilt when stale entries outnumber live ones. Not thread-safe: callers
+    lock around it where they need to. The table behind every lifetime pin (the engine's host
+    cache, the fs, obj and p2p tiers; docs/pins.md)."""
+
+    __slots__ = ("_until", "_heap")
+
+    def __init__(self) -> None:
+        self._until: dict[K, float] = {}
+        self._heap: list[tuple[float, K]] = []  # (deadline, key); stale entries skipped
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` has a deadline (passed or not: see :meth:`held`)."""
+        return key in self._until
+
+    def get(self, key: K) -> float | None:
+        """``key``'s deadline, or ``None``."""
+        return self._until.get(key)
+
+    def held(self, key: K, now: float) -> bool:
+        """Whether ``key``'s deadline is after ``now``."""
+        until = self._until.get(key)
+        return until is not None and until > now
+
+    def items(self) -> ItemsView[K, float]:
+        """Every ``(key, deadline)``, in no order."""
+        return self._until.items()
+
+    def extend(self, key: K, until: float) -> bool:
+        """Hold ``key`` until ``until``, or keep its deadline if that is later. Returns whether
+        ``key`` had none before."""
+        old = self._until.get(key)
+        if old is not None and old >= until:
+            return False
+        self._until[key] = until
+        if until != math.inf:
+            heapq.heappush(self._heap, (until, key))
+            if len(self._heap) > 2 * len(self._until) + 1024:  # renewals left stale entries: keep it in proportion
+                self._heap = [(u, k) for k, u in self._until.items() if u != math.inf]
+                heapq.heapify(self._heap)
+        return old is None
+
+    def pop(self, key: K) -> float | None:
+        """Remove ``key``; its deadline, or ``None`` if it had none."""
+        return self._until.pop(key, None)
+
+    def due(self, now: float) -> list[K]:
+        """Remove and return the keys whose deadline is ``now`` or earlier, soonest first."""
+        heap, gone = self._heap, []
+        while heap and heap[0][0] <= now:
+            until, key = heapq.heappop(heap)
+            if self._until.get(key) == until:
+                del self._until[key]
+                gone.append(key)
+        return gone

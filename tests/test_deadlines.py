@@ -1,10 +1,10 @@
-"""kvtiers.deadlines.Deadlines: the table behind every lifetime pin."""
+"""kvtiers.misscache.Deadlines: the table behind every lifetime pin."""
 
 from __future__ import annotations
 
 import math
 
-from kvtiers.deadlines import Deadlines
+from kvtiers.misscache import Deadlines
 
 
 def test_a_key_keeps_its_later_deadline_and_comes_due_once() -> None:

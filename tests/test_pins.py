@@ -300,6 +300,6 @@ def test_renewing_a_pin_keeps_its_memory_in_proportion():
     for _ in range(5000):
         clock.now += 0.01
         assert host.add([b"a", b"b"], 60) is None and fs.add([b"a", b"b"], 60) is None
-    assert len(host._until._heap) <= 2 * 2 + 1024 and len(fs._until._heap) <= 2 * 2 + 1024  # kvtiers.deadlines
+    assert len(host._until._heap) <= 2 * 2 + 1024 and len(fs._until._heap) <= 2 * 2 + 1024  # Deadlines
     clock.now += 61
     assert host.expire() == [b"a", b"b"] and fs.expire() == 2

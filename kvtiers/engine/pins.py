@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..deadlines import Deadlines
 from ..errors import ConfigError
+from ..misscache import Deadlines
 
 DEFAULT_MAX_TTL = 86400.0  # seconds: the longest soft pin, unless the options say otherwise
 DEFAULT_MAX_SHARE = 0.5  # of the host slots (and of a bounded tier's bytes) pinned at most

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from kvtiers.deadlines import Deadlines
+from kvtiers.misscache import Deadlines
 
 from .keytable import fingerprint
 

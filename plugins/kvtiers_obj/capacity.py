@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from kvtiers.deadlines import Deadlines
+from kvtiers.misscache import Deadlines
 
 PIN_SHARE = 0.5  #: of max_bytes: the most a bounded obj tier keeps pinned
 

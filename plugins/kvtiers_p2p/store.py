@@ -41,7 +41,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
 
-from kvtiers.deadlines import Deadlines
+from kvtiers.misscache import Deadlines
 
 SLAB_BYTES = 64 << 20  #: buffers are mapped this many bytes at a time (at most)
 MIN_CHUNK_BYTES = 4096  #: the smallest chunk a store keeps (an arena slot's granularity)
