@@ -9,8 +9,6 @@ of it; no tight wall-clock bound."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from test_manager import chunk_blocks, key, make_manager, settle, store_all
@@ -96,36 +94,6 @@ def test_the_cut_is_at_the_slow_tiers_first_chunk_and_counted_on_metrics(tmp_pat
         mgr.metrics.tick(force=True)
         text = generate_latest(reg).decode()
         assert 'kvtiers_load_decisions_total{decision="recompute",tier="fs"} 1.0' in text
-
-
-def test_a_load_in_flight_past_its_recompute_stops_further_loads(tmp_path) -> None:
-    """Before the tier's fit has a single sample, a load still running longer than the
-    recompute of its tokens (by the margin) turns the next lookups to recompute; once it ends,
-    and nothing is in flight, lookups load again (the fit still learning)."""
-    mgr = fs_manager(tmp_path, delay_s=1.0)  # a chunk prefills in 32 ms, loads in >= 1 s
-    with mgr:
-        for _ in range(MIN_SAMPLES):
-            mgr.observe_prefill(TOKENS_PER_CHUNK, TOKENS_PER_CHUNK * PER_TOKEN_S)
-        assert mgr.lookup([key(0)]).sources == ("fs",)  # nothing in flight, no load sample: loaded
-        tid = mgr.load([key(0)], [chunk_blocks(40)])
-        seen, done = [], []
-        while not done:  # the load is held back 1 s: look up another fs chunk meanwhile
-            seen.append(mgr.lookup([key(1)]).sources)
-            done = [r for r in mgr.get_finished() if r.transfer_id == tid]
-            time.sleep(0.01)
-        assert done[0].ok
-        assert seen[0] == ("fs",) and () in seen  # loaded while young, recomputed once overdue
-        assert mgr.costs.decisions[("fs", "recompute")] >= 1
-        settle(mgr)
-        assert mgr.costs.loads["fs"].samples == 1  # the fit is still learning
-        assert mgr.lookup([key(1)]).sources == ("fs",)  # nothing in flight: loaded again
-    costs = LoadCosts(min_samples=2)
-    assert costs.decide("t", 2, 64, running=(2, 100.0)) is None  # no prefill samples: no bound to pass
-    for _ in range(2):
-        costs.observe_prefill(64, 0.064)
-        costs.observe_load("t", 2, 0.001)  # the fit says load
-    assert costs.decide("t", 2, 64, running=(2, 0.05)) == "load"  # in flight, not yet past 1.25 x 64 ms
-    assert costs.decide("t", 2, 64, running=(2, 0.5)) == "recompute"  # the tier got slow: seen before the load ends
 
 
 def test_the_fits() -> None:

@@ -10,16 +10,14 @@ time and far over the fs tier's own, so the decisions are deterministic."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is installed by `make test`")
 
 import numpy as np  # noqa: E402
-from test_integration_vllm import MODULE, ROW, STEP, chunks_for, offloading_config  # noqa: E402
+from test_integration_vllm import MODULE, ROW, chunks_for, offloading_config  # noqa: E402
 from test_integration_vllm import Engine as _Engine  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from kvtiers.engine.costs import MIN_SAMPLES  # noqa: E402
@@ -90,49 +88,6 @@ def test_a_fast_tier_is_promoted(tmp_path) -> None:
         assert decisions[(e.tier.tier_type, "load")] >= 4 and decisions[(e.tier.tier_type, "recompute")] == 0
     finally:
         e.close()
-
-
-def answer(e: Engine, key: bytes, ctx: ReqContext) -> LookupResult:
-    """The first lookup answer other than RETRY (the fs tier's index still looking), a
-    scheduler step between asks."""
-    deadline = time.monotonic() + 30
-    while (r := e.m.lookup(key, ctx)) is LookupResult.RETRY:
-        assert time.monotonic() < deadline, "lookup kept answering RETRY"
-        e.m.on_schedule_end(STEP)
-        time.sleep(0.002)
-    return r
-
-
-def test_a_promotion_in_flight_past_its_recompute_answers_miss(tmp_path) -> None:
-    """With no load sample yet, a lookup while the tier's promotion has run past the
-    recompute of its chunk (1.25 x 50 ms; the promotion is held back 1 s) answers MISS: the
-    second request computes instead of queueing behind a second slow load."""
-    tier = {"type": "kvtiers_fs", "root_dir": str(tmp_path / "kv"), "module_path": MODULE}
-    chunks = chunks_for(2, seed=6)
-    a = Engine(tier)
-    try:
-        a.store("w", chunks)
-    finally:
-        a.close()
-    b = Engine({**tier, "slow_loads": {"delay_ms": 1000}})
-    try:
-        for _ in range(MIN_SAMPLES):
-            b.tier.costs.observe_prefill(b.tier.tokens_per_chunk, 0.05)
-        k0, k1 = chunks
-        first, second = ReqContext(req_id="r0"), ReqContext(req_id="r1")
-        b.m.on_new_request(first)
-        b.m.on_new_request(second)
-        assert answer(b, k0, first) is LookupResult.HIT_PENDING  # nothing measured or in flight: promoted
-        b.m.on_schedule_end(STEP)  # the step submits the promotion
-        time.sleep(0.3)  # it is held 1 s: now past its 62.5 ms bound, not yet done
-        assert answer(b, k1, second) is LookupResult.MISS
-        assert b.tier.costs.decisions[(b.tier.tier_type, "recompute")] == 1
-        b.m.on_request_finished(second)
-        b.settle()  # the first promotion ends; nothing in flight, no fit yet: promoted again
-        assert answer(b, k1, ReqContext(req_id="r2")) is LookupResult.HIT_PENDING
-        b.settle()
-    finally:
-        b.close()
 
 
 def test_the_step_meter_fits_steps_and_skips_idle_gaps() -> None:

@@ -16,14 +16,7 @@ time of their tokens by more than :data:`MARGIN`, once both fits have
 :data:`MIN_SAMPLES` samples (before that, everything is loaded, as without the feature).
 A tier that loses is answered as if its chunks were missing from the first of them: the
 engine recomputes them. One decision in :data:`PROBE_EVERY` in a row that would leave a tier
-out loads from it instead (a probe), so a tier that got faster is seen again.
-
-A load still in flight is evidence too, before its time is known: once the tier's oldest
-load has run longer than the recompute of its own tokens (by :data:`MARGIN`, the prefill fit
-having its samples), the tier is losing now, whatever its fit says or whether it has samples
-yet, and lookups recompute until that load ends (it is the probe). So a slow tier's first
-loads do not hold every request of a busy engine while its fit learns: the loads it needs
-for its samples come one after another, beside requests that compute. Each decision
+out loads from it instead (a probe), so a tier that got faster is seen again. Each decision
 is counted (``decisions``: ``(tier, "load" | "recompute")`` -> lookups), as
 ``kvtiers_load_decisions_total`` on /metrics.
 """
@@ -31,7 +24,7 @@ is counted (``decisions``: ``(tier, "load" | "recompute")`` -> lookups), as
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 __all__ = ["ALPHA", "MARGIN", "MIN_SAMPLES", "PROBE_EVERY", "CostFit", "LoadCosts"]
 
@@ -126,20 +119,9 @@ class LoadCosts:
         """The engine computed the KV of ``tokens`` prompt tokens in ``seconds``."""
         self.prefill.add(tokens, seconds)
 
-    def overdue(self, running: tuple[int, float], tokens_per_chunk: float) -> bool:
-        """Whether a load of ``running = (chunks, seconds so far)`` has already taken longer than
-        the recompute of its tokens by the margin (False until the prefill fit has its samples)."""
-        n, age = running
-        return (n > 0 and self.prefill.samples >= self.min_samples
-                and age > self.margin * self.prefill.predict(n * tokens_per_chunk))
-
-    def decide(self, tier: str, chunks: int, tokens: int, running: tuple[int, float] | None = None) -> str | None:
+    def decide(self, tier: str, chunks: int, tokens: int) -> str | None:
         """``"load"`` or ``"recompute"`` for ``chunks`` chunks (``tokens`` tokens) from ``tier``;
-        None while either fit has fewer than ``min_samples`` samples. ``running``: ``(chunks,
-        seconds so far)`` of the tier's oldest load in flight, if any: one that is
-        :meth:`overdue` answers ``"recompute"`` (see the module)."""
-        if running is not None and chunks > 0 and self.overdue(running, tokens / chunks):
-            return "recompute"
+        None while either fit has fewer than ``min_samples`` samples."""
         fit = self.loads.get(tier)
         if fit is None or fit.samples < self.min_samples or self.prefill.samples < self.min_samples:
             return None
@@ -151,17 +133,15 @@ class LoadCosts:
             return "load"  # a probe: one load in probe_every, so the fit sees the tier as it is now
         return "recompute"
 
-    def cut(self, sources: Sequence[str], tokens_per_chunk: int | None, host: str,
-            running: Mapping[str, tuple[int, float]] | None = None) -> int:
+    def cut(self, sources: Sequence[str], tokens_per_chunk: int | None, host: str) -> int:
         """How many leading chunks of a lookup's prefix to offer: ``sources`` names where each
-        comes from (``host``: the host cache, never cut); ``running``: per tier, its oldest load
-        in flight (see :meth:`decide`). Counts each tier's decision."""
+        comes from (``host``: the host cache, never cut). Counts each tier's decision."""
         if not self.enabled or not tokens_per_chunk:
             return len(sources)
         counts = Counter(s for s in sources if s != host)
         end = len(sources)
         for tier, n in counts.items():
-            decision = self.decide(tier, n, n * tokens_per_chunk, (running or {}).get(tier))
+            decision = self.decide(tier, n, n * tokens_per_chunk)
             if decision is None:
                 continue
             self.decisions[(tier, decision)] += 1

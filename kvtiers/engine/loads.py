@@ -88,8 +88,7 @@ class LoadPath:
             retry = pending[i]
             break
         if self.costs is not None and out:
-            running = {t.name: r for t in self._tiers.tiers if (r := self._tiers.oldest_load(t)) is not None}
-            end = self.costs.cut(out, self.tokens_per_chunk, HOST, running)
+            end = self.costs.cut(out, self.tokens_per_chunk, HOST)
             if end < len(out):  # a tier's load would lose: the engine recomputes from there
                 out, retry = out[:end], False
         return LookupResult(len(out), tuple(out), retry)

@@ -62,15 +62,6 @@ class TierSet:
         #: told ``(tier name, chunks, seconds)`` of each load job with loaded chunks (kvtiers.engine.costs)
         self.on_load_timed: Callable[[str, int, float], None] | None = None
 
-    @staticmethod
-    def oldest_load(tier: Tier) -> tuple[int, float] | None:
-        """``(chunks, seconds so far)`` of ``tier``'s oldest load job in flight, or ``None``."""
-        oldest = None
-        for tj in list(tier.jobs.values()):
-            if tj.kind == "load" and not tj.lost and (oldest is None or tj.t0 < oldest.t0):
-                oldest = tj
-        return None if oldest is None else (len(oldest.job.keys), time.perf_counter() - oldest.t0)
-
     def on_job_end(self, kind: str, fn: Callable[[TierJob, set[bytes]], None]) -> None:
         """Call ``fn(job, failed_keys)`` when a job of ``kind`` ends (reported, or failed to
         submit); ``fn`` releases the job's pins."""

@@ -304,19 +304,11 @@ class KvtiersTier(SecondaryTierManager):
             return False
         fit = costs.loads.get(self.tier_type)
         n = max(1, round(fit.mean_size)) if fit is not None else 1
-        decision = costs.decide(self.tier_type, n, n * tpc, self._oldest_load())
+        decision = costs.decide(self.tier_type, n, n * tpc)
         if decision is None:
             return False
         costs.decisions[(self.tier_type, decision)] += 1
         return decision == "recompute"
-
-    def _oldest_load(self) -> tuple[int, float] | None:
-        """``(chunks, seconds so far)`` of this tier's oldest promotion in flight, or ``None``."""
-        oldest = None
-        for p in list(self._jobs.values()):
-            if p.job.is_promotion and (oldest is None or p.t0 < oldest.t0):
-                oldest = p
-        return None if oldest is None else (len(oldest.keys), time.perf_counter() - oldest.t0)
 
     def _settle(self, k: bytes, t0: float, tenant: str | None) -> Lookup:
         """Ask ``k`` (``tenant``'s) again until it is not RETRY or this step's ``retry_wait_ms``
