@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Hashable, ItemsView, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
 import numpy as np
@@ -256,10 +256,6 @@ class Deadlines(Generic[K]):
         """Whether ``key``'s deadline is after ``now``."""
         until = self._until.get(key)
         return until is not None and until > now
-
-    def items(self) -> ItemsView[K, float]:
-        """Every ``(key, deadline)``, in no order."""
-        return self._until.items()
 
     def extend(self, key: K, until: float) -> bool:
         """Hold ``key`` until ``until``, or keep its deadline if that is later. Returns whether

@@ -374,9 +374,8 @@ class DmaEngine:
                         bad = lo if lo < 0 else hi
                         raise IndexError(f"transfer {tid}: device block {bad} out of range: KV group "
                                          f"{grp.name!r} has {grp.num_blocks} blocks")
-        if load and len(all_ids) > 1:
-            if len(np.unique(all_ids)) != len(all_ids):
-                raise ValueError(f"transfer {tid}: a device block is loaded twice")
+        if load and copies.repeats(all_ids):
+            raise ValueError(f"transfer {tid}: a device block is loaded twice")
         return tid, plan
 
     def _group_plan(self, tid: int, plan: list[tuple[Any, int]], load: bool) -> _PerGroup:
@@ -413,11 +412,8 @@ class DmaEngine:
                 bad = (mat < -1) | (mat >= grp.num_blocks)
                 raise IndexError(f"transfer {tid}: {what} {int(mat[bad][0])} out of range: KV group {grp.name!r} has "
                                  f"{grp.num_blocks} (-1 skips a position)")
-            if load:
-                used = mat[mat >= 0]
-                distinct = len(set(used.tolist())) if len(used) <= 512 else len(np.unique(used))  # a set: fewer calls
-                if distinct != len(used):
-                    raise ValueError(f"transfer {tid}: a {what} of KV group {grp.name!r} is loaded twice")
+            if load and copies.repeats(mat[mat >= 0]):
+                raise ValueError(f"transfer {tid}: a {what} of KV group {grp.name!r} is loaded twice")
             mats.append(mat)
         return _PerGroup(mats, [slot for _, slot in plan])
 

@@ -78,6 +78,14 @@ def split_pairs(pairs: list[tuple[np.ndarray, np.ndarray]], parts: int) -> list[
     return out
 
 
+def repeats(ids: np.ndarray) -> bool:
+    """Whether any id occurs twice (a set for a few hundred ids: fewer calls than ``np.unique``)."""
+    if len(ids) < 2:
+        return False
+    distinct = len(set(ids.tolist())) if len(ids) <= 512 else len(np.unique(ids))
+    return distinct != len(ids)
+
+
 def runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
     """Runs of consecutive ids in position order: ``(position, first id, count)``."""
     if len(ids) == 0:
