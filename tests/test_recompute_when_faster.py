@@ -133,3 +133,42 @@ def test_the_option() -> None:
     assert parse_config({**base, "recompute_when_faster": False}).recompute_when_faster is False
     with pytest.raises(ConfigError, match="'recompute_when_faster' expects true or false, got str 'no'"):
         parse_config({**base, "recompute_when_faster": "no"})
+
+
+def test_until_its_first_load_is_timed_a_tier_loads_one_at_a_time() -> None:
+    costs = LoadCosts(min_samples=2)
+    assert costs.decide("t", 4, 128) is None  # nothing known, nothing in flight: load (and find out)
+    assert costs.decide("t", 4, 128, loading=1) == "recompute"  # one load of unknown time is out already
+    assert costs.decisions == {}  # decide() counts nothing itself: cut() and the vLLM tier do
+    costs.observe_load("t", 4, 0.001)
+    assert costs.decide("t", 4, 128, loading=3) is None  # timed once: loads go on while the fits learn
+    assert costs.cut(["t"] * 4, 32, "host", {"t": 0}) == 4
+    fresh = LoadCosts(min_samples=2)
+    assert fresh.cut(["host", "u", "u"], 32, "host", {"u": 1}) == 1  # cut at the new tier's first chunk
+    assert fresh.decisions == {("u", "recompute"): 1}
+
+
+def test_a_decisively_slow_tier_loses_before_its_fit_has_its_samples() -> None:
+    costs = LoadCosts(min_samples=8)
+    for _ in range(8):
+        costs.observe_prefill(32, 0.010)  # 10 ms a chunk's tokens
+    costs.observe_load("slow", 4, 0.4)  # one load: 100 ms a chunk, 10x its recompute
+    assert costs.decide("slow", 4, 128) == "recompute"
+    costs.observe_load("mild", 4, 0.1)  # 2.5x its recompute: not decisive, the fit learns on
+    assert costs.decide("mild", 4, 128) is None
+    costs.observe_load("slow", 4, 0.02)  # one fast load is enough doubt until the fit has its samples
+    assert costs.decide("slow", 4, 128) is None
+    unknown_prefill = LoadCosts(min_samples=8)
+    unknown_prefill.observe_load("slow", 4, 0.4)
+    assert unknown_prefill.decide("slow", 4, 128) is None  # nothing to compare with yet
+
+
+def test_a_probe_waits_until_none_of_the_tiers_loads_is_in_flight() -> None:
+    costs = LoadCosts(min_samples=2, probe_every=2)
+    for _ in range(2):
+        costs.observe_load("t", 1, 1.0)
+        costs.observe_prefill(32, 0.001)
+    assert costs.decide("t", 1, 32) == "recompute"
+    assert [costs.decide("t", 1, 32, loading=1) for _ in range(5)] == ["recompute"] * 5  # a probe is due, held
+    assert costs.decide("t", 1, 32) == "load"  # the probe, once nothing is in flight
+    assert costs.decide("t", 1, 32) == "recompute"

@@ -1,6 +1,8 @@
 """Load or recompute in a running vLLM on CPU (issue 55 item 3): a kvtiers fs tier whose loads
-are held back 12 s (the adapter's ``slow_loads``, fault injection) is promoted from while the
-adapter learns (8 promotions), then left alone: vLLM recomputes the prefixes. The hold must lose
+are held back 12 s (the adapter's ``slow_loads``, fault injection) is promoted from for the first
+prefix it serves (nothing is known of its loads), then, once its loads are known to lose (at
+once where one 12 s load is over 4x the prefill, else after 8 promotions), left alone: vLLM
+recomputes the prefixes. The hold must lose
 to a 4096-token prefill by the adapter's margin (1.25x) on every CPU that runs the suite: that
 prefill took 1-2 s on AVX-512 machines and 4.9-6.1 s on an AVX2-only AMD EPYC (Milan) beside the
 other pytest worker, where a 3 s hold still paid and was rightly loaded. Measured once (2 s
@@ -22,7 +24,7 @@ pytestmark = [needs_vllm_cpu, pytest.mark.timeout(2400)]
 
 ROW = 256 << 10  # bytes of one chunk row of the tiny model (tests/test_vllm_engine_fs.py)
 FS = "1:kvtiers_fs"
-LEARN = 8  # promotions before the adapter decides (kvtiers.engine.costs.MIN_SAMPLES)
+LEARN = 8  # promotions the adapter may need before it decides (kvtiers.engine.costs.MIN_SAMPLES)
 ROUNDS = 5  # 3 new, 8 while learning, 4 after
 
 
@@ -40,14 +42,14 @@ def run(engine_runs):
 def test_the_slow_tier_is_loaded_while_learning_then_recomputed(run) -> None:
     reqs = sorted(run["requests"], key=lambda r: r["round"])
     assert len(reqs) == 3 * ROUNDS
-    # the first three prefixes are new; the next LEARN come from the tier, as without the feature
-    assert [r["cached_tokens"] for r in reqs[3:3 + LEARN]] == [PREFIX] * LEARN, describe(run)
+    # the first three prefixes are new; the next comes from the tier: nothing is known of its loads
+    assert reqs[3]["cached_tokens"] == PREFIX, describe(run)
     # then the tier's loads are known to lose to the prefill: the engine recomputes at least one
-    # of the later prefixes. Not every one: on an AVX2-only CPU beside another engine a prefill
-    # took 6.7-18.1 s, so 1.25 x the prefill's fit may exceed the 12 s hold and the next prefix
-    # is rightly loaded (seen: the first after learning loaded and the next two recomputed, and
-    # the first recomputed in 10 s and the next three loaded). A feature that never recomputes
-    # fails this and the hits bound below.
+    # of the later prefixes. When depends on the CPU: where the prefill takes 1-2 s (AVX-512), one
+    # 12 s load is decisive (over 4x the prefill) and the next prefix is recomputed; on an
+    # AVX2-only CPU beside another engine a prefill took 6.7-18.1 s, so the tier is learned over 8
+    # promotions and 1.25 x the prefill's fit may even exceed the 12 s hold, and a prefix is then
+    # rightly loaded. A feature that never recomputes fails this and the hits bound below.
     late = reqs[3 + LEARN:]
     assert any(r["cached_tokens"] < PREFIX for r in late), describe(run)
     hits = metric(run, "vllm:kv_offload_tiering_chunk_hits", tier=FS)

@@ -13,27 +13,43 @@ Both fits weigh recent jobs more (exponential forgetting, :data:`ALPHA`). A look
 :meth:`LoadCosts.cut` which of its tiers' chunks to load: for each tier, the chunks of the
 prefix it alone serves are loaded unless the fitted load time exceeds the fitted recompute
 time of their tokens by more than :data:`MARGIN`, once both fits have
-:data:`MIN_SAMPLES` samples (before that, everything is loaded, as without the feature).
+:data:`MIN_SAMPLES` samples (before that, everything is loaded, as without the feature, but
+for the two rules on first loads below).
 A tier that loses is answered as if its chunks were missing from the first of them: the
 engine recomputes them. One decision in :data:`PROBE_EVERY` in a row that would leave a tier
-out loads from it instead (a probe), so a tier that got faster is seen again. Each decision
-is counted (``decisions``: ``(tier, "load" | "recompute")`` -> lookups), as
+out loads from it instead (a probe, when none of the tier's loads is in flight), so a tier
+that got faster is seen again.
+
+Learning costs loads, and a tier's first loads are the ones nothing is known of. So:
+
+- until a tier's first load is timed, it has one load at a time: a lookup while that load is
+  in flight (``loading``) recomputes instead of waiting for a tier that may take any time;
+- before the fit has its samples, a tier whose every timed load took more than
+  :data:`DECISIVE` times the recompute of its tokens loses at once (the probes correct a
+  first load that was slow by accident).
+
+So a tier slower than recompute costs one load's wait on one request, not a wait on every
+request in flight while its fit learns. Each decision is counted (``decisions``: ``(tier,
+"load" | "recompute")`` -> lookups; under vLLM, one per request and tier), as
 ``kvtiers_load_decisions_total`` on /metrics.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-__all__ = ["ALPHA", "MARGIN", "MIN_SAMPLES", "PROBE_EVERY", "CostFit", "LoadCosts"]
+__all__ = ["ALPHA", "DECISIVE", "MARGIN", "MIN_SAMPLES", "PROBE_EVERY", "CostFit", "LoadCosts"]
 
 #: weight of the newest sample in each fit (the rest decays by ``1 - ALPHA``)
 ALPHA = 0.1
 #: a tier's load is skipped only when it is expected to take this many times the recompute
 MARGIN = 1.25
-#: samples each fit needs before it decides anything
+#: samples each fit needs before it decides from its prediction
 MIN_SAMPLES = 8
+#: before its fit has its samples, a tier whose every load took this many times the recompute of
+#: its tokens (or more) loses
+DECISIVE = 4.0
 #: a tier left out this many times in a row is loaded once more, so its fit keeps learning
 #: (a tier that got faster is found again)
 PROBE_EVERY = 32
@@ -50,6 +66,7 @@ class CostFit:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
         self.samples = 0
+        self.fastest = float("inf")  # the least seconds per unit of any sample
         self._w = self._x = self._y = self._xx = self._xy = 0.0
 
     def add(self, size: float, seconds: float) -> None:
@@ -63,6 +80,7 @@ class CostFit:
         self._xx = self._xx * keep + size * size
         self._xy = self._xy * keep + size * seconds
         self.samples += 1
+        self.fastest = min(self.fastest, seconds / size)
 
     def terms(self) -> tuple[float, float]:
         """``(latency, per_unit)`` in seconds; ``(0, 0)`` before any sample."""
@@ -119,29 +137,42 @@ class LoadCosts:
         """The engine computed the KV of ``tokens`` prompt tokens in ``seconds``."""
         self.prefill.add(tokens, seconds)
 
-    def decide(self, tier: str, chunks: int, tokens: int) -> str | None:
+    def decide(self, tier: str, chunks: int, tokens: int, loading: int = 0) -> str | None:
         """``"load"`` or ``"recompute"`` for ``chunks`` chunks (``tokens`` tokens) from ``tier``;
-        None while either fit has fewer than ``min_samples`` samples."""
+        None (load, undecided) while the fits have too few samples (see the module).
+        ``loading``: the tier's loads in flight now, other than this lookup's."""
         fit = self.loads.get(tier)
-        if fit is None or fit.samples < self.min_samples or self.prefill.samples < self.min_samples:
+        if fit is None or fit.samples == 0:
+            return "recompute" if loading else None  # one load at a time finds out what one costs
+        if self.prefill.samples < self.min_samples:
             return None
-        if fit.predict(chunks) <= self.margin * self.prefill.predict(tokens):
+        recompute = self.prefill.predict(tokens)
+        if fit.samples >= self.min_samples:
+            loses = fit.predict(chunks) > self.margin * recompute
+        elif fit.fastest * chunks > DECISIVE * recompute:
+            loses = True
+        else:
+            return None
+        if not loses:
             self._skipped[tier] = 0
             return "load"
         self._skipped[tier] += 1
-        if self.probe_every and self._skipped[tier] % self.probe_every == 0:
-            return "load"  # a probe: one load in probe_every, so the fit sees the tier as it is now
+        if self.probe_every and self._skipped[tier] >= self.probe_every and not loading:
+            self._skipped[tier] = 0
+            return "load"  # a probe, so the fit sees the tier as it is now
         return "recompute"
 
-    def cut(self, sources: Sequence[str], tokens_per_chunk: int | None, host: str) -> int:
+    def cut(self, sources: Sequence[str], tokens_per_chunk: int | None, host: str,
+            loading: Mapping[str, int] | None = None) -> int:
         """How many leading chunks of a lookup's prefix to offer: ``sources`` names where each
-        comes from (``host``: the host cache, never cut). Counts each tier's decision."""
+        comes from (``host``: the host cache, never cut); ``loading``: each tier's loads in
+        flight. Counts each tier's decision."""
         if not self.enabled or not tokens_per_chunk:
             return len(sources)
         counts = Counter(s for s in sources if s != host)
         end = len(sources)
         for tier, n in counts.items():
-            decision = self.decide(tier, n, n * tokens_per_chunk)
+            decision = self.decide(tier, n, n * tokens_per_chunk, (loading or {}).get(tier, 0))
             if decision is None:
                 continue
             self.decisions[(tier, decision)] += 1

@@ -88,7 +88,7 @@ class LoadPath:
             retry = pending[i]
             break
         if self.costs is not None and out:
-            end = self.costs.cut(out, self.tokens_per_chunk, HOST)
+            end = self.costs.cut(out, self.tokens_per_chunk, HOST, self._tiers.loading())
             if end < len(out):  # a tier's load would lose: the engine recomputes from there
                 out, retry = out[:end], False
         return LookupResult(len(out), tuple(out), retry)

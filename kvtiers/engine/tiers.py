@@ -92,6 +92,10 @@ class TierSet:
         """Jobs in flight that are not lost."""
         return sum(1 for t in self.tiers for j in t.jobs.values() if not j.lost)
 
+    def loading(self) -> dict[str, int]:
+        """Per tier name, its load jobs in flight that are not lost (kvtiers.engine.costs)."""
+        return {t.name: sum(1 for j in t.jobs.values() if j.kind == "load" and not j.lost) for t in self.tiers}
+
     # -- guarded tier calls ----------------------------------------------------------------
     def failed(self, tier: Tier, what: str, e: BaseException) -> None:
         """Count and log a fault of ``tier`` in call ``what``."""

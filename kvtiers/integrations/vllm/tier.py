@@ -41,6 +41,12 @@ step's scheduler time is spent (default :data:`DEFAULT_RETRY_WAIT_MS`, 0: pass R
 the scheduler, see :mod:`.promotion_wait` for why the waits are off by default).
 The tier's own lookup stays non-blocking (rule 1); only this adapter waits.
 
+Load or recompute (kvtiers.engine.costs): a HIT that would load slower than vLLM recomputes
+its tokens answers MISS. The decision is one per request and tier (kept in the request's
+``ReqContext``), so a request loads all of its chunks this tier serves or none of them; the
+tier's loads in flight are its promotions not yet finished and the requests granted a load
+in this scheduler step (vLLM submits a step's promotions at its end).
+
 Tenants: a request's ``cache_salt`` is its tenant (:mod:`.tenant` carries it in the
 ``ReqContext``). Each lookup, store and promotion is made as that tenant's (or no tenant's)
 (:func:`kvtiers.encryption.tenants.as_tenant`), so an encrypted tier seals and opens the
@@ -99,6 +105,10 @@ DEFAULT_RETRY_WAIT_MS = 0.0
 _RETRY_POLL_S = 0.0002
 #: vLLM medium of a kvtiers tier, for vLLM's load filters and cache-hit sources; others are STORAGE
 MEDIUM = {"memory": Medium.CPU, "p2p": Medium.CPU}
+
+
+class _Decisions(dict):
+    """A request's load-or-recompute decision per kvtiers tier (in its ``ReqContext``)."""
 
 
 @dataclass
@@ -190,6 +200,7 @@ class KvtiersTier(SecondaryTierManager):
         if not isinstance(enabled, bool):
             raise ConfigError(f"'recompute_when_faster' must be true or false, got {enabled!r}")
         self._retry_spent_s = 0.0  # this step's
+        self._granted: set[str] = set()  # requests decided to load in this step (promotions not submitted yet)
         if namespace is not None and not isinstance(namespace, dict):
             raise ConfigError(f"secondary tier {tier_type!r}: 'namespace' must be an object of extra fields")
         self.arena, self._flat = primary_arena(primary_kv_view)
@@ -289,25 +300,39 @@ class KvtiersTier(SecondaryTierManager):
             self._series.lookup_took(t1 - t0)
         if answer is Lookup.RETRY and self._retry_spent_s < self.retry_wait_s:
             answer = self._settle(k, t1, tenant)
-        if answer is Lookup.HIT and self._recompute_faster():
+        if answer is Lookup.HIT and self._recompute_faster(req_context):
             return LookupResult.MISS  # its load would take longer than its prefill: vLLM recomputes it
         if answer is Lookup.HIT:  # served: recently used (see the module, "Recency")
             self._touch([k], tenant)
             self.pins.note([k], req_context)
         return _ANSWER[answer]
 
-    def _recompute_faster(self) -> bool:
-        """Whether a chunk of this tier loads slower than it recomputes (kvtiers.engine.costs), for
-        a promotion of this tier's usual size; counts the decision once the costs are known."""
+    def _recompute_faster(self, req_context: ReqContext) -> bool:
+        """Whether this request recomputes what this tier holds rather than load it
+        (kvtiers.engine.costs), for a promotion of this tier's usual size. Decided (and counted)
+        at the request's first HIT here, then kept for its other chunks."""
         costs, tpc = self.costs, self.tokens_per_chunk
         if not costs.enabled or not tpc:
             return False
+        get = getattr(req_context, "get_state", None)
+        made = get(_Decisions) if get is not None else None
+        if made is not None and id(self) in made:
+            return made[id(self)] == "recompute"
         fit = costs.loads.get(self.tier_type)
         n = max(1, round(fit.mean_size)) if fit is not None else 1
-        decision = costs.decide(self.tier_type, n, n * tpc)
-        if decision is None:
-            return False
-        costs.decisions[(self.tier_type, decision)] += 1
+        req = getattr(req_context, "req_id", None)
+        loading = sum(1 for p in list(self._jobs.values()) if p.job.is_promotion)
+        loading += len(self._granted) - (req in self._granted)
+        decision = costs.decide(self.tier_type, n, n * tpc, loading)
+        if decision is not None:
+            costs.decisions[(self.tier_type, decision)] += 1
+        if decision != "recompute" and req is not None:
+            self._granted.add(req)
+        if get is not None:
+            if made is None:
+                made = _Decisions()
+                req_context.set_state(made)
+            made[id(self)] = decision
         return decision == "recompute"
 
     def _settle(self, k: bytes, t0: float, tenant: str | None) -> Lookup:
@@ -334,6 +359,7 @@ class KvtiersTier(SecondaryTierManager):
     def on_schedule_end(self, context: Any) -> None:
         """vLLM's end of a scheduler step: the next step has a new ``retry_wait_ms``."""
         self._retry_spent_s = 0.0
+        self._granted.clear()  # their promotions were submitted before this call (vLLM flushes them first)
         super().on_schedule_end(context)
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
