@@ -115,7 +115,10 @@ def step_of(e: Engine, requests: dict[str, list[bytes]]) -> dict[str, list[Looku
     return out
 
 
-def test_a_new_slow_tier_loads_for_one_request_until_timed_then_for_none(tmp_path) -> None:
+def unknown_slow_engine(tmp_path) -> tuple[Engine, list[bytes], dict[bytes, bytes]]:
+    """9 chunks cascaded to fs by one engine; a second engine on the same directory, its fs
+    tier's loads held back 0.4 s, which knows the prefill (10 ms a chunk) and nothing of the
+    tier's loads."""
     tier = {"type": "kvtiers_fs", "root_dir": str(tmp_path / "kv"), "module_path": MODULE}
     chunks = chunks_for(9, seed=7)
     a = Engine(tier)
@@ -124,10 +127,14 @@ def test_a_new_slow_tier_loads_for_one_request_until_timed_then_for_none(tmp_pat
     finally:
         a.close()
     e = Engine({**tier, "slow_loads": {"delay_ms": 400}})
-    keys = list(chunks)
+    for _ in range(MIN_SAMPLES):
+        e.tier.costs.observe_prefill(e.tier.tokens_per_chunk, 0.01)
+    return e, list(chunks), chunks
+
+
+def test_a_new_slow_tier_loads_for_one_request_until_timed_then_for_none(tmp_path) -> None:
+    e, keys, chunks = unknown_slow_engine(tmp_path)
     try:
-        for _ in range(MIN_SAMPLES):  # the engine's prefill is known (10 ms a chunk), the tier's loads not
-            e.tier.costs.observe_prefill(e.tier.tokens_per_chunk, 0.01)
         seen = step_of(e, {"r1": keys[:3], "r2": keys[3:6]})
         assert seen["r1"] == [LookupResult.HIT_PENDING] * 3  # the first request loads (and times the tier)
         assert seen["r2"] == [LookupResult.MISS] * 3  # the next recomputes rather than wait on the unknown
@@ -137,7 +144,24 @@ def test_a_new_slow_tier_loads_for_one_request_until_timed_then_for_none(tmp_pat
         # one load of 0.4 s for three chunks, each 10 ms to recompute: decided without more samples
         got, seen3 = e.load("r3", keys[6:])
         assert got == {} and set(seen3) == {LookupResult.MISS}
-        assert e.tier.costs.decisions == {(e.tier.tier_type, "recompute"): 2}  # r2's and r3's: one a request
+        assert e.tier.costs.decisions == {(e.tier.tier_type, "recompute"): 2}  # r2's and r3's
+    finally:
+        e.close()
+
+
+def test_a_request_is_decided_again_in_its_next_step(tmp_path) -> None:
+    """A request whose load began while the tier was unknown does not go on loading from it,
+    chunk after chunk in later steps, once the tier is known to lose."""
+    e, keys, chunks = unknown_slow_engine(tmp_path)
+    try:
+        known(e, keys)
+        ctx = ReqContext(req_id="r1")
+        e.m.on_new_request(ctx)
+        assert [e.m.lookup(k, ctx) for k in keys[:3]] == [LookupResult.HIT_PENDING] * 3
+        e.settle()  # scheduler steps until the 0.4 s promotion is in: the tier's first sample
+        assert e.tier.costs.loads[e.tier.tier_type].samples == 1
+        # a later step of the same request (its rows for more of the prefix were short, say)
+        assert [e.m.lookup(k, ctx) for k in keys[:6]] == [LookupResult.HIT] * 3 + [LookupResult.MISS] * 3
     finally:
         e.close()
 

@@ -30,7 +30,7 @@ Learning costs loads, and a tier's first loads are the ones nothing is known of.
 
 So a tier slower than recompute costs one load's wait on one request, not a wait on every
 request in flight while its fit learns. Each decision is counted (``decisions``: ``(tier,
-"load" | "recompute")`` -> lookups; under vLLM, one per request and tier), as
+"load" | "recompute")`` -> lookups; under vLLM, one per request, tier and step), as
 ``kvtiers_load_decisions_total`` on /metrics.
 """
 

@@ -42,10 +42,11 @@ the scheduler, see :mod:`.promotion_wait` for why the waits are off by default).
 The tier's own lookup stays non-blocking (rule 1); only this adapter waits.
 
 Load or recompute (kvtiers.engine.costs): a HIT that would load slower than vLLM recomputes
-its tokens answers MISS. The decision is one per request and tier (kept in the request's
-``ReqContext``), so a request loads all of its chunks this tier serves or none of them; the
-tier's loads in flight are its promotions not yet finished and the requests granted a load
-in this scheduler step (vLLM submits a step's promotions at its end).
+its tokens answers MISS. The decision is one per request, tier and scheduler step (kept in the
+request's ``ReqContext``), so the chunks a request promotes in one step are one job or none; a
+request deferred to a later step is decided again. The tier's loads in flight, for a request,
+are the other requests' promotions not yet finished and the other requests granted a load in
+this step (vLLM submits a step's promotions at its end).
 
 Tenants: a request's ``cache_salt`` is its tenant (:mod:`.tenant` carries it in the
 ``ReqContext``). Each lookup, store and promotion is made as that tenant's (or no tenant's)
@@ -108,7 +109,8 @@ MEDIUM = {"memory": Medium.CPU, "p2p": Medium.CPU}
 
 
 class _Decisions(dict):
-    """A request's load-or-recompute decision per kvtiers tier (in its ``ReqContext``)."""
+    """A request's load-or-recompute decisions (in its ``ReqContext``): per kvtiers tier, the
+    scheduler step it was made in and the decision."""
 
 
 @dataclass
@@ -201,6 +203,7 @@ class KvtiersTier(SecondaryTierManager):
             raise ConfigError(f"'recompute_when_faster' must be true or false, got {enabled!r}")
         self._retry_spent_s = 0.0  # this step's
         self._granted: set[str] = set()  # requests decided to load in this step (promotions not submitted yet)
+        self._step = 0  # scheduler steps ended (on_schedule_end)
         if namespace is not None and not isinstance(namespace, dict):
             raise ConfigError(f"secondary tier {tier_type!r}: 'namespace' must be an object of extra fields")
         self.arena, self._flat = primary_arena(primary_kv_view)
@@ -310,19 +313,24 @@ class KvtiersTier(SecondaryTierManager):
     def _recompute_faster(self, req_context: ReqContext) -> bool:
         """Whether this request recomputes what this tier holds rather than load it
         (kvtiers.engine.costs), for a promotion of this tier's usual size. Decided (and counted)
-        at the request's first HIT here, then kept for its other chunks."""
+        at the request's first HIT here in a scheduler step, and kept for its other chunks of
+        that step: they are promoted in one job or not at all. A request deferred to the next
+        step is decided again there (a probe, or a load begun while the tier was unknown, does
+        not go on chunk after chunk once the tier is known to lose)."""
         costs, tpc = self.costs, self.tokens_per_chunk
         if not costs.enabled or not tpc:
             return False
         get = getattr(req_context, "get_state", None)
         made = get(_Decisions) if get is not None else None
-        if made is not None and id(self) in made:
-            return made[id(self)] == "recompute"
+        if made is not None and made.get(id(self), (None,))[0] == self._step:
+            return made[id(self)][1] == "recompute"
         fit = costs.loads.get(self.tier_type)
         n = max(1, round(fit.mean_size)) if fit is not None else 1
         req = getattr(req_context, "req_id", None)
-        loading = sum(1 for p in list(self._jobs.values()) if p.job.is_promotion)
-        loading += len(self._granted) - (req in self._granted)
+        # the tier's loads in flight for other requests: promotions submitted, and granted in this step
+        loading = sum(1 for p in list(self._jobs.values())
+                      if p.job.is_promotion and getattr(p.job.req_context, "req_id", None) != req)
+        loading += len(self._granted - {req})
         decision = costs.decide(self.tier_type, n, n * tpc, loading)
         if decision is not None:
             costs.decisions[(self.tier_type, decision)] += 1
@@ -332,7 +340,7 @@ class KvtiersTier(SecondaryTierManager):
             if made is None:
                 made = _Decisions()
                 req_context.set_state(made)
-            made[id(self)] = decision
+            made[id(self)] = (self._step, decision)
         return decision == "recompute"
 
     def _settle(self, k: bytes, t0: float, tenant: str | None) -> Lookup:
@@ -360,6 +368,7 @@ class KvtiersTier(SecondaryTierManager):
         """vLLM's end of a scheduler step: the next step has a new ``retry_wait_ms``."""
         self._retry_spent_s = 0.0
         self._granted.clear()  # their promotions were submitted before this call (vLLM flushes them first)
+        self._step += 1
         super().on_schedule_end(context)
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
