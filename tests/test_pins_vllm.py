@@ -56,6 +56,9 @@ def test_a_request_field_pins_what_vllm_stores_for_it_and_what_it_finds(engine):
     assert len(fs.pins) == 4
     ctx = ReqContext(req_id="c", kv_transfer_params={"kvtiers_pin": {"hard": True}})
     e.answers(list(plain))  # stored and settled
+    # c looks up in a later step: in the same one, the tier's load for "look" (of unknown time:
+    # nothing loaded yet) would make it recompute instead (kvtiers.engine.costs, one at a time)
+    e.m.on_schedule_end(STEP)
     for k in plain:
         e.tier.lookup(k, ctx)  # found there: pinned at the step's end
     e.m.on_schedule_end(STEP)
