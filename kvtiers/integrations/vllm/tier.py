@@ -365,7 +365,8 @@ class KvtiersTier(SecondaryTierManager):
         return answer
 
     def on_schedule_end(self, context: Any) -> None:
-        """vLLM's end of a scheduler step: the next step has a new ``retry_wait_ms``."""
+        """vLLM's end of a scheduler step: the next step has a new ``retry_wait_ms`` and makes
+        its own load-or-recompute decisions (this step's promotions are submitted by now)."""
         self._retry_spent_s = 0.0
         self._granted.clear()  # their promotions were submitted before this call (vLLM flushes them first)
         self._step += 1
