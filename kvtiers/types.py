@@ -387,6 +387,11 @@ def accept_job(job: object, arena: Arena, *, closed: bool = False) -> Job:
     return job
 
 
+#: seconds of work a wrapper tier's hook call (a submit, a poll) does on the caller's thread
+#: before it returns (rule 5); the next call goes on where it stopped
+POLL_BUDGET_S = 0.05
+
+
 def drain(results: deque) -> list:
     """Pop everything from a deque of results, oldest first (for ``get_finished_jobs``);
     safe against appends from other threads while it runs."""

@@ -21,14 +21,20 @@ p2p_server = tier_helpers.p2p_server  # one peer server for the module
 ZSTD = {"codec": "zstd"}
 
 
+#: Rule 5 at 5 s, not 1, for the wrapper on a tier with threads of its own: its polls took
+#: 1.95 s (fs), 2.04 s (obj), 1.78 s and 3.42 s (lz4 then sealed, fs) in CI runs of the whole
+#: suite (2 cores, the other test worker's engines running), although a hook's call does at
+#: most ``POLL_BUDGET_S`` (50 ms) of each wrapper's own work (the sealing wrapper's since
+#: 2026-12-06). Not reproduced alone: with four CPU hogs beside it, the sealed class's 5,985
+#: polls took at most 0.14 s. Suspected: the wrappers' encode and seal threads, the tier's I/O
+#: threads and the poll contending for the GIL while the machine is overloaded. A poll that
+#: waits for a job, or on a stalled server, still fails.
+LOADED = DEFAULT_LIMITS.replace(poll_block_s=5.0)
+
+
 class TestCompressedFs(TierTests):
     levels = frozenset({"core", "durable", "shared"})
-    #: rule 5 at 3 s, not 1: a poll of the wrapper took 1.95 s once in a fresh clone (2-core AMD
-    #: EPYC Milan, the other test worker's engines running) although a hook's call does at most
-    #: 50 ms of the wrapper's own work; not reproduced with three CPU hogs beside it (no poll
-    #: over 0.6 s in three runs). Suspected: its four encode threads and the poll contending for
-    #: the GIL on an overloaded machine. Still a failure where a poll waits on I/O or a lock.
-    limits = DEFAULT_LIMITS.replace(poll_block_s=3.0)
+    limits = LOADED
 
     @pytest.fixture
     def tier_config(self, tmp_path):
@@ -48,6 +54,7 @@ class TestCompressedSealedFs(TierTests):
     """lz4, then AES-256-GCM, then the fs tier (DESIGN.md's order)."""
 
     levels = frozenset({"core", "durable"})
+    limits = LOADED
 
     @pytest.fixture
     def tier_config(self, tmp_path):
@@ -84,7 +91,7 @@ class TestCompressedP2P(TierTests):
 class TestCompressedObj(TierTests):
     """The obj tier on SeaweedFS (real S3 traffic: 10 stateful examples, as the encrypted run)."""
 
-    limits = s3_limits(10)
+    limits = s3_limits(10).replace(poll_block_s=LOADED.poll_block_s)
     levels = frozenset({"core", "durable", "shared"})  # bounded: as TestCompressedFsBounded says
 
     @pytest.fixture

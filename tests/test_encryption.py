@@ -491,3 +491,47 @@ def test_a_fifo_or_a_device_as_key_file_is_a_one_line_error_not_a_hang(tmp_path)
             pytest.fail(f"open_tier with key_file {path} hung")
         assert out.returncode == 3, out.stderr
         assert out.stdout.strip() == f"tier 'fs': encrypt: key_file {path!r} is not a regular file"
+
+
+def test_a_poll_returns_within_its_budget_while_the_workers_keep_finishing_pieces(tmp_path, monkeypatch):
+    """Rule 5: one ``get_finished_jobs`` moves a big job on for about ``POLL_BUDGET_S``, then
+    returns; the next poll goes on. Fault injection: each seal and each poll of the tier below
+    takes 20 ms, so pieces keep finishing while a poll runs (as under a loaded machine); before
+    the budget one poll drove most of the job (16 polls of the tier below in one call here)."""
+    from kvtiers.encryption import sealed_tier
+    from kvtiers.types import POLL_BUDGET_S
+
+    monkeypatch.setattr(sealed_tier, "PIECE_BYTES", 4 * SLOT)  # 4-key pieces: many of them
+    ctx = _ctx(256)
+    h = open_tier("memory", {"encrypt": {"key_file": _key(tmp_path)}}, ctx)
+    wrapper = h.hooks
+    assert type(wrapper).__name__ == "SealedTier"
+    seal, inner_poll = wrapper._seal, wrapper.inner.get_finished_jobs
+    polls_below = [0]
+
+    def slow_seal(piece):
+        time.sleep(0.02)
+        return seal(piece)
+
+    def slow_poll():
+        polls_below[0] += 1
+        time.sleep(0.02)
+        return inner_poll()
+
+    monkeypatch.setattr(wrapper, "_seal", slow_seal)
+    monkeypatch.setattr(wrapper.inner, "get_finished_jobs", slow_poll)
+    keys = [b"budget-%d" % i for i in range(256)]
+    for i in range(256):
+        ctx.arena[i][:] = _pattern(i)
+    h.submit_store(Job(1, tuple(keys), tuple(range(256))))
+    most, results = 0, []
+    deadline = time.monotonic() + 120
+    while not results and time.monotonic() < deadline:
+        before = polls_below[0]
+        results = h.get_finished_jobs()
+        most = max(most, polls_below[0] - before)
+    assert [r.job_id for r in results] == [1] and results[0].ok, results
+    # a pass polls the tier below once (20 ms): past the budget no further pass starts
+    assert most <= POLL_BUDGET_S / 0.02 + 2, f"one poll polled the tier below {most} times"
+    assert h.lookup(keys) == [Lookup.HIT] * 256
+    h.close()

@@ -171,14 +171,15 @@ def test_three_processes_storing_ten_times_the_bound_stay_within_the_slack(tmp_p
         worst = max(worst, total)
     print(f"shared root: bound {bound} B, worst sample {worst} B, final {final} B, {len(samples)} samples")
     # the test means something only if the writers raced: stores of two writers overlapped in
-    # time, and the samples saw the namespace at the bound (a sample past it is luck of timing
-    # on a loaded machine, so it is not required)
+    # time, and the samples saw the namespace at the bound, give or take a chunk per writer
+    # (each may have just evicted one: a CI run's fullest of 205 samples held 31 of 32 files;
+    # a sample past the bound is luck of timing on a loaded machine, so it is not required)
     last_end: dict[int, float] = {}
     raced = False
     for s0, s1, i in sorted((s0, s1, i) for i, (_, st, _) in enumerate(logs_read) for s0, s1, _ in st):
         raced |= any(end > s0 for j, end in last_end.items() if j != i)
         last_end[i] = max(last_end.get(i, s1), s1)
-    assert len(samples) > 20 and raced and worst >= bound, (len(samples), raced, worst)
+    assert len(samples) > 20 and raced and worst >= bound - 3 * file_bytes, (len(samples), raced, worst, bound)
 
 
 # -- item 6: a writer in another PID namespace is alive while it holds its lock ----------------

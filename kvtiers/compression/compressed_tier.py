@@ -28,7 +28,7 @@ from typing import Any
 
 from ..encryption.scope import TenantScope
 from ..hookspecs import hookimpl
-from ..types import Arena, Job, JobResult, Lookup, TierContext, accept_job, drain
+from ..types import POLL_BUDGET_S, Arena, Job, JobResult, Lookup, TierContext, accept_job, drain
 from .codecs import HEADER, PIECES_AT, Codec, DecodeFailed, decode_into, read_header
 
 #: a job is encoded (decoded) by the workers in pieces of about this many chunk bytes
@@ -40,11 +40,6 @@ def piece_key(key: bytes, i: int) -> bytes:
     caller's key of another length can be, and that differ for every ``(key, i)``."""
     return hashlib.blake2b(key, digest_size=32, person=b"kvtiers-piece", salt=i.to_bytes(8, "little")).digest()
 
-
-
-#: seconds of work a hook's call does on the caller's thread before it returns (rule 5); the
-#: next call goes on where it stopped
-POLL_BUDGET_S = 0.05
 
 class PieceBook:
     """What the wrapper remembers of pieces, bounded (``capacity`` keys each): the caller's

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..hookspecs import hookimpl
-from ..types import Arena, Job, JobResult, Lookup, TierContext, accept_job, drain
+from ..types import POLL_BUDGET_S, Arena, Job, JobResult, Lookup, TierContext, accept_job, drain
 from .keys import Keyring
 from .scope import TenantScope
 from .sealed import OpenFailed, _ns_bytes, open_into, seal_into
@@ -195,7 +195,7 @@ class SealedTier:
 
     @hookimpl
     def get_finished_jobs(self) -> list[JobResult]:
-        self._drive()
+        self._drive(budget_s=POLL_BUDGET_S)
         return drain(self._results)
 
     @hookimpl
@@ -258,7 +258,7 @@ class SealedTier:
             if not outer.todo:  # every key skipped: finished already
                 return
         self._waiting.append(outer)
-        self._drive()
+        self._drive(budget_s=POLL_BUDGET_S)
 
     def _select_keys(self, outer: _Outer, select: Callable[[bytes], tuple[Keyring, str | None] | str]) -> None:
         """Pick each key's keys and tenant (once, when the job comes: the job keeps them);
@@ -380,12 +380,18 @@ class SealedTier:
                                        time.perf_counter() - outer.t0, error))
         self._pending -= 1
 
-    def _drive(self, final: bool = False) -> None:
+    def _drive(self, final: bool = False, budget_s: float | None = None) -> None:
         """Move every job on, on the caller's thread: hand sealed pieces to the tier,
-        collect its results (opening loads), stage waiting jobs into freed slots."""
+        collect its results (opening loads), stage waiting jobs into freed slots. With
+        ``budget_s`` (the hooks' calls) it returns once that long has passed and the next
+        call goes on: while the workers keep finishing pieces, a poll would otherwise drive
+        a big job to its end (rule 5)."""
+        deadline = None if budget_s is None else time.monotonic() + budget_s
         while True:
             progressed = False
             while self._done:
+                if deadline is not None and progressed and time.monotonic() > deadline:
+                    return
                 with self._pool_lock:
                     what, piece, errs = self._done.popleft()
                 progressed = True
@@ -400,6 +406,8 @@ class SealedTier:
                 self._stage()
                 progressed = True
             if not progressed or not self._done:
+                return
+            if deadline is not None and time.monotonic() > deadline:
                 return
 
     def _after(self, what: str, piece: _Piece, errs: list[tuple[bytes, str, str]], final: bool) -> None:
