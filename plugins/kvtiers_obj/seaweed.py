@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvtiers.launcher import ChildProcess, http_answers
+from kvtiers.launcher import ChildProcess, LaunchError, http_answers
 
 PORT_NAMES = ("master", "volume", "filer", "s3")
 
@@ -77,8 +77,15 @@ class SeaweedServer(ChildProcess):
         self.data_dir = Path(data_dir)
         self.credentials = credentials
         self.ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
-        super().__init__(name=f"SeaweedFS S3 at {self.endpoint_url}", ready=http_answers(self.endpoint_url + "/"),
+        self._ever_ready = False
+        super().__init__(name=f"SeaweedFS S3 at {self.endpoint_url}", ready=self._answers,
                          log=self.data_dir / "weed.log", new_session=True)
+
+    def _answers(self) -> bool:
+        """Ready: its S3 port answers HTTP and is this server's own (another process that
+        took the port between our probe and the server's bind answers as well; the server
+        then exits with "Port allocation failed")."""
+        return http_answers(self.endpoint_url + "/")() and self.listens("127.0.0.1", self.ports["s3"])
 
     @property
     def endpoint_url(self) -> str:
@@ -94,12 +101,23 @@ class SeaweedServer(ChildProcess):
         ]  # fmt: skip
 
     def start(self, timeout: float = 60.0) -> SeaweedServer:
-        """Start the server (if not running) and wait until its S3 API answers."""
+        """Start the server (if not running) and wait until its S3 API answers. A first start
+        that loses a port to another process picks new ports (three tries); a restart keeps
+        its ports (clients know them), so there it raises :class:`~kvtiers.launcher.LaunchError`."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "S3_BUCKET"}
         if self.credentials:
             self.env["AWS_ACCESS_KEY_ID"], self.env["AWS_SECRET_ACCESS_KEY"] = self.credentials
-        super().start(timeout)
+        for tries_left in reversed(range(1 if self._ever_ready else 3)):
+            try:
+                super().start(timeout)
+                break
+            except LaunchError:
+                if not tries_left or self.returncode is None or self.returncode < 0:
+                    raise  # a restart, or not ready in time (killed): no new ports
+                self.ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
+                self.name = f"SeaweedFS S3 at {self.endpoint_url}"
+        self._ever_ready = True
         return self
 
     def __enter__(self) -> SeaweedServer:
