@@ -76,10 +76,14 @@ class SeaweedServer(ChildProcess):
     def __init__(self, data_dir: str | os.PathLike, credentials: tuple[str, str] | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.credentials = credentials
-        self.ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
         self._ever_ready = False
-        super().__init__(name=f"SeaweedFS S3 at {self.endpoint_url}", ready=self._answers,
-                         log=self.data_dir / "weed.log", new_session=True)
+        super().__init__(ready=self._answers, log=self.data_dir / "weed.log", new_session=True)
+        self._new_ports()
+
+    def _new_ports(self) -> None:
+        """Pick free ports (each with its gRPC twin) and name the server by its S3 endpoint."""
+        self.ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
+        self.name = f"SeaweedFS S3 at {self.endpoint_url}"
 
     def _answers(self) -> bool:
         """Ready: its S3 port answers HTTP and is this server's own (another process that
@@ -115,8 +119,7 @@ class SeaweedServer(ChildProcess):
             except LaunchError:
                 if not tries_left or self.returncode is None or self.returncode < 0:
                     raise  # a restart, or not ready in time (killed): no new ports
-                self.ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
-                self.name = f"SeaweedFS S3 at {self.endpoint_url}"
+                self._new_ports()
         self._ever_ready = True
         return self
 
