@@ -437,3 +437,43 @@ def test_a_failed_measurement_keeps_its_logs_and_drops_tier_data(tmp_path, capsy
     with sr.measuring(str(wd), True, report):
         pass
     assert not wd.exists() and "load_at_end" in report["machine"]
+
+
+def test_a_vllm_server_is_ready_on_its_own_listener_only(tmp_path) -> None:
+    """Another process that took the server's free port first answers /health too: the
+    bench's server is not ready on that answer (before: ready at once, the sweep then measuring
+    whoever held the port), only once a process of its own group listens there. The stand-in
+    children are plain Python: what is checked is the ready check, not vLLM."""
+    import http.server
+    import threading
+
+    from kvtiers.commands.bench.serve_run import ServeSettings, VllmServer
+    from kvtiers.launcher import LaunchError, free_port
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    impostor = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=impostor.serve_forever, daemon=True).start()
+    settings = ServeSettings(model="m")
+    srv = VllmServer(settings, None, str(tmp_path / "taken.log"), port=impostor.server_address[1])
+    srv.argv = [sys.executable, "-c", "import time; time.sleep(60)"]  # never listens itself
+    try:
+        with pytest.raises(LaunchError, match="not ready"):
+            srv.start(timeout=3)
+    finally:
+        srv.stop()
+        impostor.shutdown()
+        impostor.server_close()
+    own = VllmServer(settings, None, str(tmp_path / "own.log"), port=free_port())
+    own.argv = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(own.port)]
+    try:
+        own.start(timeout=30)  # its own listener answering (any status is an answer)
+        assert own.listens("127.0.0.1", own.port)
+    finally:
+        own.stop()

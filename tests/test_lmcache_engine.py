@@ -38,7 +38,7 @@ from test_lmcache_adapter import LMCACHE_PY, NEXT, needs_lmcache
 from vllm_engines import AT_ONCE, PREFIX, ROOT, X0, Y0, describe, job, phase_nice, reference, start_reference
 
 from kvtiers.commands.vllm_engine import spawn
-from kvtiers.launcher import ChildProcess, free_port, http_answers, tcp_listening
+from kvtiers.launcher import ChildProcess, free_port, http_answers
 
 pytestmark = [needs_lmcache, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -76,8 +76,10 @@ class Server:
                 "--l1-size-gb", "0.25", "--eviction-policy", "LRU", "--supported-transfer-mode", "auto"]
         for t in tiers:
             argv += ["--l2-adapter", plugin(t)]
-        http, zmq = http_answers(f"http://127.0.0.1:{self.http}/healthcheck"), tcp_listening("127.0.0.1", self.port)
-        self.proc = ChildProcess(argv, name=f"lmcache server {name}", ready=lambda: zmq() and http(),
+        http = http_answers(f"http://127.0.0.1:{self.http}/healthcheck")
+        self.proc = ChildProcess(argv, name=f"lmcache server {name}",
+                                 ready=lambda: (self.proc.listens("127.0.0.1", self.port)
+                                                and self.proc.listens("127.0.0.1", self.http) and http()),
                                  env=release_env(release), log=workdir / f"server-{name}.log", new_session=True,
                                  die_with_parent=True)
 

@@ -40,7 +40,9 @@ class Server(ChildProcess):
                 "--port", str(self.port), "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager",
                 "--seed", "0", "--num-gpu-blocks-override", "64", "--kv-transfer-config", json.dumps(ktc)]
         env = {**os.environ, **ENGINE_ENV, "KVTIERS_BUILD_DIR": str(ROOT / "build")}
-        super().__init__(argv, name="kvtiers vllm serve", ready=http_answers(self.url + "/health"), env=env,
+        health = http_answers(self.url + "/health")
+        super().__init__(argv, name="kvtiers vllm serve",
+                         ready=lambda: health() and self.listens("127.0.0.1", self.port), env=env,
                          log=str(log), new_session=True, die_with_parent=True, stop_timeout=60)
 
     def launch(self) -> None:

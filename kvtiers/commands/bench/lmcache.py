@@ -38,7 +38,7 @@ from typing import Any
 
 import click
 
-from ...launcher import ChildProcess, free_port, http_answers, tcp_listening
+from ...launcher import ChildProcess, free_port, http_answers
 
 __all__ = ["lmcache", "run_bench_lmcache"]
 
@@ -81,9 +81,12 @@ class _Server:
         argv = [exe, "server", "--host", "127.0.0.1", "--port", str(self.port), "--http-host", "127.0.0.1",
                 "--http-port", str(self.http), "--l1-size-gb", str(l1_gb),
                 "--eviction-policy", "LRU", "--supported-transfer-mode", "auto", "--l2-adapter", json.dumps(spec)]
-        zmq, http = tcp_listening("127.0.0.1", self.port), http_answers(f"http://127.0.0.1:{self.http}/healthcheck")
-        self.proc = ChildProcess(argv, name="lmcache server", ready=lambda: zmq() and http(), log=log,
-                                 new_session=True, die_with_parent=True)
+        http = http_answers(f"http://127.0.0.1:{self.http}/healthcheck")
+        # its own listeners: a free port another process took first would answer as well
+        self.proc = ChildProcess(argv, name="lmcache server",
+                                 ready=lambda: (self.proc.listens("127.0.0.1", self.port)
+                                                and self.proc.listens("127.0.0.1", self.http) and http()),
+                                 log=log, new_session=True, die_with_parent=True)
 
     def get(self, path: str, port: int | None = None) -> str:
         url = f"http://127.0.0.1:{port or self.http}{path}"

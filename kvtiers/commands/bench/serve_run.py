@@ -202,8 +202,10 @@ class VllmServer(ChildProcess):
         child_env = dict(os.environ)
         for k, v in {**ENGINE_ENV, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(KEEP_ALIVE_S), **(env or {})}.items():
             child_env.setdefault(k, v)
-        super().__init__(argv, name="vllm serve", ready=http_answers(self.base_url + "/health"), env=child_env, log=log,
-                         new_session=True, die_with_parent=True)
+        health = http_answers(self.base_url + "/health")
+        # its own listener too: another process that took the free port first answers /health as well
+        super().__init__(argv, name="vllm serve", ready=lambda: health() and self.listens("127.0.0.1", self.port),
+                         env=child_env, log=log, new_session=True, die_with_parent=True)
 
 
 def launch(srv: ChildProcess) -> None:
