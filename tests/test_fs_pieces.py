@@ -1,7 +1,8 @@
-"""The fs tier's load of a large chunk in pieces (kvtiers_fs.chunkio._read_pieces): several
-reads at once, the xxh3-128 taken piece by piece as they land, and the same integrity as one
-read: a flipped byte in any piece, or a piece that fails to read, is a failed key, and no
-read into the slot is still running when the job reports."""
+"""The fs tier's load of a large chunk in pieces: with O_DIRECT several reads at once
+(kvtiers_fs.chunkio._read_pieces), buffered one small step at a time (``_read_steps``), the
+xxh3-128 taken piece by piece as they land, and the same integrity as one read: a flipped byte
+in any piece, or a piece that fails to read, is a failed key, and no read into the slot is
+still running when the job reports."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from test_fs_helpers import Env, resolve
 from kvtiers import Lookup
 
 PIECE = chunkio.PIECE_BYTES
+STEP = chunkio.STEP_BYTES
 SLOT = 2 * PIECE + 8192  # three pieces, the last one short
 
 
@@ -63,14 +65,17 @@ def test_large_chunks_load_in_pieces_with_exact_bytes(big, monkeypatch, direct):
     r = big.load(t, keys)  # three keys at once: the pool is busy with whole keys and pieces
     assert r.ok, r.error
     big.check(keys)
-    # every piece of every key read at its own offset (one read of the whole chunk at 0 before)
-    assert sorted(spy.offsets) == sorted([0, PIECE, 2 * PIECE] * 3)
+    # every piece of every key read at its own offset (one read of the whole chunk at 0 before):
+    # O_DIRECT in device-sized pieces, buffered in cache-sized steps
+    offsets = range(0, SLOT, PIECE if t.direct else STEP)
+    assert sorted(spy.offsets) == sorted(list(offsets) * 3)
     assert spy.inflight == 0
 
 
-@pytest.mark.parametrize("where", [0, PIECE - 1, PIECE, 2 * PIECE + 1, SLOT - 1])
-def test_a_flipped_byte_in_any_piece_is_refused(big, where):
-    t = big.open()
+@pytest.mark.parametrize("direct", [None, False], ids=["direct-if-possible", "buffered"])
+@pytest.mark.parametrize("where", [0, STEP - 1, STEP, PIECE - 1, PIECE, 2 * PIECE + 1, SLOT - 1])
+def test_a_flipped_byte_in_any_piece_is_refused(big, where, direct):
+    t = big.open(direct=direct)
     assert big.store(t, [b"victim", b"other!"]).ok
     path = t.path(b"victim")
     with open(path, "r+b") as f:
@@ -116,6 +121,18 @@ def test_a_piece_that_fails_to_read_fails_the_key_after_every_read_ended(big, mo
     r = big.load(t, [b"k"])
     assert r.failed_keys == (b"k",) and "EIO" in r.error
     assert seen == [0], f"reads still in flight when the key was reported: {seen}"
+    assert os.path.exists(t.path(b"k"))  # a read error is not corruption: the file stays
+    monkeypatch.setattr(chunkio.os, "preadv", spy.real)
+    assert big.load(t, [b"k"]).ok
+    big.check([b"k"])
+
+
+def test_a_buffered_step_that_fails_to_read_fails_the_key_and_keeps_the_file(big, monkeypatch):
+    t = big.open(direct=False)
+    assert big.store(t, [b"k", b"j"]).ok
+    spy = _Spy(monkeypatch, fail_at=PIECE + STEP)  # a step inside the second piece
+    r = big.load(t, [b"k", b"j"])
+    assert set(r.failed_keys) == {b"k", b"j"} and "EIO" in r.error
     assert os.path.exists(t.path(b"k"))  # a read error is not corruption: the file stays
     monkeypatch.setattr(chunkio.os, "preadv", spy.real)
     assert big.load(t, [b"k"]).ok
