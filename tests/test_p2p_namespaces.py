@@ -17,7 +17,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 
 from kvtiers_p2p import protocol as P  # noqa: E402
-from kvtiers_p2p.store import SLAB_BYTES  # noqa: E402
+from kvtiers_p2p.store import SLAB_BYTES, SLAB_SHARE, MemoryStore  # noqa: E402
 from test_p2p_attacks import BOUND_S, GOOD_NS, Good, tier  # noqa: E402
 from test_p2p_lockout import dealer, hello, served  # noqa: E402
 from tier_helpers import resolve_lookup as resolve  # noqa: E402
@@ -27,6 +27,7 @@ from tier_helpers import wait_job as wait  # noqa: E402
 from kvtiers import Job, Lookup, Namespace  # noqa: E402
 
 KiB = 1 << 10
+MiB = 1 << 20
 OTHER_NS = Namespace({"test": "p2p-namespaces-other-size"})
 SIZES_CAPACITY = 9 * SLAB_BYTES  #: a slab for each of 8 chunk sizes and the good client's
 
@@ -245,10 +246,6 @@ def test_a_full_size_table_never_reclaims_a_size_another_peer_uses_for_a_newcome
     assert (stats["reclaimed"], stats["reaped"]) == (1, 1), stats
 
 
-@pytest.mark.xfail(strict=True, reason="known limit (docs/p2p.md, Memory): at a capacity of 64 MiB or less a "
-                   "pool's first slab maps it all, so a second chunk size evicts the first's chunks; slabs "
-                   "of 1/16 fixed this but broke carving a large chunk size from small idle slabs "
-                   "(kvtiers bench p2p)")
 def test_one_client_keeps_two_chunk_sizes_at_once(tmp_path):
     """One client (127.0.0.1) with two real tiers open at once on a 16 MiB server: 64 KiB
     chunks in one namespace, 4 KiB in another (a ModelWeights and its head record, say).
@@ -286,3 +283,45 @@ def test_one_client_keeps_two_chunk_sizes_at_once(tmp_path):
         loadable(big, [b"big-%d" % i for i in range(5)])
         loadable(small, [b"small-0", b"small-1"])
     assert server_stats(log)["evictions"] == 0
+
+
+def test_a_store_maps_a_share_of_its_capacity_per_slab_and_a_second_size_evicts_nothing():
+    """The store alone, without NIXL: the first chunk size maps a slab of 1/SLAB_SHARE of the
+    capacity, not all of it, so a second size maps its own beside it and nothing is evicted
+    (before: the first slab took all 16 MiB, and the second size evicted every chunk of the
+    first to free it)."""
+    store = MemoryStore(16 * MiB)
+    for i in range(8):
+        buf, evicted = store.reserve("big", 64 * KiB, None)
+        store.commit("big", b"big-%d" % i, buf, 0)
+    assert store.mapped == 16 * MiB // SLAB_SHARE
+    buf, evicted = store.reserve("small", 4 * KiB, None)
+    store.commit("small", b"small-0", buf, 0)
+    assert evicted == [] and store.evictions == 0
+    assert all(store.has("big", b"big-%d" % i) for i in range(8))
+    assert store.chunk_sizes() == {64 * KiB, 4 * KiB} and store.mapped <= store.capacity
+
+
+def test_a_large_chunk_size_after_small_ones_unmaps_their_idle_slabs():
+    """Small chunks fill the capacity in small slabs; a chunk size larger than any of them
+    then evicts least recently used small chunks until slabs are idle, unmaps those and maps
+    its own (kvtiers bench p2p's order: 4 KiB rounds, then 8 MiB). With NIXL (slabs stay
+    registered) the store only carves an idle slab large enough, as before."""
+    store = MemoryStore(16 * MiB)
+    small = [b"s-%d" % i for i in range(16 * MiB // (64 * KiB))]
+    for k in small:
+        buf, _ = store.reserve("a", 64 * KiB, None)
+        store.commit("a", k, buf, 0)
+    assert store.mapped == 16 * MiB
+    got = store.reserve("b", 8 * MiB, None)
+    assert got is not None, "an 8 MiB chunk found no room in a store of 16 MiB"
+    buf, _ = got
+    buf[:] = b"x" * len(buf)
+    store.commit("b", b"large", buf, 0)
+    assert store.has("b", b"large") and store.mapped <= store.capacity
+    kept = [k for k in small if store.has("a", k)]
+    assert 0 < len(kept) < len(small) and kept == small[-len(kept):]  # the oldest went, the newest stayed
+    nixl = MemoryStore(16 * MiB)
+    nixl.on_slab = lambda view: None  # as a NIXL server registers each slab
+    buf, _ = nixl.reserve("a", 64 * KiB, None)
+    assert nixl.mapped == 16 * MiB  # one slab of up to SLAB_BYTES, carved anew for another size

@@ -4,11 +4,15 @@ chunks kept per namespace, each namespace optionally capped by its clients' ``ma
 Chunks live in buffers of a per-size pool, carved from pre-faulted anonymous mappings
 (slabs) and reused after eviction, so a PUT is received straight into memory that is already
 mapped (a fresh allocation per chunk costs page faults that halve the push rate). The slabs
-of all pools together never map more than ``capacity`` bytes: a chunk size that needs a new
-slab when the capacity is mapped evicts least recently used chunks until a whole slab of
-another size is free and carves that slab anew (it stays mapped, and registered with NIXL).
-Buffers are carved from a slab as they are needed, so a small chunk size costs no
-bookkeeping for buffers nobody uses; a pool nobody uses any more is unmapped.
+of all pools together never map more than ``capacity`` bytes, each slab at most
+:data:`SLAB_BYTES` and, without NIXL, at most ``capacity / SLAB_SHARE`` (or one chunk), so one
+chunk size never maps the whole capacity at once and a second size finds room beside it. A chunk
+size that needs a new slab when the capacity is mapped evicts least recently used chunks until
+a whole slab of another size is free, then carves that slab anew if it is large enough (with
+NIXL the only way: slabs stay mapped and registered), else, without NIXL, unmaps idle slabs of
+other sizes and maps its own. Buffers are carved from a slab as they are needed, so a small
+chunk size costs no bookkeeping for buffers nobody uses; a pool nobody uses any more is
+unmapped.
 
 GETs send a buffer zero-copy: pyzmq holds a reference to the buffer's memoryview until
 libzmq has sent it, so a buffer whose chunk was evicted meanwhile is reused only once that
@@ -44,6 +48,9 @@ from typing import Any
 from kvtiers.misscache import Deadlines
 
 SLAB_BYTES = 64 << 20  #: buffers are mapped this many bytes at a time (at most)
+#: without NIXL, a slab is at most this fraction of the capacity (or one chunk): at 64 MiB or
+#: less, a first chunk size mapping it all made a second size evict every chunk of the first
+SLAB_SHARE = 16
 MIN_CHUNK_BYTES = 4096  #: the smallest chunk a store keeps (an arena slot's granularity)
 IDLE_REFS = 2  #: sys.getrefcount of a pooled buffer nobody else holds (a local name + the argument)
 PIN_SHARE = 0.5  #: of a namespace's cap and of the capacity: the most that is pinned
@@ -277,8 +284,17 @@ class MemoryStore:
                 if slab is not None:
                     pool.adopt(slab)
                     return True
-            return False
-        nbytes = min(SLAB_BYTES, room) // size * size
+            if self.on_slab is not None:
+                return False  # NIXL: slabs stay registered, none is unmapped
+            for other in self._pools.values():  # idle slabs too small to carve: unmapped for room
+                if other is not pool and other.slabs and room < size:
+                    freed = other.trim()
+                    self.mapped -= freed
+                    room += freed
+            if room < size:
+                return False
+        most = SLAB_BYTES if self.on_slab is not None else min(SLAB_BYTES, max(size, self.capacity // SLAB_SHARE))
+        nbytes = min(most, room) // size * size
         view = pool.grow(nbytes)
         self.mapped += nbytes
         if self.on_slab is not None:
