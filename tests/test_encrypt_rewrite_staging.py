@@ -251,3 +251,39 @@ def test_another_users_stale_staging_directory_is_left(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["rewritten"] == 2
     assert [d for d in theirs if not (d / "sub" / "copy.bin").is_file()] == []
+
+
+def test_a_chunk_directory_swapped_for_a_link_before_the_rename_is_not_written_through(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """One who can write the root swaps a chunk's directory for a link to their own directory,
+    holding a file of the chunk's name, after the rewrite read the chunk and before it renames
+    the new copy over it (fault injection at that moment): the rename does not follow the link,
+    their file is left as it was, that chunk is reported failed and every other one rewritten
+    (before: the new chunk was renamed into their directory)."""
+    from kvtiers.commands.cli import main
+
+    n = 24
+    root = tmp_path / "kv"
+    config, keys, rotated, digest = _rotated(tmp_path, root, n)
+    theirs = _attacker(tmp_path)
+    real, swapped = encrypt._replace, []
+
+    def replace_after_a_swap(f, dir_opts, staging):
+        if not swapped:
+            d = os.path.dirname(f.path)
+            os.rename(d, str(tmp_path / "moved-away"))
+            (theirs / os.path.basename(f.path)).write_bytes(b"theirs")
+            _plant(d, theirs)
+            swapped.append(f.path)
+        return real(f, dir_opts, staging)
+
+    monkeypatch.setattr(encrypt, "_replace", replace_after_a_swap)
+    with pytest.raises(SystemExit) as ended:  # a chunk failed: the command exits 1, after its report
+        main(["encrypt", "rewrite", "fs", "--config", config, "--json"])
+    out, err = capsys.readouterr()
+    assert ended.value.code == 1, err
+    rep = json.loads(out)
+    assert swapped and rep["failed"] >= 1 and rep["rewritten"] == n - rep["failed"], rep
+    assert _everything_under(theirs) == [os.path.basename(swapped[0])]
+    assert (theirs / os.path.basename(swapped[0])).read_bytes() == b"theirs", "the rename wrote through the link"
+    assert "is no longer a directory of the root" in err and "Traceback" not in err

@@ -552,9 +552,12 @@ class _Rewriter(Closing):
 
 def _replace(f: SealedFile, dir_opts: dict[str, str], staging: dict[str, str]) -> str:
     """Rename the new copy of ``f`` from the staging directory over ``f``'s file; what
-    happened (a report key)."""
+    happened (a report key). The file's directory is reached from the root one component at a
+    time without following a link (:func:`_chunk_dir`): one who can write the root and swaps a
+    directory for a link after the scan does not get the new file written elsewhere."""
     opt = next(k for k, v in dir_opts.items() if v == f.root)
-    new = os.path.join(staging[opt], os.path.relpath(f.path, f.root))
+    rel = os.path.relpath(f.path, f.root)
+    new = os.path.join(staging[opt], rel)
     try:
         st = os.lstat(new)
     except OSError:
@@ -563,16 +566,47 @@ def _replace(f: SealedFile, dir_opts: dict[str, str], staging: dict[str, str]) -
         click.echo(f"{f.path}: the tier stored no file at {new}; left as it was", err=True)
         return "failed"
     try:
-        old = os.lstat(f.path)
-    except FileNotFoundError:  # removed meanwhile (evicted by a cleaner, gc): not brought back
+        dfd, name = _chunk_dir(f.root, rel)
+    except FileNotFoundError:  # its directory removed meanwhile: nothing to bring back
         os.unlink(new)
         return "gone"
-    if not stat.S_ISREG(old.st_mode):
+    except OSError as e:  # ELOOP / ENOTDIR: a link or a file where a directory was
         os.unlink(new)
-        click.echo(f"{f.path}: {_kind(old.st_mode)} there now; left alone", err=True)
+        click.echo(f"{f.path}: its directory is no longer a directory of the root ({os.strerror(e.errno)}); "
+                   "left alone", err=True)
         return "failed"
-    os.replace(new, f.path)
-    return "rewritten"
+    try:
+        try:
+            old = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:  # removed meanwhile (evicted by a cleaner, gc): not brought back
+            os.unlink(new)
+            return "gone"
+        if not stat.S_ISREG(old.st_mode):
+            os.unlink(new)
+            click.echo(f"{f.path}: {_kind(old.st_mode)} there now; left alone", err=True)
+            return "failed"
+        os.replace(new, name, dst_dir_fd=dfd)
+        return "rewritten"
+    finally:
+        os.close(dfd)
+
+
+def _chunk_dir(root: str, rel: str) -> tuple[int, str]:
+    """A descriptor of the directory of the file ``rel`` (relative to ``root``), opened one
+    component at a time with ``O_NOFOLLOW`` from ``root`` (the configured path itself may be a
+    link), and the file's name in it. ``OSError`` where a component is a link or not a
+    directory now."""
+    *dirs, name = rel.split(os.sep)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for d in dirs:
+            sub = os.open(d, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, name
 
 
 def _fsync_dir(path: str) -> None:
