@@ -1,6 +1,7 @@
 """Rule 13 of the conformance suite (pins hold within the bound, docs/contract.md): the real fs
-tier passes it; an fs tier whose pin hook accepts but protects nothing fails it; a tier without
-the optional hook is skipped with the reason, never passed."""
+tier passes it; an fs tier whose pin hook accepts but protects nothing fails it, and so does one
+that accepts a pin of its whole bound; a tier without the optional hook is skipped with the
+reason, never passed."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ class ForgetfulPins(FsTier):
         return None if all(k in self.index for k in keys) else "not stored here"
 
 
+class GreedyPins(FsTier):
+    """Protects what it pins but never refuses a pin for the bound's sake (no cap on pins): a pin
+    of every chunk of a full bound is accepted (rule 13 must catch it)."""
+
+    @hookimpl
+    def pin(self, keys, seconds):
+        self.pins.cap = None
+        return super().pin(keys, seconds)
+
+
 def fs_config(scratch):
     return {"root_dir": str(scratch), "rescan_seconds": None}
 
@@ -32,6 +43,12 @@ def rule13(cls, config):
 def test_the_fs_tier_keeps_its_pins_within_its_bound():
     line = rule13(FsTier, fs_config)
     assert line.status == "PASS", line.line()
+
+
+def test_a_tier_that_accepts_a_pin_of_its_whole_bound_fails():
+    line = rule13(GreedyPins, fs_config)
+    assert line.status == "FAIL", line.line()
+    assert "chunks of the full tier (nothing left to evict) was accepted" in line.line()
 
 
 def test_a_tier_that_accepts_pins_and_evicts_them_fails():

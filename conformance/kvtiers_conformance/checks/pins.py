@@ -1,16 +1,19 @@
 """Rule 13 (bounded, only for a tier with the optional ``pin`` hook): a pinned key is never
-evicted before its time, and pins never make the tier exceed its bound (docs/pins.md).
-
-An eighth of the bound is pinned, then four times the bound is stored over it: every pinned
-key still answers HIT and loads exactly, and the HIT keys still fit in ``max_bytes``. A pin of
-a key never stored, and a pin of the whole bound (nothing left to evict), are refused with a
-reason. Expiry is not checked here: a tier's clock is its own (the fs tier's own tests advance
-its clock, tests/test_pins.py). A tier without the hook is skipped, naming why.
+evicted before its time, and pins never make the tier exceed its bound (docs/pins.md). An
+eighth of the bound is pinned, then four times the bound is stored over it: every pinned key
+still answers HIT and loads exactly, and the HIT keys still fit in ``max_bytes``. A pin of a
+key never stored is refused with a reason. Then the tier is filled (fresh keys stored one at a
+time until one makes it evict) and a pin of every chunk it holds (nothing left to evict) must
+be refused with a reason; were it accepted, storing four times the bound again would have to
+evict none of them and leave no more chunks answering HIT than filled the bound (never
+accepted and then broken). Expiry is not checked here: a tier's clock is its own (the fs
+tier's own tests advance its clock, tests/test_pins.py). A tier without the hook is skipped,
+naming why.
 """
 
 from __future__ import annotations
 
-from ..harness import CheckSkipped, Harness, fail
+from ..harness import CheckSkipped, Harness, Instance, fail
 from ..rules import check
 from .bounded import _settled, _store_over_bound
 
@@ -43,8 +46,37 @@ def pins_hold_within_the_bound(h: Harness) -> None:
     if lost:
         fail(f"rule 13: {len(lost)} of {len(pinned)} pinned key(s) were evicted before their time")
     t.load_all(pinned, why="rule 13")
-    why = t.handle.pin(hits, 3600.0)
-    if not why or not isinstance(why, str):
-        fail(f"rule 13: a pin of all {len(hits)} chunks that fill max_bytes (nothing left to evict) was accepted; "
-             "it must be refused with a reason")
+    known = pinned + others
+    full, most = _filled(h, t, known, hits, cap)
+    why = t.handle.pin(full, 3600.0)
+    if why is not None:
+        if not isinstance(why, str) or not why:
+            fail(f"rule 13: a refused pin must say why in one line, got {why!r}")
+    else:  # every chunk of a full tier pinned: nothing is left to evict, so storing more breaks something
+        again = h.keys(4 * cap, b"R")
+        _store_over_bound(t, again, 4)
+        _answers, held = _settled(h, t, known + again, cap)
+        lost = [k for k in full if k not in held]
+        if lost or len(held) > most:
+            fail(f"rule 13: a pin of all {len(full)} chunks of the full tier (nothing left to evict) was accepted, "
+                 f"then {f'{len(lost)} of them were evicted' if lost else f'{len(held)} chunks answered HIT'}"
+                 f"{'' if lost else f' where {most} filled max_bytes'}; it must be refused with a reason")
+        t.handle.unpin(full)
     t.handle.unpin(pinned)
+
+
+def _filled(h: Harness, t: Instance, known: list[bytes], hits: list[bytes], cap: int) -> tuple[list[bytes], int]:
+    """Store fresh keys one at a time until one leaves no more chunks answering HIT than before
+    (the tier is full: it evicted to make room; a tier that evicted below its bound, or that
+    keeps whole chunks only while all their pieces are held, fills again first). The HIT keys
+    then, and the most that answered HIT at once. ``known`` grows by the keys stored."""
+    most = len(hits)
+    for _ in range(2 * cap):
+        known += [h.key(b"F")]
+        t.store(known[-1:])
+        _answers, now = _settled(h, t, known, cap)
+        most = max(most, len(now))
+        if len(now) <= len(hits):
+            return now, most
+        hits = now
+    return hits, most
