@@ -4,7 +4,7 @@ Tasks are ``fn(scratch)`` callables; ``scratch`` is the worker's 4096-byte align
 ``memoryview`` (the chunk trailer is read into and written from it, so O_DIRECT holds
 without allocating per operation). Threads start on first use and are joined by
 :meth:`Pool.shutdown`, which runs every task already queued first (within a bound: threads
-stuck in I/O past it are abandoned).
+still inside a task past it are abandoned).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class Pool:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._stopped = False
+        self._busy: set[threading.Thread] = set()  # threads inside a task now
 
     def submit(self, task: Task) -> None:
         """Queue ``task``; start the threads if they are not running yet."""
@@ -65,23 +66,31 @@ class Pool:
         page = aligned_buffer()
         scratch = memoryview(page)
         get = self._q.get
+        me = threading.current_thread()
         try:
             while True:
                 task = get()
                 if task is _STOP:
                     return
+                self._busy.add(me)
                 try:
                     task(scratch)
                 except BaseException:  # a task must report its own errors; never lose the thread
                     log.exception("%s: task raised", self.name)
+                finally:
+                    self._busy.discard(me)
         finally:
             scratch.release()
             page.close()
 
     def shutdown(self, timeout: float | None = None) -> list[threading.Thread]:
         """Run what is queued, stop and join every thread, waiting at most ``timeout``
-        seconds in all; return the threads still running then (stuck in I/O: they are
-        daemon threads, abandoned)."""
+        seconds in all; return the threads still inside a task then (stuck in I/O: they are
+        daemon threads, abandoned).
+
+        A thread still waiting for its next task then is not stuck: it only has not been
+        scheduled yet (a loaded machine can take longer than what is left of ``timeout``
+        to run an idle thread), and it ends on its own once it is."""
         with self._lock:
             self._stopped = True
             threads, self._threads = self._threads, []
@@ -90,4 +99,4 @@ class Pool:
         deadline = None if timeout is None else time.monotonic() + timeout
         for t in threads:
             t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        return [t for t in threads if t.is_alive()]
+        return [t for t in threads if t.is_alive() and t in self._busy]
