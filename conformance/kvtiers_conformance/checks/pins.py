@@ -31,9 +31,7 @@ def pins_hold_within_the_bound(h: Harness) -> None:
     t.store(pinned)
     t.wait_hit(pinned)
     why = t.handle.pin(pinned, 3600.0)
-    if why is not None:
-        if not isinstance(why, str) or not why:
-            fail(f"rule 13: a refused pin must say why in one line, got {why!r}")
+    if _refused(why):
         raise CheckSkipped(f"the tier refused a pin of {len(pinned)} of {cap} chunks of its bound: {why}")
     never = h.key(b"never-stored")
     why = t.handle.pin([never], 3600.0)
@@ -46,13 +44,9 @@ def pins_hold_within_the_bound(h: Harness) -> None:
     if lost:
         fail(f"rule 13: {len(lost)} of {len(pinned)} pinned key(s) were evicted before their time")
     t.load_all(pinned, why="rule 13")
-    known = pinned + others
-    full, most = _filled(h, t, known, hits, cap)
-    why = t.handle.pin(full, 3600.0)
-    if why is not None:
-        if not isinstance(why, str) or not why:
-            fail(f"rule 13: a refused pin must say why in one line, got {why!r}")
-    else:  # every chunk of a full tier pinned: nothing is left to evict, so storing more breaks something
+    known, full, most = _filled(h, t, pinned + others, hits, cap)
+    # every chunk of a full tier pinned: nothing is left to evict, so storing more breaks something
+    if not _refused(t.handle.pin(full, 3600.0)):
         again = h.keys(4 * cap, b"R")
         _store_over_bound(t, again, 4)
         _answers, held = _settled(h, t, known + again, cap)
@@ -65,11 +59,24 @@ def pins_hold_within_the_bound(h: Harness) -> None:
     t.handle.unpin(pinned)
 
 
-def _filled(h: Harness, t: Instance, known: list[bytes], hits: list[bytes], cap: int) -> tuple[list[bytes], int]:
+def _refused(why: object) -> bool:
+    """Whether ``pin`` answered a refusal; a refusal must name its reason (a non-empty string)."""
+    if why is None:
+        return False
+    if not isinstance(why, str) or not why:
+        fail(f"rule 13: a refused pin must say why in one line, got {why!r}")
+    return True
+
+
+def _filled(
+    h: Harness, t: Instance, known: list[bytes], hits: list[bytes], cap: int
+) -> tuple[list[bytes], list[bytes], int]:
     """Store fresh keys one at a time until one leaves no more chunks answering HIT than before
     (the tier is full: it evicted to make room; a tier that evicted below its bound, or that
-    keeps whole chunks only while all their pieces are held, fills again first). The HIT keys
-    then, and the most that answered HIT at once. ``known`` grows by the keys stored."""
+    keeps whole chunks only while all their pieces are held, fills again first). Returns every
+    key stored so far (``known`` and the fresh ones), the HIT keys then, and the most that
+    answered HIT at once."""
+    known = list(known)
     most = len(hits)
     for _ in range(2 * cap):
         known += [h.key(b"F")]
@@ -77,6 +84,6 @@ def _filled(h: Harness, t: Instance, known: list[bytes], hits: list[bytes], cap:
         _answers, now = _settled(h, t, known, cap)
         most = max(most, len(now))
         if len(now) <= len(hits):
-            return now, most
+            return known, now, most
         hits = now
-    return hits, most
+    return known, hits, most
