@@ -385,6 +385,7 @@ class Prober:
         self._cond = threading.Condition()
         self._pending: dict[bytes, None] = {}
         self._stop = False
+        self._busy = False  # inside a batch of stats now
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._started = False
 
@@ -415,6 +416,7 @@ class Prober:
                 if self._stop:
                     return
                 batch = list(self._pending)[:512]
+                self._busy = True
             missing = []
             for k in batch:
                 try:
@@ -430,18 +432,21 @@ class Prober:
             with self._cond:
                 for k in batch:
                     self._pending.pop(k, None)
+                self._busy = False
 
     def pending(self, key: bytes) -> bool:
         return key in self._pending
 
     def stop(self, timeout: float | None = None) -> bool:
-        """Stop the thread; False if it is still stuck in a ``stat`` after ``timeout``."""
+        """Stop the thread; False if it is still stuck in a ``stat`` after ``timeout``. A thread
+        still waiting for work then (not yet scheduled on a loaded machine) ends on its own."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         if self._started:
             self._thread.join(timeout)
-            return not self._thread.is_alive()
+            with self._cond:
+                return not (self._thread.is_alive() and self._busy)
         return True
 
 

@@ -184,6 +184,7 @@ class FsTier(BoundMixin, ChunkIO):
         self.scan_problems: list[str] = []  # entries the last scan skipped (unreadable, cannot remove)
         self.last_scan: tuple[float, float] | None = None  # wall-clock start and end of the last scan
         self.abandoned: list[threading.Thread] = []  # threads a timed-out close left behind
+        self._scanning = True  # the scanner is at work (not waiting for its next pass)
         self._scanner = threading.Thread(target=self._scan_loop, name=f"kvtiers-fs-scan-{tag}", daemon=True)
         self._scanner.start()
 
@@ -247,18 +248,31 @@ class FsTier(BoundMixin, ChunkIO):
         finally:
             self.view_ready.set()
             self.scanned.set()
+            self._scanning = False
         every = self.rescan_seconds
         if self.max_bytes is None or every is None or self._no_write is not None:
             return
         while not self._wake.wait(every):
-            if not self.lease.try_take():
-                self._check_bound()
-                continue  # another instance cleans: this one only stores and reads
-            # the directories that changed, and (once, after taking the lease over) those only
-            # the snapshot loaded at open vouched for
-            self._scan_once(clean=False, full=False, verify=True)
-            if self.snapshot_seconds is not None and time.time() - self._snapshot_at >= self.snapshot_seconds:
-                self._write_snapshot()
+            with self._lock:  # close sets _stopping, then reads _scanning under this lock
+                if self._stopping:
+                    return
+                self._scanning = True
+            try:
+                self._rescan()
+            finally:
+                self._scanning = False
+
+    def _rescan(self) -> None:
+        """One periodic pass: as the cleaner, scan what changed (and write the snapshot when
+        due); otherwise check the bound only."""
+        if not self.lease.try_take():
+            self._check_bound()
+            return  # another instance cleans: this one only stores and reads
+        # the directories that changed, and (once, after taking the lease over) those only
+        # the snapshot loaded at open vouched for
+        self._scan_once(clean=False, full=False, verify=True)
+        if self.snapshot_seconds is not None and time.time() - self._snapshot_at >= self.snapshot_seconds:
+            self._write_snapshot()
 
     def _load_snapshot(self) -> None:
         t0 = time.perf_counter()
@@ -454,8 +468,9 @@ class FsTier(BoundMixin, ChunkIO):
 
         behind = [] if self._prober.stop(left()) else [self._prober._thread]
         self._scanner.join(left())
-        if self._scanner.is_alive():
-            behind.append(self._scanner)
+        with self._lock:  # one waiting for its next pass is not stuck: it ends on its own
+            if self._scanner.is_alive() and self._scanning:
+                behind.append(self._scanner)
         behind += self._reads.shutdown(left()) + self._writes.shutdown(left())
         if not behind and self._snapshot_due_at_close():
             self._write_snapshot()
