@@ -293,8 +293,7 @@ class ObjTier(AsyncTier):
         session = c.shared_session()
         key_id, secret = self._creds
         if key_id is None:
-            creds = await session.get_credentials()
-            self.unsigned = creds is None
+            self.unsigned = await c.chain_credentials(session) is None
         region = self.region or session.get_config_variable("region") or "us-east-1"
         self.region = region
         connect_timeout, read_timeout, max_attempts = self._timeouts
