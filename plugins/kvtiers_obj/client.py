@@ -32,7 +32,8 @@ _none_found: tuple[float, int] | None = None  # (believed until, hash of the AWS
 
 def shared_session() -> AioSession:
     """One aiobotocore session per process: it caches the S3 service model (loading it
-    takes ~0.1 s) and the resolved credentials across tier instances."""
+    takes ~0.1 s) and the credentials the chain found across tier instances (an empty
+    answer is kept by :func:`chain_credentials`)."""
     global _session
     if _session is None:
         _session = get_session()
@@ -46,7 +47,8 @@ async def chain_credentials(session: AioSession) -> Any | None:
     none, the instance metadata service included: 70-100 ms per tier opened unsigned here,
     seconds where nothing answers at 169.254.169.254. So "none" is believed for
     :data:`NO_CREDENTIALS_TTL` seconds while the ``AWS_*`` environment stays the same
-    (credentials set there are used at the next open)."""
+    (credentials set there are used at the next open). One answer is kept per process: pass
+    :func:`shared_session`."""
     global _none_found
     env = hash(tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
     if _none_found is not None and _none_found[1] == env and time.monotonic() < _none_found[0]:
@@ -54,6 +56,7 @@ async def chain_credentials(session: AioSession) -> Any | None:
     creds = await session.get_credentials()
     _none_found = None if creds is not None else (time.monotonic() + NO_CREDENTIALS_TTL, env)
     return creds
+
 
 # From Python 3.12 the selector transport may keep a reference to unsent memory instead of
 # copying it; a cancelled upload must not read the slot after its job is reported, so
