@@ -74,10 +74,10 @@ class TestAdmittedObj(TierTests):
 def test_conformance_cli_takes_admit_in_config(tmp_path):
     """``kvtiers conformance fs --config`` with ``"admit"``, in a real child process: the core
     rules pass; a bad ``"admit"`` (min_offers 0) is a one-line error, exit 2."""
-    from test_conformance_cli import run
+    from test_conformance_cli import LOADED_LIMITS, run
 
     config = {"root_dir": str(tmp_path / "kv"), "admit": ADMIT}
-    p = run("fs", "--config", json.dumps(config), "--level", "core", "--examples", "5", "--seed", "3")
+    p = run("fs", "--config", json.dumps(config), "--level", "core", "--examples", "5", "--seed", "3", *LOADED_LIMITS)
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.strip().splitlines()[-1].startswith("summary: PASSED: 10 passed, 0 failed")
     bad = {"root_dir": str(tmp_path / "kv"), "admit": {"min_offers": 0}}

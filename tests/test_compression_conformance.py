@@ -104,13 +104,14 @@ def test_conformance_cli_takes_compress_in_config(tmp_path):
     real child process: the fs tier passes its core rules compressed, every chunk it kept
     (``--keep``) is in the encoded format, and a lossy codec without ``"lossy": true`` is a
     one-line error (exit 2)."""
-    from test_conformance_cli import run
+    from test_conformance_cli import LOADED_LIMITS, run
 
     from kvtiers.compression import HEADER, read_header
 
     root = tmp_path / "kv"
     config = {"root_dir": str(root), "compress": ZSTD}
-    p = run("fs", "--config", json.dumps(config), "--level", "core", "--examples", "5", "--seed", "3", "--keep")
+    p = run("fs", "--config", json.dumps(config), "--level", "core", "--examples", "5", "--seed", "3",
+            *LOADED_LIMITS, "--keep")
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.strip().splitlines()[-1].startswith("summary: PASSED: 10 passed, 0 failed")
     firsts = [c for c in root.rglob("*.bin") if c.read_bytes()[:4] == b"KVZ1"]

@@ -13,6 +13,10 @@ import xml.etree.ElementTree as ET
 
 TESTS = pathlib.Path(__file__).parent
 KVTIERS = [sys.executable, "-c", "import sys; from kvtiers.commands.cli import main; sys.exit(main())"]
+# for runs whose subject is not rules 1 and 8's time bounds (a tier's options through the
+# command line): ten times DESIGN.md's 50 ms, as a subprocess beside two engines on 2 cores
+# once took 126 ms for a 64-key submit
+LOADED_LIMITS = ("--limits", '{"lookup_ms": 500, "submit_ms": 500}')
 LINE = re.compile(r"^rule (\d+) ([a-z-]+) \[(core|durable|shared|bounded)\]: (PASS|FAIL|SKIP|NOT CERTIFIED)( \(.+\))?$")
 
 
@@ -97,3 +101,22 @@ def test_config_errors_are_one_line_exit_2() -> None:
     assert p.returncode == 2 and "unknown conformance level(s) everything" in p.stderr
     p = run("broken_tiers:DirTier")
     assert p.returncode == 2 and "conformance_config" in p.stderr
+
+
+def test_limits_change_the_bounds_and_the_report_names_them() -> None:
+    """--limits reaches the checks (a 1e-9 ms lookup bound FAILs rule 1 and nothing else), the
+    header names each bound changed, and a bad --limits is one line and exit 2."""
+    p = run("memory", "--limits", '{"lookup_ms": 1e-9, "repeats": 3}', "--examples", "3", "--seed", "2")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "limits: lookup_ms 1e-09 (default 50.0), repeats 3 (default 5), examples 3 (default 100)" in p.stdout
+    status = lines(p.stdout)
+    assert status[1, "core"] == "FAIL" and "bound 1e-09 ms" in p.stdout and "median of 3" in p.stdout
+    assert [rl for rl, s in status.items() if s == "FAIL"] == [(1, "core")]
+    for bad, named in (('{"lookup_mz": 1}', "unknown limit 'lookup_mz'"),
+                       ('{"repeats": 2.5}', "repeats must be a positive integer, got 2.5"),
+                       ('{"submit_ms": -1}', "submit_ms must be a positive number, got -1"),
+                       ('{"num_slots": 8}', "num_slots (8) must be at least big_job_keys (512)"),
+                       ("[1]", "--limits: expected a JSON object")):
+        p = run("memory", "--limits", bad)
+        err = p.stderr.strip()
+        assert p.returncode == 2 and "\n" not in err and named in err, (bad, err)

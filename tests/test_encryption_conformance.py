@@ -59,13 +59,14 @@ def test_conformance_cli_takes_encrypt_in_config(tmp_path):
     ``"encrypt"``, from the command line in a real child process: the fs tier passes its core
     rules sealed, every chunk it kept (``--keep``) is sealed under the configured key id, and
     a bad ``"encrypt"`` is a one-line error (exit 2)."""
-    from test_conformance_cli import run
+    from test_conformance_cli import LOADED_LIMITS, run
 
     from kvtiers.encryption import HEADER, read_header
 
     root = tmp_path / "kv"
     config = {"root_dir": str(root), "encrypt": _encrypt(tmp_path)}
-    p = run("fs", "--config", json.dumps(config), "--level", "core", "--examples", "5", "--seed", "3", "--keep")
+    p = run("fs", "--config", json.dumps(config), "--level", "core", "--examples", "5", "--seed", "3",
+            *LOADED_LIMITS, "--keep")
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.strip().splitlines()[-1].startswith("summary: PASSED: 10 passed, 0 failed")
     chunks = list(root.rglob("*.bin"))

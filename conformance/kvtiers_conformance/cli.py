@@ -12,6 +12,7 @@ import click
 
 from kvtiers.commands.progress import bar_only
 from kvtiers.config import parse_json_option
+from kvtiers.errors import ConfigError
 
 from .catalog import RULE_LEVELS, all_checks
 from .limits import DEFAULT_LIMITS
@@ -27,10 +28,14 @@ from .runner import CheckResult, Report, run_conformance, stuck_checks
                    "Default: the levels the tier claims.")
 @click.option("--junit-xml", type=click.Path(dir_okay=False, writable=True), help="Also write a JUnit XML report.")
 @click.option("--seed", type=int, help="Seed of the random choices and the stateful test (printed in the summary).")
-@click.option("--examples", type=click.IntRange(1), default=DEFAULT_LIMITS.examples, show_default=True,
-              help="Examples of the Hypothesis stateful test.")
-@click.option("--check-timeout", type=click.FloatRange(min=1), default=DEFAULT_LIMITS.check_s, show_default=True,
-              help="Seconds one check may run before it FAILs as hung (the run goes on).")
+@click.option("--examples", type=click.IntRange(1),
+              help=f"Examples of the Hypothesis stateful test.  [default: {DEFAULT_LIMITS.examples}]")
+@click.option("--check-timeout", type=click.FloatRange(min=1),
+              help="Seconds one check may run before it FAILs as hung (the run goes on).  "
+                   f"[default: {DEFAULT_LIMITS.check_s:g}]")
+@click.option("--limits", "limits_json", metavar="JSON",
+              help='Other bounds, as a JSON object of kvtiers_conformance.Limits fields, e.g. '
+                   '\'{"submit_ms": 200}\' on a loaded machine; the report names each one changed.')
 @click.option("--keep", is_flag=True,
               help="Keep what the suite stored in the location --config names (default: remove it).")
 @click.option("--strict", is_flag=True,
@@ -40,8 +45,8 @@ from .runner import CheckResult, Report, run_conformance, stuck_checks
 @click.option("-v", "--verbose", is_flag=True,
               help="Also print one line per check, and the tier's warnings about the faults the suite injects.")
 def conformance(tier_type: str, config_json: str | None, config_file: str | None, levels: str | None,
-                junit_xml: str | None, seed: int | None, examples: int, check_timeout: float,
-                keep: bool, strict: bool, verbose: bool) -> None:
+                junit_xml: str | None, seed: int | None, examples: int | None, check_timeout: float | None,
+                limits_json: str | None, keep: bool, strict: bool, verbose: bool) -> None:
     """Run the conformance suite against tier TYPE (a registered name or pkg.module:Class).
 
     Without --config the tier's conformance_config(scratch) gives the options, in a scratch
@@ -50,6 +55,14 @@ def conformance(tier_type: str, config_json: str | None, config_file: str | None
     unless --keep. Exit status 1 if any rule FAILs (with --strict, also if a check could
     not run for want of something the tier could provide).
     """
+    try:
+        limits = DEFAULT_LIMITS.with_overrides(parse_json_option(limits_json, None, "--limits"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if examples is not None:
+        limits = limits.replace(examples=examples)
+    if check_timeout is not None:
+        limits = limits.replace(check_s=check_timeout)
     config = None
     if config_json is not None or config_file is not None:
         config = parse_json_option(config_json, config_file)
@@ -68,6 +81,9 @@ def conformance(tier_type: str, config_json: str | None, config_file: str | None
         current.append(report)
         levels = ",".join(sorted(report.levels)) or "none"
         click.echo(f"kvtiers conformance {report.tier}: levels {levels}, seed {report.seed}")
+        if limits_json:  # a run against bounds other than DESIGN.md's says so at its head
+            changed = ", ".join(f"{k} {v} (default {d})" for k, (v, d) in limits.changed().items())
+            click.echo(f"limits: {changed or 'the defaults'}")
 
     def flush(until: tuple[int, str] | None) -> None:
         """Print the lines of every group before ``until`` (all when ``None``)."""
@@ -87,7 +103,6 @@ def conformance(tier_type: str, config_json: str | None, config_file: str | None
             click.echo(f"  {r.check.test_name} [{r.check.level}]: {r.status}{why} {r.seconds:.2f}s", err=True)
         bar.advance(note=r.check.test_name)
 
-    limits = DEFAULT_LIMITS.replace(examples=examples, check_s=check_timeout)
     try:
         report = run_conformance(tier_type, config, levels=levels, seed=seed, limits=limits,
                                  on_start=start, on_result=progress, keep=keep, strict=strict)

@@ -8,7 +8,9 @@ the arena is small so the suite is fast. Pass your own :class:`Limits` to
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,39 @@ class Limits:
     def replace(self, **changes: object) -> Limits:
         """A copy with ``changes`` applied."""
         return dataclasses.replace(self, **changes)
+
+    def with_overrides(self, changes: Mapping[str, Any], what: str = "--limits") -> Limits:
+        """A copy with ``changes`` (field name to value, as from JSON) checked and applied.
+
+        Raises :class:`ValueError` naming ``what`` and the field for an unknown name, a value
+        of the wrong type, or a bound that is not positive.
+        """
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        checked: dict[str, object] = {}
+        for name, value in changes.items():
+            if name not in fields:
+                raise ValueError(f"{what}: unknown limit {name!r} (known: {', '.join(fields)})")
+            default = getattr(self, name)
+            if isinstance(default, bool):
+                ok = isinstance(value, bool)
+            elif isinstance(default, int):
+                ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            else:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            if not ok:
+                kind = "true or false" if isinstance(default, bool) else (
+                    "a positive integer" if isinstance(default, int) else "a positive number")
+                raise ValueError(f"{what}: {name} must be {kind}, got {value!r}")
+            checked[name] = float(value) if isinstance(default, float) else value
+        new = dataclasses.replace(self, **checked)
+        if new.num_slots < new.big_job_keys:
+            raise ValueError(f"{what}: num_slots ({new.num_slots}) must be at least big_job_keys ({new.big_job_keys})")
+        return new
+
+    def changed(self) -> dict[str, tuple[object, object]]:
+        """The fields that differ from DESIGN.md's defaults: name to (value, default)."""
+        return {f.name: (getattr(self, f.name), getattr(DEFAULT_LIMITS, f.name))
+                for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(DEFAULT_LIMITS, f.name)}
 
 
 DEFAULT_LIMITS = Limits()
