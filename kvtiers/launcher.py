@@ -31,7 +31,9 @@ from __future__ import annotations
 import atexit
 import ctypes
 import fcntl
+import getpass
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -53,6 +55,15 @@ PR_SET_PDEATHSIG = 1
 _TAIL_BYTES = 8192
 
 
+def _user() -> str:
+    """The user name as torch puts it in its cache directory's name."""
+    try:
+        name = getpass.getuser()
+    except (KeyError, OSError):
+        name = f"uid_{os.getuid()}"
+    return "".join("_" if c in '\\/:*?"<>|' else c for c in name)
+
+
 class LaunchError(TierError):
     """A child process exited before it was ready, was not ready in time, or its ready check
     failed (it was killed).
@@ -69,7 +80,10 @@ class ChildProcess:
     ``new_session``: its own process group, and signals go to the whole group (a server that
     starts helpers of its own); ``die_with_parent``: SIGKILL from the kernel when the thread
     that started it exits (Linux; honoured when started from the main thread).
-    ``stop_timeout``: the default grace period of :meth:`stop`.
+    ``stop_timeout``: the default grace period of :meth:`stop`; ``private_tmp``: each run gets
+    a temporary directory of its own as ``TMPDIR`` (:attr:`tmp_dir` while it runs), removed
+    once it has exited, for a server that leaves files there when stopped by a signal
+    (vLLM's ZeroMQ sockets, SeaweedFS's); torch's compile cache stays where it was.
     """
 
     stop_timeout = 5.0
@@ -77,7 +91,8 @@ class ChildProcess:
     def __init__(self, argv: Sequence[str] = (), *, name: str = "child process",
                  ready: Callable[[], Any] | None = None, env: Mapping[str, str] | None = None,
                  log: str | os.PathLike | IO | int | None = None, new_session: bool = False,
-                 die_with_parent: bool = False, stop_timeout: float | None = None) -> None:
+                 die_with_parent: bool = False, stop_timeout: float | None = None,
+                 private_tmp: bool = False) -> None:
         self.argv = list(argv)
         self.name = name
         self.ready = ready
@@ -92,6 +107,8 @@ class ChildProcess:
         self._log_file: IO | None = None  # a file this object opened (and closes)
         self._tail = b""  # the log's last bytes, kept when its file is closed
         self._reaped = False  # the leader reaped here (its group killed first): nothing more to signal
+        self.private_tmp = private_tmp
+        self.tmp_dir: Path | None = None  #: the running child's TMPDIR, with ``private_tmp``
 
     # -- starting ---------------------------------------------------------------------
 
@@ -106,17 +123,19 @@ class ChildProcess:
         if self.proc is not None and not self._reaped:
             self._reap()  # an exited run: its helpers, if any, go before the next one starts
         _reap()
+        env = self._private_tmp_env() if self.private_tmp else self.env
         argv = self.command()
         out = self._open_log()
         main = threading.current_thread() is threading.main_thread()
         try:
             self.proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                 close_fds=True, start_new_session=self.new_session,
                 preexec_fn=die_with_parent if self.die_with_parent and main else None,
             )  # fmt: skip
         except OSError as e:
             self._close_log()
+            self._drop_tmp_dir()
             raise LaunchError(f"{self.name}: cannot run {argv[0]!r}: {e}") from None
         self._reaped = False
         _running.append(self)
@@ -296,13 +315,30 @@ class ChildProcess:
         if self in _running:
             _running.remove(self)
         if self._reaped:
+            self._drop_tmp_dir()
             self.after_exit()
         return self.proc.poll()  # type: ignore[union-attr]
 
     def after_exit(self) -> None:
         """Called once the child is gone (after :meth:`stop`, :meth:`kill`, a failed start, or
-        a crash that the next :meth:`start` finds): a subclass removes there what a run of its
-        server leaves behind. Does nothing here."""
+        a crash that the next :meth:`start` finds), its ``private_tmp`` directory removed: a
+        subclass removes there what else a run of its server leaves behind. Nothing here."""
+
+    def _private_tmp_env(self) -> dict[str, str]:
+        """A fresh :attr:`tmp_dir` (short: unix socket paths in it must fit 107 bytes) and the
+        child's environment with it as ``TMPDIR``."""
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix="kvtiers-run-"))
+        env = dict(os.environ if self.env is None else self.env)
+        # torch keeps its compile cache under the temporary directory: where it was, shared
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+            env.get("TMPDIR") or tempfile.gettempdir(), f"torchinductor_{_user()}"))
+        env["TMPDIR"] = str(self.tmp_dir)
+        return env
+
+    def _drop_tmp_dir(self) -> None:
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.tmp_dir = None
 
     # -- the log ----------------------------------------------------------------------
 
@@ -506,6 +542,14 @@ def die_with_parent() -> None:
 
 @atexit.register
 def _kill_running() -> None:
-    for child in list(_running):
+    children = list(_running)
+    for child in children:
         child.signal(signal.SIGCONT)
         child.signal(signal.SIGKILL)
+    for child in children:  # what they leave, once they are gone (a second at most each)
+        try:
+            child.proc.wait(1)  # type: ignore[union-attr]
+            child._drop_tmp_dir()
+            child.after_exit()
+        except Exception:  # at exit: whatever is left stays
+            pass

@@ -4,11 +4,13 @@ on disk; and the four servers kvtiers starts are that class."""
 
 from __future__ import annotations
 
+import getpass
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -214,6 +216,44 @@ def test_a_seaweed_server_whose_port_was_taken_first_starts_on_new_ports(tmp_pat
             srv.stop()
     finally:
         impostor.close()
+
+
+def test_private_tmp_is_the_childs_own_and_removed_once_it_is_gone(tmp_path):
+    """``private_tmp``: each run's TMPDIR is a fresh directory, removed after stop, after kill,
+    and when the process that started it exits with it running; torch's compile cache stays
+    in the temporary directory it was in."""
+    script = textwrap.dedent("""
+        import os, sys, tempfile, time
+        open(os.path.join(tempfile.gettempdir(), "left"), "w").write("x")
+        print(os.environ["TMPDIR"], os.environ["TORCHINDUCTOR_CACHE_DIR"], flush=True)
+        time.sleep(120)
+    """)
+    log = tmp_path / "log"
+
+    def run() -> tuple[ChildProcess, list[str]]:
+        log.write_text("")
+        child = ChildProcess([sys.executable, "-c", script], private_tmp=True, log=str(log),
+                             ready=lambda: log.read_text().split()).start(timeout=60)
+        return child, child.ready_value
+
+    child, (tmpdir, cache) = run()
+    assert tmpdir == str(child.tmp_dir) and (child.tmp_dir / "left").exists()
+    assert cache == os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    child.stop()
+    assert not os.path.exists(tmpdir) and child.tmp_dir is None
+    child, (again, _) = run()
+    assert again != tmpdir and os.path.exists(again)
+    child.kill()
+    assert not os.path.exists(again)
+
+    owner = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        from kvtiers.launcher import ChildProcess
+        c = ChildProcess([sys.executable, "-c", "import time; time.sleep(120)"], private_tmp=True).start()
+        print(c.tmp_dir)
+    """)], capture_output=True, text=True, timeout=60)
+    assert owner.returncode == 0, owner.stderr
+    assert not os.path.exists(owner.stdout.strip()), owner.stdout
 
 
 def test_a_seaweed_server_leaves_nothing_in_the_temporary_directories(tmp_path):

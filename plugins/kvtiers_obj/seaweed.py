@@ -22,7 +22,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -94,10 +93,8 @@ class SeaweedServer(ChildProcess):
         self.data_dir = Path(data_dir)
         self.credentials = credentials
         self._ever_ready = False
-        #: the running server's TMPDIR (its S3 and filer sockets, its logs), removed once it
-        #: has exited: in the system's temporary directory they would outlive it
-        self.tmp_dir: Path | None = None
-        super().__init__(ready=self._answers, log=self.data_dir / "weed.log", new_session=True)
+        # private_tmp: its S3 and filer sockets and its logs, which outlive it in /tmp
+        super().__init__(ready=self._answers, log=self.data_dir / "weed.log", new_session=True, private_tmp=True)
         self._new_ports()
 
     def _new_ports(self) -> None:
@@ -116,11 +113,6 @@ class SeaweedServer(ChildProcess):
         return f"http://127.0.0.1:{self.ports['s3']}"
 
     def command(self) -> list[str]:
-        # a fresh TMPDIR each run (after_exit removes it), short as socket paths must be
-        if self.tmp_dir is None:
-            self.tmp_dir = Path(tempfile.mkdtemp(prefix="kvtiers-weed-"))
-        if self.env is not None:
-            self.env["TMPDIR"] = str(self.tmp_dir)
         p = self.ports
         return [
             weed_binary(), "mini", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
@@ -150,11 +142,8 @@ class SeaweedServer(ChildProcess):
         return self
 
     def after_exit(self) -> None:
-        """Once the server is gone: its temporary directory, and the gRPC sockets of its ports
-        that ``weed`` left in /tmp (those no process has bound)."""
-        if self.tmp_dir is not None:
-            shutil.rmtree(self.tmp_dir, ignore_errors=True)
-            self.tmp_dir = None
+        """Once the server is gone (its temporary directory too): the gRPC sockets of its
+        ports that ``weed`` left in /tmp, those no process has bound."""
         bound = _bound_unix_paths()
         for name, port in self.ports.items():
             path = GRPC_SOCKET.format(name=name, port=port + 10000)

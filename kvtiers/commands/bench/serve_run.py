@@ -204,8 +204,10 @@ class VllmServer(ChildProcess):
             child_env.setdefault(k, v)
         health = http_answers(self.base_url + "/health")
         # its own listener too: another process that took the free port first answers /health as well
+        # private_tmp: vLLM's ZeroMQ sockets and torch's distributed store files, which a
+        # stopped server leaves in the temporary directory
         super().__init__(argv, name="vllm serve", ready=lambda: health() and self.listens("127.0.0.1", self.port),
-                         env=child_env, log=log, new_session=True, die_with_parent=True)
+                         env=child_env, log=log, new_session=True, die_with_parent=True, private_tmp=True)
 
 
 def launch(srv: ChildProcess) -> None:
