@@ -64,13 +64,14 @@ def s3_auth_server(tmp_path_factory):
     srv.stop()
 
 
-def s3_limits(examples: int):
-    """The conformance suite's limits for a real S3 server: ``examples`` stateful examples, and
-    3 s instead of 1 s for the async fault checks' op timeout (a healthy put to SeaweedFS took
-    longer than 1 s now and then with two test workers on 2 cores)."""
+def s3_limits(examples: int, base=None):
+    """The conformance suite's limits (``base``, default DESIGN.md's) for a real S3 server:
+    ``examples`` stateful examples, and 3 s instead of 1 s for the async fault checks' op
+    timeout (a healthy put to SeaweedFS took longer than 1 s now and then with two test
+    workers on 2 cores)."""
     from kvtiers_conformance import DEFAULT_LIMITS
 
-    return DEFAULT_LIMITS.replace(examples=examples, async_op_timeout=3.0)
+    return (base or DEFAULT_LIMITS).replace(examples=examples, async_op_timeout=3.0)
 
 
 def options_for(srv, **extra) -> dict:

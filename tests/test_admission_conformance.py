@@ -16,9 +16,9 @@ import json
 
 import pytest
 import tier_helpers
-from kvtiers_conformance import DEFAULT_LIMITS, TierTests
+from kvtiers_conformance import TierTests
 from s3_fixture import options_for, s3_limits
-from tier_helpers import key_file, p2p_entry
+from tier_helpers import WRAPPER_LIMITS, key_file, p2p_entry
 
 pytest_plugins = ["s3_fixture"]
 p2p_server = tier_helpers.p2p_server  # one peer server for the module
@@ -28,6 +28,7 @@ ADMIT = {"min_offers": 2}
 
 class TestAdmittedFs(TierTests):
     levels = frozenset({"core", "durable", "shared", "bounded"})
+    limits = WRAPPER_LIMITS
 
     @pytest.fixture
     def tier_config(self, tmp_path):
@@ -36,6 +37,8 @@ class TestAdmittedFs(TierTests):
 
 class TestAdmittedSealedFs(TierTests):
     """Write-back admission in front of sealing (DESIGN.md's order: admission, compression, sealing, the tier)."""
+
+    limits = WRAPPER_LIMITS
 
     @pytest.fixture
     def tier_config(self, tmp_path):
@@ -46,6 +49,8 @@ class TestAdmittedSealedFs(TierTests):
 class TestAdmittedSqliteExample(TierTests):
     """A third-party tier found by entry point, at its claimed levels (core, durable, shared, bounded)."""
 
+    limits = WRAPPER_LIMITS
+
     @pytest.fixture
     def tier_config(self, tmp_path):
         pytest.importorskip("kvtiers_sqlite")
@@ -53,7 +58,7 @@ class TestAdmittedSqliteExample(TierTests):
 
 
 class TestAdmittedP2P(TierTests):
-    limits = DEFAULT_LIMITS.replace(examples=10)
+    limits = WRAPPER_LIMITS.replace(examples=10)
 
     @pytest.fixture
     def tier_config(self, p2p_server):
@@ -64,7 +69,7 @@ class TestAdmittedP2P(TierTests):
 class TestAdmittedObj(TierTests):
     """The obj tier on SeaweedFS (real S3 traffic; 10 stateful examples, as the sealed run)."""
 
-    limits = s3_limits(10)
+    limits = s3_limits(10, WRAPPER_LIMITS)
 
     @pytest.fixture
     def tier_config(self, s3_server):

@@ -11,9 +11,9 @@ import json
 
 import pytest
 import tier_helpers
-from kvtiers_conformance import DEFAULT_LIMITS, TierTests
+from kvtiers_conformance import TierTests
 from s3_fixture import options_for, s3_limits
-from tier_helpers import key_file, p2p_entry
+from tier_helpers import WRAPPER_LIMITS, key_file, p2p_entry
 
 pytest_plugins = ["s3_fixture"]
 p2p_server = tier_helpers.p2p_server  # one peer server for the module
@@ -21,20 +21,11 @@ p2p_server = tier_helpers.p2p_server  # one peer server for the module
 ZSTD = {"codec": "zstd"}
 
 
-#: Rule 5 at 5 s, not 1, for the wrapper on a tier with threads of its own: its polls took
-#: 1.95 s (fs), 2.04 s (obj), 1.78 s and 3.42 s (lz4 then sealed, fs) in CI runs of the whole
-#: suite (2 cores, the other test worker's engines running), although a hook's call does at
-#: most ``POLL_BUDGET_S`` (50 ms) of each wrapper's own work (the sealing wrapper's since
-#: 2026-12-06). Not reproduced alone: with four CPU hogs beside it, the sealed class's 5,985
-#: polls took at most 0.14 s. Suspected: the wrappers' encode and seal threads, the tier's I/O
-#: threads and the poll contending for the GIL while the machine is overloaded. A poll that
-#: waits for a job, or on a stalled server, still fails.
-LOADED = DEFAULT_LIMITS.replace(poll_block_s=5.0)
 
 
 class TestCompressedFs(TierTests):
     levels = frozenset({"core", "durable", "shared"})
-    limits = LOADED
+    limits = WRAPPER_LIMITS
 
     @pytest.fixture
     def tier_config(self, tmp_path):
@@ -54,7 +45,7 @@ class TestCompressedSealedFs(TierTests):
     """lz4, then AES-256-GCM, then the fs tier (DESIGN.md's order)."""
 
     levels = frozenset({"core", "durable"})
-    limits = LOADED
+    limits = WRAPPER_LIMITS
 
     @pytest.fixture
     def tier_config(self, tmp_path):
@@ -63,6 +54,8 @@ class TestCompressedSealedFs(TierTests):
 
 
 class TestCompressedMemory(TierTests):
+    limits = WRAPPER_LIMITS
+
     @pytest.fixture
     def tier_config(self):
         return "memory", {"compress": ZSTD}
@@ -70,6 +63,8 @@ class TestCompressedMemory(TierTests):
 
 class TestCompressedSqliteExample(TierTests):
     """A third-party tier found by entry point, at its claimed levels (core, durable, shared, bounded)."""
+
+    limits = WRAPPER_LIMITS
 
     @pytest.fixture
     def tier_config(self, tmp_path):
@@ -80,7 +75,7 @@ class TestCompressedSqliteExample(TierTests):
 class TestCompressedP2P(TierTests):
     """The p2p tier, one peer server in a child process (keys salted per check)."""
 
-    limits = DEFAULT_LIMITS.replace(examples=20)
+    limits = WRAPPER_LIMITS.replace(examples=20)
 
     @pytest.fixture
     def tier_config(self, p2p_server):
@@ -91,7 +86,7 @@ class TestCompressedP2P(TierTests):
 class TestCompressedObj(TierTests):
     """The obj tier on SeaweedFS (real S3 traffic: 10 stateful examples, as the encrypted run)."""
 
-    limits = s3_limits(10).replace(poll_block_s=LOADED.poll_block_s)
+    limits = s3_limits(10, WRAPPER_LIMITS)
     levels = frozenset({"core", "durable", "shared"})  # bounded: as TestCompressedFsBounded says
 
     @pytest.fixture

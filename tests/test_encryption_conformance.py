@@ -10,7 +10,7 @@ import json
 import pytest
 from kvtiers_conformance import TierTests
 from s3_fixture import options_for, s3_limits
-from tier_helpers import key_file
+from tier_helpers import WRAPPER_LIMITS, key_file
 
 pytest_plugins = ["s3_fixture"]
 
@@ -21,6 +21,7 @@ def _encrypt(tmp_path) -> dict:
 
 class TestEncryptedFs(TierTests):
     levels = frozenset({"core", "durable", "shared", "bounded"})
+    limits = WRAPPER_LIMITS
 
     @pytest.fixture
     def tier_config(self, tmp_path):
@@ -28,6 +29,8 @@ class TestEncryptedFs(TierTests):
 
 
 class TestEncryptedMemory(TierTests):
+    limits = WRAPPER_LIMITS
+
     @pytest.fixture
     def tier_config(self, tmp_path):
         return "memory", {"encrypt": _encrypt(tmp_path)}
@@ -35,6 +38,8 @@ class TestEncryptedMemory(TierTests):
 
 class TestEncryptedSqliteExample(TierTests):
     """A third-party tier found by entry point, at its claimed levels (core, durable, shared, bounded)."""
+
+    limits = WRAPPER_LIMITS
 
     @pytest.fixture
     def tier_config(self, tmp_path):
@@ -47,7 +52,7 @@ class TestEncryptedObj(TierTests):
     """The obj tier on SeaweedFS (every step is real S3 traffic: about 8 minutes with 30
     stateful examples on a busy 2-core machine, so 10 here; the plain obj run has 30)."""
 
-    limits = s3_limits(10)
+    limits = s3_limits(10, WRAPPER_LIMITS)
 
     @pytest.fixture
     def tier_config(self, tmp_path, s3_server):

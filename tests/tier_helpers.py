@@ -12,9 +12,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvtiers_conformance import DEFAULT_LIMITS
 
 from kvtiers import Job, JobResult, Lookup
 from kvtiers.memory import MemoryTier
+
+#: The time bounds of the conformance classes of the wrappers (sealing, compression,
+#: admission) over each tier; each tier's own class keeps DESIGN.md's. Rule 5 at 5 s, not 1:
+#: a wrapper's polls took 1.95 s (fs), 2.04 s (obj), 1.78 s and 3.42 s (lz4 then sealed, fs)
+#: and 1.55 s (zstd over the sqlite example, 7 December) in CI runs of the whole suite (2
+#: cores, the other test worker's engines running), although a hook's call does at most
+#: ``POLL_BUDGET_S`` (50 ms) of each wrapper's own work; not reproduced alone (with four CPU
+#: hogs beside it the sealed class's 5,985 polls took at most 0.14 s). Rules 1 and 8 at 200
+#: ms, not 50: the sealed fs tier's 64-key submits took 59.9 ms (median of 5) in such a run.
+#: Suspected: the wrappers' encode and seal threads, the tier's I/O threads and the caller
+#: contending for the GIL on an overloaded machine. A poll that waits for a job, or a submit
+#: that does a job's I/O, still fails.
+WRAPPER_LIMITS = DEFAULT_LIMITS.replace(poll_block_s=5.0, submit_ms=200.0, lookup_ms=200.0)
 
 
 def server_stats(log: Any) -> dict:
