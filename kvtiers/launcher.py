@@ -55,13 +55,16 @@ PR_SET_PDEATHSIG = 1
 _TAIL_BYTES = 8192
 
 
-def _user() -> str:
-    """The user name as torch puts it in its cache directory's name."""
+def inductor_cache_dir(tmpdir: str | None = None) -> str:
+    """Where torch keeps its compile cache by default: ``torchinductor_<user>`` in ``tmpdir``
+    (default: this process's temporary directory). A child given a temporary directory of its
+    own gets this as ``TORCHINDUCTOR_CACHE_DIR``, so that the cache is still shared."""
     try:
         name = getpass.getuser()
     except (KeyError, OSError):
         name = f"uid_{os.getuid()}"
-    return "".join("_" if c in '\\/:*?"<>|' else c for c in name)
+    name = "".join("_" if c in '\\/:*?"<>|' else c for c in name)
+    return os.path.join(tmpdir or tempfile.gettempdir(), f"torchinductor_{name}")
 
 
 class LaunchError(TierError):
@@ -329,9 +332,7 @@ class ChildProcess:
         child's environment with it as ``TMPDIR``."""
         self.tmp_dir = Path(tempfile.mkdtemp(prefix="kvtiers-run-"))
         env = dict(os.environ if self.env is None else self.env)
-        # torch keeps its compile cache under the temporary directory: where it was, shared
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
-            env.get("TMPDIR") or tempfile.gettempdir(), f"torchinductor_{_user()}"))
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir(env.get("TMPDIR")))
         env["TMPDIR"] = str(self.tmp_dir)
         return env
 

@@ -19,6 +19,8 @@ Plain ``pytest`` (one process) runs the same way."""
 
 import fcntl
 import os
+import pathlib
+import tempfile
 
 import pytest
 
@@ -96,9 +98,30 @@ def pytest_configure(config):
     slots and the engine runs' outcomes, ``tests/vllm_engines.py``): the session's base
     temporary directory, or under ``pytest -n N`` (pytest-xdist) the one above the workers'."""
     if "KVTIERS_TEST_SHARED" in os.environ and not hasattr(config, "workerinput"):
-        return  # set by whoever runs pytest
+        _children_tmpdir(pathlib.Path(os.environ["KVTIERS_TEST_SHARED"]))  # set by whoever runs pytest
+        return
     base = config._tmp_path_factory.getbasetemp()
-    os.environ["KVTIERS_TEST_SHARED"] = str(base.parent if hasattr(config, "workerinput") else base)
+    shared = base.parent if hasattr(config, "workerinput") else base
+    os.environ["KVTIERS_TEST_SHARED"] = str(shared)
+    _children_tmpdir(shared)
+
+
+def _children_tmpdir(shared: pathlib.Path) -> None:
+    """``$TMPDIR`` of the session's processes and their children: the shared directory, which
+    pytest removes with the session's other files (it keeps the last three sessions'). What
+    the engines, servers and examples the tests run leave in the system's temporary
+    directory would otherwise stay there for good: a fresh-clone run of the suite (7
+    December) left 285 ZeroMQ sockets and 33 ``vllm_dist_*`` files of vLLM's engines stopped
+    by a signal, 12 SeaweedFS logs, a demo's directory and directories of tier data.
+    Not where the path would be too long for a unix socket's name in it."""
+    if len(str(shared)) > 48:  # a unix socket's path has at most 107 bytes; vLLM's names take 37
+        return
+    from kvtiers.launcher import inductor_cache_dir
+
+    # torch's compile cache, which lives in the temporary directory, stays where it was
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+    os.environ["TMPDIR"] = str(shared)
+    tempfile.tempdir = None  # gettempdir() reads the variable again
 
 
 def _phase_modules(session) -> list:

@@ -132,7 +132,8 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_metrics_endpoint_of_a_running_demo(tmp_path) -> None:
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # TMPDIR: the demo is killed while it lingers, so the directory it makes is never removed
+    env = dict(os.environ, PYTHONPATH=str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""), TMPDIR=str(tmp_path))
     config = {"host_bytes": 8 << 20, "tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv")},
                                                {"type": "test_metrics:CountingTier", "name": "counting"}]}
     demo = subprocess.Popen(

@@ -170,7 +170,8 @@ _reference_sent = threading.Event()
 @functools.cache
 def _reference_future() -> Future:
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-reference")
-    fut = pool.submit(engine, "reference", job(None), tempfile.mkdtemp(prefix="kvtiers-vllm-ref-"))
+    # in the session's shared directory, which pytest removes (was one left in /tmp a run)
+    fut = pool.submit(engine, "reference", job(None), tempfile.mkdtemp(prefix="vllm-ref-", dir=shared_dir()))
     pool.shutdown(wait=False)
     if _phase_send is not None:
         send = _phase_send
