@@ -120,6 +120,8 @@ def _children_tmpdir(shared: pathlib.Path) -> None:
 
     # torch's compile cache, which lives in the temporary directory, stays where it was
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+    # where a test makes what another user must reach (pytest's directories are 0700)
+    os.environ.setdefault("KVTIERS_TESTS_OUTER_TMPDIR", tempfile.gettempdir())
     os.environ["TMPDIR"] = str(shared)
     tempfile.tempdir = None  # gettempdir() reads the variable again
 

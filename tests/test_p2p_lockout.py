@@ -335,7 +335,8 @@ def _ipc_server_with_full_share():
     """A server on an ``ipc://`` socket allowing 2 sessions per peer, and this user's share
     full: 2 sessions held and a third refused naming this uid. Returns the socket's
     directory, the url, the server and the context holding the sessions."""
-    sock_dir = tempfile.mkdtemp(prefix="kvtiers-ipc-")  # not under pytest's 0700 tmp: the other user connects
+    # not under pytest's 0700 directories (the session's TMPDIR): the other user connects
+    sock_dir = tempfile.mkdtemp(prefix="kvtiers-ipc-", dir=os.environ.get("KVTIERS_TESTS_OUTER_TMPDIR"))
     os.chmod(sock_dir, 0o755)
     url = f"ipc://{sock_dir}/p2p.sock"
     srv = start_server(bind=url, capacity=16 * MiB, extra=["--max-sessions-per-peer", "2"])

@@ -253,7 +253,8 @@ def user_engines():
     """A process of a user who is not root holding the worker's side of engines ``dead`` and
     ``live`` (kvtiers' CPU worker watches ``live``), the pids of both, the glob of their
     regions and the command prefix and environment that run as that user."""
-    home = Path(tempfile.mkdtemp(prefix="kvtiers-test-home-"))  # pytest's tmp_path: root's alone
+    # not under pytest's directories (the session's TMPDIR), root's alone
+    home = Path(tempfile.mkdtemp(prefix="kvtiers-test-home-", dir=os.environ.get("KVTIERS_TESTS_OUTER_TMPDIR")))
     prefix, env = as_user(home)
     tag = uuid.uuid4().hex[:12]
     dead, live = f"kvtiers-shm-{tag}-dead", f"kvtiers-shm-{tag}-live"
