@@ -318,9 +318,14 @@ class ChildProcess:
         if self in _running:
             _running.remove(self)
         if self._reaped:
-            self._drop_tmp_dir()
-            self.after_exit()
+            self._cleanup()
         return self.proc.poll()  # type: ignore[union-attr]
+
+    def _cleanup(self) -> None:
+        """What a run left, once the child is gone: its ``private_tmp`` directory, then
+        :meth:`after_exit`."""
+        self._drop_tmp_dir()
+        self.after_exit()
 
     def after_exit(self) -> None:
         """Called once the child is gone (after :meth:`stop`, :meth:`kill`, a failed start, or
@@ -550,7 +555,6 @@ def _kill_running() -> None:
     for child in children:  # what they leave, once they are gone (a second at most each)
         try:
             child.proc.wait(1)  # type: ignore[union-attr]
-            child._drop_tmp_dir()
-            child.after_exit()
+            child._cleanup()
         except Exception:  # at exit: whatever is left stays
             pass
