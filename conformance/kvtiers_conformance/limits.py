@@ -56,15 +56,14 @@ class Limits:
             if name not in fields:
                 raise ValueError(f"{what}: unknown limit {name!r} (known: {', '.join(fields)})")
             default = getattr(self, name)
+            number = not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
             if isinstance(default, bool):
-                ok = isinstance(value, bool)
+                kind, ok = "true or false", isinstance(value, bool)
             elif isinstance(default, int):
-                ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+                kind, ok = "a positive integer", number and isinstance(value, int)
             else:
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+                kind, ok = "a positive number", number
             if not ok:
-                kind = "true or false" if isinstance(default, bool) else (
-                    "a positive integer" if isinstance(default, int) else "a positive number")
                 raise ValueError(f"{what}: {name} must be {kind}, got {value!r}")
             checked[name] = float(value) if isinstance(default, float) else value
         new = dataclasses.replace(self, **checked)
