@@ -4,6 +4,8 @@ short left out of the ratio, and the verdict."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from kvtiers.commands.bench.serve_soak import summarize
@@ -56,6 +58,48 @@ def test_probe_answers_against_the_plain_server_to_its_runs_noise():
     ok, worst = check_answers(ref, tol, ref["greedy"][:2], wrong)
     assert not ok and worst == pytest.approx(0.8)
     assert check_answers(ref, tol, [[7, 4], [9, 9]], same) == (False, None)  # a token differs
+
+
+def _at_a_tie() -> dict:
+    """:func:`_plain` whose first prompt's second token (8) was a near tie with 4 (0.002 nats)."""
+    ref = copy.deepcopy(_plain())
+    for j in (0, 2):
+        ref["greedy_logprobs"][j][1] = {8: -1.000, 4: -1.002}
+    return ref
+
+
+def test_an_answer_parts_from_the_reference_only_where_a_rounding_swaps_a_near_tie():
+    """The soak's probes run in batches with other requests, which round differently; on a model
+    with nearly flat logits (the tests' random tiny model has top tokens 0 or 0.004 nats apart)
+    that swaps tied tokens. A parting is accepted where the two swapped tokens both answers
+    list, with every logprob up to there within the tolerance; never where the logprobs moved."""
+    from kvtiers.commands.bench.serve_identity import answer_diff
+    from kvtiers.commands.bench.serve_soak import check_answers
+
+    ref, tol = _at_a_tie(), 0.004
+    second = ref["greedy_logprobs"][1]
+    swapped = [[{7: -0.5, 3: -2.0}, {4: -0.999, 8: -1.001}], second]
+    ok, worst = check_answers(ref, tol, [[7, 4], [9, 9]], swapped)
+    assert ok and worst == pytest.approx(0.003)
+    far = [[{7: -0.5, 3: -2.0}, {4: -0.9, 8: -1.001}], second]  # 4 moved 0.1 nats: other KV
+    assert check_answers(ref, tol, [[7, 4], [9, 9]], far) == (False, None)
+    before = [[{7: -0.6, 3: -2.0}, {4: -0.999, 8: -1.001}], second]  # the first token's logprobs moved
+    assert check_answers(ref, tol, [[7, 4], [9, 9]], before) == (False, None)
+    unlisted = [[{7: -0.5, 3: -2.0}, {4: -0.999, 6: -1.001}], second]  # 8 not in its top-k: no swap seen
+    assert check_answers(ref, tol, [[7, 4], [9, 9]], unlisted) == (False, None)
+    assert answer_diff(ref, [7, 4], swapped[0], 0) == (False, float("inf"))  # without tie: exact tokens
+
+
+def test_the_tolerance_is_measured_up_to_where_plain_answers_part():
+    """The plain run beside other requests swapped the tie: the tolerance is their difference up
+    to there (0.003), not infinite (answers that parted were once not comparable at all)."""
+    from kvtiers.commands.bench.serve_soak import tolerance
+
+    ref = _at_a_tie()
+    loaded = {**_at_a_tie(), "repeat": 2}
+    loaded["greedy"][0] = [7, 4]
+    loaded["greedy_logprobs"][0] = [{7: -0.5, 3: -2.0}, {4: -0.999, 8: -1.001}]
+    assert tolerance([ref, loaded]) == pytest.approx(0.003)
 
 
 def test_the_tolerance_covers_the_plain_servers_computed_and_cached_answers():

@@ -49,18 +49,56 @@ def _prompt_of(i: int, n: int) -> int:
     return i % (n // 2) if n % 2 == 0 and n else i
 
 
-def answer_diff(ref: dict[str, Any], tokens: list[Any], tops: list[Top] | None, prompt: int) -> tuple[bool, float]:
+def parting(a_tokens: Any, a_tops: list[Top], b_tokens: Any, b_tops: list[Top]) -> tuple[int | None, float]:
+    """Where two answers to one prompt part (the first position whose tokens differ; None where
+    they do not) and their largest top-k difference up to and including that position: until
+    there both were computed from the same context, so their logprobs are comparable; after it
+    they are not. ``inf`` where differing answers are of different lengths or text, not ids."""
+    if a_tokens == b_tokens:
+        return None, top_diff(a_tops, b_tops)
+    if not isinstance(a_tokens, list) or not isinstance(b_tokens, list) or len(a_tokens) != len(b_tokens):
+        return None, float("inf")
+    at = next(i for i, (x, y) in enumerate(zip(a_tokens, b_tokens, strict=True)) if x != y)
+    return at, top_diff(a_tops[:at + 1], b_tops[:at + 1])
+
+
+def swapped(a_top: Top, b_top: Top, a_tok: int, b_tok: int) -> bool:
+    """Whether two answers that part at one position (``a_tok`` in one, ``b_tok`` in the other)
+    swapped two tokens they both list there, each answer taking the one its own list ranks
+    first (as a greedy answer does): the two were a tie apart by however far the lists differ."""
+    both = {a_tok, b_tok}
+    return both <= a_top.keys() and both <= b_top.keys() and \
+        a_top[a_tok] >= a_top[b_tok] and b_top[b_tok] >= b_top[a_tok]
+
+
+def answer_diff(ref: dict[str, Any], tokens: list[Any], tops: list[Top] | None, prompt: int,
+                tie: float | None = None) -> tuple[bool, float]:
     """Whether an answer to prompt ``prompt`` (``tokens``, ``tops``) equals, by tokens, one of
     the reference run's answers to that prompt (the reference answered its prompts twice: its
     first answer computed, its second with the prefix cached), and the smallest top-k difference
-    among those that do (``inf`` if none; 0.0 where either side has no logprobs)."""
+    among those that do (``inf`` if none; 0.0 where either side has no logprobs).
+
+    With ``tie`` (a tolerance in nats) an answer also matches one it parts from where the two
+    swapped two tokens (:func:`swapped`) and their top-k logprobs up to and including there
+    (:func:`parting`) are within ``tie``: then the two tokens were within ``2 * tie`` of each
+    other, a rounding apart. A model with nearly flat logits (random weights) has top tokens
+    that close, and a batch of other requests beside an answer rounds differently."""
     n = len(ref["greedy"])
-    same = [j for j in range(n) if _prompt_of(j, n) == prompt and ref["greedy"][j] == tokens]
-    if not same:
-        return False, float("inf")
-    if tops is None or not ref.get("greedy_logprobs"):
+    mine = [j for j in range(n) if _prompt_of(j, n) == prompt]
+    same = [j for j in mine if ref["greedy"][j] == tokens]
+    has_lp = tops is not None and bool(ref.get("greedy_logprobs"))
+    if same and not has_lp:
         return True, 0.0
-    return True, min(top_diff(ref["greedy_logprobs"][j], tops) for j in same)
+    if not has_lp:
+        return False, float("inf")
+    lps = ref["greedy_logprobs"]
+    diffs = [top_diff(lps[j], tops) for j in same]
+    if tie is not None:
+        for j in mine:
+            at, d = parting(ref["greedy"][j], lps[j], tokens, tops)
+            if at is not None and d <= tie and swapped(lps[j][at], tops[at], ref["greedy"][j][at], tokens[at]):
+                diffs.append(d)
+    return (True, min(diffs)) if diffs else (False, float("inf"))
 
 
 def _match(ref: dict[str, Any], tokens: list[Any], tops: list[Top] | None, i: int, n: int
@@ -90,18 +128,32 @@ def plain_noise(runs: list[dict[str, Any]]) -> float | None:
     plain = [r for r in runs if r["config"] == PLAIN and r.get("greedy_logprobs")]
     if not plain:
         return None
-    return max((_run_diff(plain[0], other)[1] for other in plain[1:]), default=0.0)
+    return max((_noise(plain[0], other) for other in plain[1:]), default=0.0)
+
+
+def _noise(ref: dict[str, Any], run: dict[str, Any]) -> float:
+    """The largest top-k difference between each answer of ``run`` and ``ref``'s closest answer
+    to the same prompt, up to where they part (:func:`parting`; ``inf`` where the runs differ in
+    length)."""
+    g, tops, n = run["greedy"], run["greedy_logprobs"], len(ref["greedy"])
+    if len(g) != n:
+        return float("inf")
+    return max((min(parting(ref["greedy"][j], ref["greedy_logprobs"][j], tokens, tops[i])[1]
+                    for j in range(n) if _prompt_of(j, n) == _prompt_of(i, n))
+                for i, tokens in enumerate(g)), default=0.0)
 
 
 def path_noise(run: dict[str, Any]) -> float:
     """The largest top-k difference between a run's computed and cached answer to each of its
-    prompts (answers ``i`` and ``i + n/2``) where their tokens are the same: the rounding that a
-    change of path (prefix computed, or taken from a cache) brings. 0.0 without logprobs."""
+    prompts (answers ``i`` and ``i + n/2``), up to where their tokens part (:func:`parting`):
+    the rounding that a change of path (prefix computed, or taken from a cache) brings. 0.0
+    without logprobs."""
     g, tops = run["greedy"], run.get("greedy_logprobs")
     half = len(g) // 2
     if not tops or len(g) % 2:
         return 0.0
-    return max((top_diff(tops[i], tops[i + half]) for i in range(half) if g[i] == g[i + half]), default=0.0)
+    diffs = (parting(g[i], tops[i], g[i + half], tops[i + half])[1] for i in range(half))
+    return max((d for d in diffs if d != float("inf")), default=0.0)  # inf: not comparable (text answers)
 
 
 def identity(report: dict[str, Any]) -> None:

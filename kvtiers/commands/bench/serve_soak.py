@@ -15,9 +15,11 @@ the engine core and its workers (``/proc``), and once: the bytes of the fs root'
 directories against the bound, and ``/dev/shm``. And each interval each server answers two
 fixed greedy prompts, whose tokens and top-k logprobs must be those of a server without
 offloading (the reference: started with the soak's servers, it answers the prompts twice,
-computed and then cached, in two runs told apart by a ``cache_salt``, and stops; the largest
-top-k difference among its answers to a prompt is the tolerance, :func:`tolerance`,
-:mod:`.serve_identity`); the soak's answers come through the device cache, the arena or the tier.
+computed and then cached, in three runs told apart by a ``cache_salt``, the third beside other
+requests, and stops; the largest top-k difference among its answers to a prompt is the
+tolerance, :func:`tolerance`, :mod:`.serve_identity`; an answer may part from the reference's
+tokens only where two tokens were within it of a tie); the soak's answers come through the
+device cache, the arena or the tier.
 
 At the end: each client's own figures (completed, failed, TTFT), the ratios of the last
 interval's rates to the first full one's, how RSS, fds and threads grew, and the verdict:
@@ -36,6 +38,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -110,30 +113,63 @@ def _probes(settings: sr.ServeSettings) -> list[list[int]]:
 
 
 def plain_reference(base_url: str, settings: sr.ServeSettings, probes: list[list[int]]) -> list[dict[str, Any]]:
-    """Two plain runs of the probes on a server without offloading, each answering them twice
-    (computed, then cached), told apart by a ``cache_salt`` (so the second run computes them
-    again): :mod:`.serve_identity`'s runs of configuration ``none``."""
+    """Three plain runs of the probes on a server without offloading, each answering them twice
+    (computed, then cached), told apart by a ``cache_salt`` (so each computes them again):
+    :mod:`.serve_identity`'s runs of configuration ``none``. The third runs beside other
+    requests (:func:`_beside_load`), as the soak's probes do: a batch of other requests rounds
+    differently, and that noise belongs in the tolerance."""
     runs = []
-    for r in range(2):
-        got, tops = sr.greedy_answers(base_url, settings.model, probes + probes, settings.output_len,
-                                      top_k=serve_identity.TOP_K, extra={"cache_salt": f"kvtiers-plain-{r}"})
+    for r in range(3):
+        with _beside_load(base_url, settings) if r == 2 else contextlib.nullcontext():
+            got, tops = sr.greedy_answers(base_url, settings.model, probes + probes, settings.output_len,
+                                          top_k=serve_identity.TOP_K, extra={"cache_salt": f"kvtiers-plain-{r}"})
         runs.append({"config": serve_identity.PLAIN, "repeat": r, "greedy": got, "greedy_logprobs": tops})
     return runs
 
 
+@contextlib.contextmanager
+def _beside_load(base_url: str, settings: sr.ServeSettings, streams: int = 3) -> Any:
+    """``streams`` threads sending other prompts (of the soak's prefix length) to the server one
+    after another, from before the body runs until it ends, so the body's requests are batched
+    with theirs."""
+    stop = threading.Event()
+    started = threading.Barrier(streams + 1)
+    fillers = prompt_family(settings.prefix_len, streams, settings.suffix_len, seed=4242)
+
+    def send(prompt: list[int]) -> None:
+        started.wait()
+        while not stop.is_set():
+            sr.greedy_outputs(base_url, settings.model, [prompt], settings.output_len)
+
+    with ThreadPoolExecutor(streams, thread_name_prefix="kvtiers-soak-load") as pool:
+        sent = [pool.submit(send, p) for p in fillers]
+        started.wait()
+        time.sleep(0.2)  # their first requests reach the server before the body's
+        try:
+            yield
+        finally:
+            stop.set()
+        for f in sent:
+            f.result()  # a failed request fails the reference
+
+
 def tolerance(plain_runs: list[dict[str, Any]]) -> float:
-    """The largest top-k difference among the plain server's answers to a probe: between its two
-    runs, and between its computed and cached answers. Under load a probe's prefix may come
-    part from a cache and part computed (a device cache drops a prefix's last blocks first), a
-    path between the two the plain server took: its rounding is of that order. Wrong KV moves
-    the logprobs far more (a prefix of another prompt: nats)."""
+    """The largest top-k difference among the plain server's answers to a probe: between its
+    runs (one beside other requests), and between its computed and cached answers, each up to
+    where the two answers part (:func:`.serve_identity.parting`). Under load a probe's prefix
+    may come part from a cache and part computed (a device cache drops a prefix's last blocks
+    first), a path between the two the plain server took, and its batch holds other requests:
+    its rounding is of that order. Wrong KV moves the logprobs far more (a prefix of another
+    prompt: nats)."""
     return max([serve_identity.plain_noise(plain_runs) or 0.0, *map(serve_identity.path_noise, plain_runs)])
 
 
 def check_answers(ref: dict[str, Any], tol: float, got: list[Any], tops: list[Any]) -> tuple[bool, float | None]:
-    """Whether each probe's answer has the tokens of one of the reference's answers to it and
-    top-k logprobs within ``tol`` of that one's, and the largest such difference (None: tokens differ)."""
-    diffs = [serve_identity.answer_diff(ref, g, t, i) for i, (g, t) in enumerate(zip(got, tops, strict=True))]
+    """Whether each probe's answer has the tokens of one of the reference's answers to it, or
+    parts from one at a near tie (within the tolerance: :func:`.serve_identity.answer_diff`), and
+    top-k logprobs within ``tol`` of that one's; and the largest such difference (None: an
+    answer's tokens differ beyond a tie)."""
+    diffs = [serve_identity.answer_diff(ref, g, t, i, tie=tol) for i, (g, t) in enumerate(zip(got, tops, strict=True))]
     ok = all(same for same, _ in diffs)
     worst = max(d for _, d in diffs) if ok else None
     return ok and worst is not None and worst <= tol, worst
@@ -229,6 +265,7 @@ def run_serve_soak(settings: sr.ServeSettings, soak: SoakSettings, *, workdir: s
         ref = plain_runs[0]
         tol = tolerance(plain_runs)
         report["reference"] = ref["greedy"][:len(probes)]
+        report["reference_answers"] = {"tokens": ref["greedy"], "top_logprobs": ref["greedy_logprobs"]}
         report["logprobs"] = {"top_k": serve_identity.TOP_K, "tolerance": tol, "max_diff": 0.0}
         clients = []
         for i, srv in enumerate(servers):
@@ -263,6 +300,8 @@ def run_serve_soak(settings: sr.ServeSettings, soak: SoakSettings, *, workdir: s
                         got, tops = sr.greedy_answers(srv.base_url, settings.model, probes, settings.output_len,
                                                       top_k=serve_identity.TOP_K)
                         r["greedy_ok"], r["logprob_diff"] = check_answers(ref, tol, got, tops)
+                        if not r["greedy_ok"]:  # what differed, for the report
+                            r["answers"] = {"tokens": got, "top_logprobs": tops}
                         if r["logprob_diff"] is not None:
                             report["logprobs"]["max_diff"] = max(report["logprobs"]["max_diff"], r["logprob_diff"])
                         mismatches += not r["greedy_ok"]
