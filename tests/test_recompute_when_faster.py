@@ -156,6 +156,14 @@ def test_a_decisively_slow_tier_loses_before_its_fit_has_its_samples() -> None:
     assert costs.decide("slow", 4, 128) == "recompute"
     costs.observe_load("mild", 4, 0.1)  # 2.5x its recompute: not decisive, the fit learns on
     assert costs.decide("mild", 4, 128) is None
+    costs.observe_load("mild", 4, 0.1)  # two loads each over 2x: decisive (4x / 2 loads)
+    assert costs.decide("mild", 4, 128) == "recompute"
+    near = LoadCosts(min_samples=8)
+    for _ in range(8):
+        near.observe_prefill(32, 0.010)
+    for n, expected in ((1, None), (2, None), (3, None), (4, None)):  # 1.2x: never below MARGIN's 1.25x
+        near.observe_load("near", 4, 0.048)
+        assert near.decide("near", 4, 128) is expected, n
     costs.observe_load("slow", 4, 0.02)  # one fast load is enough doubt until the fit has its samples
     assert costs.decide("slow", 4, 128) is None
     unknown_prefill = LoadCosts(min_samples=8)

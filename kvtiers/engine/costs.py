@@ -25,8 +25,12 @@ Learning costs loads, and a tier's first loads are the ones nothing is known of.
 - until a tier's first load is timed, it has one load at a time: a lookup while that load is
   in flight (``loading``) recomputes instead of waiting for a tier that may take any time;
 - before the fit has its samples, a tier whose every timed load took more than
-  :data:`DECISIVE` times the recompute of its tokens loses at once (the probes correct a
-  first load that was slow by accident).
+  :data:`DECISIVE` times the recompute of its tokens, divided by the number of those loads
+  (but never below :data:`MARGIN`), loses at once: one load over 4x, two each over 2x, three
+  over 1.33x, four or more over 1.25x (the probes correct loads that were slow by accident).
+  Evidence that agrees shortens the learning: with a fixed factor, a tier between 1.25x and 4x
+  took 8 slow loads to be known, and a prefill fit moving around 4x (a busy engine) flipped
+  its decisions back and forth.
 
 So a tier slower than recompute costs one load's wait on one request, not a wait on every
 request in flight while its fit learns. Each decision is counted (``decisions``: ``(tier,
@@ -48,7 +52,7 @@ MARGIN = 1.25
 #: samples each fit needs before it decides from its prediction
 MIN_SAMPLES = 8
 #: before its fit has its samples, a tier whose every load took this many times the recompute of
-#: its tokens (or more) loses
+#: its tokens (or more), divided by the number of its timed loads (never below MARGIN), loses
 DECISIVE = 4.0
 #: a tier left out this many times in a row is loaded once more, so its fit keeps learning
 #: (a tier that got faster is found again)
@@ -149,7 +153,7 @@ class LoadCosts:
         recompute = self.prefill.predict(tokens)
         if fit.samples >= self.min_samples:
             loses = fit.predict(chunks) > self.margin * recompute
-        elif fit.fastest * chunks > DECISIVE * recompute:
+        elif fit.fastest * chunks > max(self.margin, DECISIVE / fit.samples) * recompute:
             loses = True
         else:
             return None
