@@ -115,3 +115,22 @@ def test_tiertests_subclass_forced_levels(pytester: pytest.Pytester) -> None:
         "*FAILED*TestMem::test_rule02_read_your_writes_durable*",
         "*SKIPPED*level shared not claimed*",
     ])
+
+
+def test_a_stored_key_that_does_not_answer_hit_is_said_removed_or_not() -> None:
+    """Rule 2's failure says whether the tier reported the key removed (and why): a MISS after
+    an eviction the tier reported is another fault than a key it lost without a word."""
+    from kvtiers_conformance.harness import ConformanceFailure, Harness
+
+    h = Harness("memory", levels=("core", "bounded"))
+    try:
+        t = h.open(max_bytes=2 * h.limits.slot_bytes)
+        first = h.keys(1, b"A")
+        t.store(first)
+        t.store(h.keys(4, b"B"))  # over a bound of two chunks: the memory tier evicts the oldest
+        with pytest.raises(ConformanceFailure, match=r"reported it removed \(evicted\)"):
+            t.wait_hit(first, timeout=0.2)
+        with pytest.raises(ConformanceFailure, match="did not report it removed"):
+            t.wait_hit(h.keys(1, b"C"), timeout=0.2)  # never stored
+    finally:
+        h.close_all()

@@ -308,8 +308,11 @@ class Instance:
             if time.monotonic() > deadline:
                 last = dict(zip(todo, self.lookup(todo), strict=True))
                 k = todo[0]
+                why = [reason for keys, reason in self.removed if k in keys]
+                said = f"; the tier reported it removed ({', '.join(why)})" if why else \
+                    "; the tier did not report it removed"
                 fail(f"rule 2: {len(todo)} stored key(s) do not answer HIT within {timeout:g} s "
-                     f"(e.g. {qkey(k)}: {last[k].name})")
+                     f"(e.g. {qkey(k)}: {last[k].name}{said})")
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
