@@ -94,7 +94,7 @@ def answer_diff(ref: dict[str, Any], tokens: list[Any], tops: list[Top] | None, 
     lps = ref["greedy_logprobs"]
     diffs = [top_diff(lps[j], tops) for j in same]
     if tie is not None:
-        for j in mine:
+        for j in (j for j in mine if j not in same):  # (the same tokens: compared above)
             at, d = parting(ref["greedy"][j], lps[j], tokens, tops)
             if at is not None and d <= tie and swapped(lps[j][at], tops[at], ref["greedy"][j][at], tokens[at]):
                 diffs.append(d)
