@@ -179,3 +179,23 @@ def test_a_chunk_being_stored_is_neither_counted_twice_nor_evicted():
     assert [fp for fp, _ in idx.victims(1)] == [fingerprint(b"a")]  # stores done: "a" is evictable again, LRU first
     idx.unreserve(FILE, b"c")
     assert idx.writing == {} and idx.reserved == 0
+
+
+def test_a_victim_found_used_elsewhere_keeps_its_place_in_the_lru_order():
+    """A victim whose file another instance used since (mtime newer than its clock) moves up to
+    that mtime, not past every key: the next victims are the oldest by the new clocks. (The
+    eviction's candidate list was kept from before the move, so a pass evicted the newest key,
+    one just stored, while the moved one stayed: the README's conformance run, rule 13.)"""
+    from kvtiers_fs.index import Index
+
+    idx = Index(negative_ttl=1.0, file_bytes=FILE)
+    for k in (b"a", b"b", b"c", b"d"):
+        idx.add(k)
+    clock = {k: idx.clock_of(k) for k in (b"a", b"b", b"c", b"d")}
+    first = idx.victims(3)
+    assert [fp for fp, _ in first] == fingerprints([b"a", b"b", b"c"]).tolist()
+    # as _evict does: "a" was used elsewhere since (its mtime between c's clock and d's), b and c go
+    idx.refresh(fingerprint(b"a"), clock[b"a"], (clock[b"c"] + clock[b"d"]) / 2)
+    for k in (b"b", b"c"):
+        assert idx.evicted(fingerprint(k), clock[k], k)
+    assert [fp for fp, _ in idx.victims(1)] == [fingerprint(b"a")]  # not d, the newest

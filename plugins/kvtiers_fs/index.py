@@ -23,6 +23,7 @@ not know is unknown.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import stat as _stat
@@ -362,10 +363,14 @@ class Index:
             return True
 
     def refresh(self, fp: int, clock: float, mtime: float) -> None:
-        """Victim ``fp``'s file was used elsewhere (mtime newer than its clock): move it up."""
+        """Victim ``fp``'s file was used elsewhere (mtime newer than its clock): move it up, to
+        its place by ``mtime`` among the eviction candidates too (the list :meth:`victims` keeps
+        would otherwise offer newer keys before it, down to one just stored)."""
         with self.lock:
             if self.table.get(fp) == clock:
                 self._set(fp, mtime)
+                if self._cand and mtime < self._cand[0][1]:  # (newest first, popped from the end)
+                    bisect.insort(self._cand, (fp, mtime), key=lambda c: -c[1])
 
     def forget(self, fp: int, clock: float) -> None:
         """Victim ``fp``'s file is gone (removed by someone else): forget it."""
