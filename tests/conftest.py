@@ -23,6 +23,7 @@ import pathlib
 import tempfile
 
 import pytest
+import timeline
 
 pytest.register_assert_rewrite("s3_fixture")
 
@@ -80,6 +81,16 @@ def pytest_collection_modifyitems(session, config, items):
             # worker's engine modules): longer than the suite's per-test timeout
             item.add_marker(pytest.mark.timeout(ENGINE_WAIT_S))
     items[:] = sorted(items, key=_order)  # stable
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's start and end in ``$KVTIERS_TEST_TIMELINE``, where set (``tests/timeline.py``)."""
+    timeline.mark("start", item.nodeid)
+    try:
+        return (yield)
+    finally:
+        timeline.mark("end", item.nodeid)
 
 
 @pytest.fixture

