@@ -1,6 +1,9 @@
 """Where the suite's time goes, when ``$KVTIERS_TEST_TIMELINE`` names a file: one line per event,
 ``<unix time> <process> <event> <what>``, appended by every pytest worker (each test's start and
-end) and by the engines (each engine's start and end, waiting for a place included in neither).
+end) and by :func:`vllm_engines.engine` (each engine's start and end, waiting for a place
+included in neither; the serving soak, the long-prompt bench and the LMCache engines start
+their processes otherwise and are not recorded). A child pytest inherits the variable (e.g.
+``test_vllm_releases``'s) and records under its parent's worker name, with its own pid.
 ``--durations`` gives each test's time; this gives when, beside what (docs/development.md)."""
 
 from __future__ import annotations
