@@ -374,7 +374,7 @@ class TieringManager:
         if request is not None and request.cancelled:
             return None
         self._progress()
-        self._stores.offered(keys, tenant)  # a load offers its chunks too: reuse ceiling, admission counts
+        self._stores.offered(keys, tenant, request)  # a load offers its chunks too: reuse ceiling, admission counts
         tr = self._transfers.start("load", keys, request, tenant)
         tr.blocks = dict(zip(keys, blocks, strict=True))
         self._loads.start_wave(tr, list(keys))

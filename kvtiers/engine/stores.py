@@ -67,7 +67,7 @@ class StorePath:
         Chunks that find no free slot wait for the next wave (see the module docstring).
         ``tenant``: whose chunks; every wave's tier calls carry it."""
         tr = self._book.start("store", keys, request, tenant)
-        self.offered(keys, tenant)
+        self.offered(keys, tenant, request)
         admitted: list[bytes] = []
         for j, key in enumerate(keys):
             if (limit is not None and first_chunk + j >= limit) or key in self._cache:
@@ -218,9 +218,18 @@ class StorePath:
             self.poll()
 
     # -- admission (kvtiers.engine.admission) -------------------------------------------------
-    def offered(self, keys: tuple[bytes, ...], tenant: str | None) -> None:
+    def offered(self, keys: tuple[bytes, ...], tenant: str | None, request: Request | None = None) -> None:
         """The engine offered ``keys`` (it stores them, or loads them instead of computing them
-        again): count them for the reuse ceiling and for each tier's ``min_offers``."""
+        again): count them for the reuse ceiling and for each tier's ``min_offers``. A key
+        ``request`` offered already is not counted again: a load that failed (no free slot, a
+        tier's error) and the store of the recomputed chunk are one offer, else a busy arena
+        would raise the ceiling and admit a chunk seen by one request."""
+        if request is not None:
+            seen = request.offered
+            keys = tuple(k for k in keys if k not in seen)
+            seen.update(keys)
+            if not keys:
+                return
         self.reuse.offer(keys)
         self._offer(keys, tenant)
 

@@ -27,6 +27,9 @@ class Request:
     block_hashes: Sequence[bytes | int] | None = None
     parent_block_hash: bytes | int | None = None
     block_size: int | None = None
+    #: keys this request has offered (a load, then the store of what the load failed, is one
+    #: offer: kvtiers.engine.stores.StorePath.offered)
+    offered: set[bytes] = field(default_factory=set, repr=False, compare=False)
 
     def cancel(self) -> None:
         self.cancelled = True
