@@ -295,9 +295,36 @@ class ChildProcess:
         self.signal(signal.SIGKILL)
         return self._reap()
 
-    def pause(self) -> None:
-        """SIGSTOP: the kernel still accepts its connections, nothing answers them."""
+    def pause(self, timeout: float = 5.0) -> None:
+        """SIGSTOP: the kernel still accepts its connections, nothing answers them. On Linux
+        it returns once every thread of the child (with ``new_session``: of its group) is
+        stopped, or after ``timeout`` seconds: the signal only marks them, and a thread busy
+        in the kernel (a write to a loaded disk) runs on until it returns from there."""
         self.signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while not self._all_stopped() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def _all_stopped(self) -> bool:
+        """Whether every thread of the child (its group's, with ``new_session``) is stopped
+        (state ``T``); True where /proc does not say."""
+        if not os.path.isdir("/proc/self/task"):
+            return True
+        pids = self._group_pids() if self.new_session else [self.pid]
+        for pid in pids:
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue  # gone
+            for tid in tids:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                        state = f.read().rsplit(")", 1)[1].split()[0]
+                except (OSError, IndexError):
+                    continue
+                if state not in ("T", "t", "Z", "X"):
+                    return False
+        return True
 
     def resume(self) -> None:
         """SIGCONT after :meth:`pause`."""

@@ -118,6 +118,31 @@ def test_new_session_signals_reach_the_whole_group(tmp_path):
     assert _gone(grandchild), "the grandchild outlived its group's stop"
 
 
+def test_pause_returns_once_every_thread_is_stopped(tmp_path):
+    """pause() returns with every thread of the group stopped, not when the signal is sent:
+    a server thread that still ran would answer a request sent right after (an obj fault
+    test once had a load answered by a "paused" server)."""
+    ready = tmp_path / "ready"
+    child = ChildProcess(_py(f"""
+        import pathlib, threading, time
+        def spin():
+            while True:
+                sum(range(1000))
+        for _ in range(4):
+            threading.Thread(target=spin, daemon=True).start()
+        pathlib.Path({str(ready)!r}).write_text("ok")
+        time.sleep(60)
+    """), ready=file_text(ready), new_session=True).start()
+    try:
+        for _ in range(20):
+            child.pause()
+            states = {_state(int(tid)) for tid in os.listdir(f"/proc/{child.pid}/task")}  # /proc/TID works too
+            assert states == {"T"}, states
+            child.resume()
+    finally:
+        child.stop()
+
+
 def test_tcp_ready_check_and_a_log_file_of_ones_own(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
