@@ -218,11 +218,10 @@ class ChildProcess:
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    state, _ppid, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
-            except (OSError, ValueError, IndexError):
+            fields = _stat_fields(f"/proc/{entry}/stat")
+            if fields is None or len(fields) < 3 or not fields[2].isdigit():
                 continue
+            state, pgrp = fields[0], fields[2]
             if int(pgrp) == pgid and state not in ("Z", "X"):
                 pids.append(int(entry))
         return pids
@@ -308,7 +307,7 @@ class ChildProcess:
     def _all_stopped(self) -> bool:
         """Whether every thread of the child (its group's, with ``new_session``) is stopped
         (state ``T``); True where /proc does not say."""
-        if not os.path.isdir("/proc/self/task"):
+        if self.proc is None or self._reaped or not os.path.isdir("/proc/self/task"):
             return True
         pids = self._group_pids() if self.new_session else [self.pid]
         for pid in pids:
@@ -317,12 +316,8 @@ class ChildProcess:
             except OSError:
                 continue  # gone
             for tid in tids:
-                try:
-                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                        state = f.read().rsplit(")", 1)[1].split()[0]
-                except (OSError, IndexError):
-                    continue
-                if state not in ("T", "t", "Z", "X"):
+                fields = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
+                if fields and fields[0] not in ("T", "t", "Z", "X"):
                     return False
         return True
 
@@ -451,6 +446,16 @@ def file_text(path: str | os.PathLike) -> Callable[[], str | None]:
             return None
 
     return check
+
+
+def _stat_fields(path: str) -> list[str] | None:
+    """The fields of a ``/proc/PID/stat`` (or ``/proc/PID/task/TID/stat``) after the command
+    name, from the state on; None if it cannot be read (the process is gone)."""
+    try:
+        with open(path) as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 def _listening_inodes(host: str, port: int) -> set[str] | None:

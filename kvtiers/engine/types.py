@@ -29,7 +29,7 @@ class Request:
     block_size: int | None = None
     #: keys this request has offered (a load, then the store of what the load failed, is one
     #: offer: kvtiers.engine.stores.StorePath.offered)
-    offered: set[bytes] = field(default_factory=set, repr=False, compare=False)
+    offered: set[bytes] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def cancel(self) -> None:
         self.cancelled = True
