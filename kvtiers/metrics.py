@@ -156,22 +156,52 @@ class _Families:
         self.load_decisions = C("kvtiers_load_decisions", "Lookups whose chunks from a tier were loaded, or left to "
                                 "the engine to recompute because the load was expected to take longer "
                                 "(recompute_when_faster).", ["tier", "decision"], **r)
-        self.custom: dict[str, tuple[str, Any, tuple[str, ...]]] = {}  # name -> (kind, family, labelnames)
-        self.lock = threading.Lock()
+
+
+def _default_registry(registry: Any) -> Any:
+    if registry is None:
+        from prometheus_client import REGISTRY
+
+        registry = REGISTRY
+    return registry
 
 
 def _families_for(registry: Any = None) -> _Families | None:
     """The families in ``registry`` (default: prometheus_client's), or ``None`` without it."""
     if not have_prometheus():
         return None
-    if registry is None:
-        from prometheus_client import REGISTRY
-
-        registry = REGISTRY
+    registry = _default_registry(registry)
     with _families_lock:
         fam = _families.get(id(registry))
         if fam is None:
             fam = _families[id(registry)] = _Families(registry)
+        return fam
+
+
+class _CustomFamilies:
+    """The tiers' own families (:func:`tier_metrics`) in one registry. Kept apart from
+    :class:`_Families`: a tier's first metric must not register kvtiers' own families, which a
+    host may already hold under the same names (vLLM declares the kvtiers_tier_* series in its
+    own registry, and with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` that is this process's)."""
+
+    def __init__(self, registry: Any) -> None:
+        self.registry = registry
+        self.families: dict[str, tuple[str, Any, tuple[str, ...]]] = {}  # name -> (kind, family, labelnames)
+        self.lock = threading.Lock()
+
+
+_customs: dict[int, _CustomFamilies] = {}
+
+
+def _customs_for(registry: Any) -> _CustomFamilies | None:
+    """The tiers' own families in ``registry`` (default: prometheus_client's), ``None`` without it."""
+    if not have_prometheus():
+        return None
+    registry = _default_registry(registry)
+    with _families_lock:
+        fam = _customs.get(id(registry))
+        if fam is None:
+            fam = _customs[id(registry)] = _CustomFamilies(registry)
         return fam
 
 
@@ -357,11 +387,11 @@ class _Spec:
 def _custom_family(spec: _Spec, registry: Any) -> Any:
     """The family of ``spec`` in ``registry`` (created on first use), or ``None`` without
     prometheus_client. The same name with another kind or labels is a ``ValueError``."""
-    fam = _families_for(registry)
+    fam = _customs_for(registry)
     if fam is None:
         return None
     with fam.lock:
-        known = fam.custom.get(spec.name)
+        known = fam.families.get(spec.name)
         if known is not None:
             if known[0] != spec.kind or known[2] != spec.labelnames:
                 raise ValueError(f"metric {spec.name!r} exists as a {known[0]} with labels {list(known[2])}")
@@ -375,7 +405,7 @@ def _custom_family(spec: _Spec, registry: Any) -> Any:
             family = pc.Gauge(*args, registry=fam.registry, multiprocess_mode="livesum")
         else:
             family = pc.Histogram(*args, registry=fam.registry, buckets=spec.buckets)
-        fam.custom[spec.name] = (spec.kind, family, spec.labelnames)
+        fam.families[spec.name] = (spec.kind, family, spec.labelnames)
         return family
 
 

@@ -211,3 +211,28 @@ def test_multiprocess_mode_sums_the_workers(tmp_path) -> None:
     found = samples(p.stdout)
     assert value(found, "kvtiers_tier_write_bytes_total", tier="ram") == 8 * SLOT
     assert value(found, "kvtiers_tier_chunk_queries_total", tier="ram") == 8
+
+
+#: a process whose default registry already holds kvtiers' series under their names, as vLLM's
+#: in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0) declares them; then a tier outside any
+#: manager (as under vLLM) counts with a metric of its own
+_HOST_HOLDS_THE_NAMES = textwrap.dedent("""
+    import sys
+    from prometheus_client import REGISTRY, Counter, generate_latest
+    sys.path.insert(0, sys.argv[1])
+    from test_metrics import CountingTier
+    from kvtiers import Arena, Job, TierContext
+
+    Counter("kvtiers_tier_chunk_queries", "as vLLM declares it", ["tier"], registry=REGISTRY)
+    tier = CountingTier(TierContext(Arena.allocate(2, 4096)))
+    tier.submit_store(Job(1, [b"a", b"b"], [0, 1]))
+    print(generate_latest(REGISTRY).decode())
+""")
+
+
+def test_a_tiers_own_metric_works_where_the_host_registered_kvtiers_series_first() -> None:
+    proc = subprocess.run([sys.executable, "-c", _HOST_HOLDS_THE_NAMES, str(TESTS)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = samples(proc.stdout)
+    assert value(found, "counting_tier_stored_chunks_total", tier="unattached", phase="submit") == 2
