@@ -1,7 +1,7 @@
 """The conformance suite through the ``"admit"`` option (docs/admission.md): fs at all four
-levels (also sealed), the third-party example tier (examples/kvtiers-sqlite), the p2p tier
-against a real ``kvtiers p2p serve`` and the obj tier on a real SeaweedFS server, each at the
-levels it claims.
+levels (also sealed), the third-party example tier (examples/kvtiers-sqlite) and the p2p tier
+against a real ``kvtiers p2p serve``, each at the levels it claims (the obj tier on SeaweedFS
+admitted: with the other wrappers, in tests/test_encryption_conformance.py).
 
 Admission lives in the manager's cascade: it decides which chunks are submitted to a tier at
 all, and the tier answers for exactly those. So the suite, which submits directly, is the
@@ -17,10 +17,8 @@ import json
 import pytest
 import tier_helpers
 from kvtiers_conformance import TierTests
-from s3_fixture import options_for, s3_limits
 from tier_helpers import WRAPPER_LIMITS, key_file, p2p_entry
 
-pytest_plugins = ["s3_fixture"]
 p2p_server = tier_helpers.p2p_server  # one peer server for the module
 
 ADMIT = {"min_offers": 2}
@@ -63,17 +61,6 @@ class TestAdmittedP2P(TierTests):
     @pytest.fixture
     def tier_config(self, p2p_server):
         return p2p_entry(p2p_server, admit=ADMIT)
-
-
-@pytest.mark.slow
-class TestAdmittedObj(TierTests):
-    """The obj tier on SeaweedFS (real S3 traffic; 10 stateful examples, as the sealed run)."""
-
-    limits = s3_limits(10, WRAPPER_LIMITS)
-
-    @pytest.fixture
-    def tier_config(self, s3_server):
-        return "obj", {**options_for(s3_server), "admit": ADMIT}
 
 
 def test_conformance_cli_takes_admit_in_config(tmp_path):

@@ -1,7 +1,8 @@
 """The conformance suite through the ``"compress"`` option (docs/compression.md): fs at all
 four levels (zstd, and lz4 compressed then sealed), the memory tier, the third-party example
-tier (examples/kvtiers-sqlite), the p2p tier against a real ``kvtiers p2p serve`` and the obj
-tier on a real SeaweedFS server, each at the levels it claims. The tiers are unchanged: the
+tier (examples/kvtiers-sqlite) and the p2p tier against a real ``kvtiers p2p serve``, each at
+the levels it claims (the obj tier on SeaweedFS compressed: with the other wrappers, in
+tests/test_encryption_conformance.py). The tiers are unchanged: the
 core compresses and decompresses around them. The suite's chunks are random bytes, which do
 not compress: each takes two pieces, so every check also runs a chunk's further pieces."""
 
@@ -12,10 +13,8 @@ import json
 import pytest
 import tier_helpers
 from kvtiers_conformance import TierTests
-from s3_fixture import options_for, s3_limits
 from tier_helpers import WRAPPER_LIMITS, key_file, p2p_entry
 
-pytest_plugins = ["s3_fixture"]
 p2p_server = tier_helpers.p2p_server  # one peer server for the module
 
 ZSTD = {"codec": "zstd"}
@@ -80,18 +79,6 @@ class TestCompressedP2P(TierTests):
     @pytest.fixture
     def tier_config(self, p2p_server):
         return p2p_entry(p2p_server, compress=ZSTD)
-
-
-@pytest.mark.slow
-class TestCompressedObj(TierTests):
-    """The obj tier on SeaweedFS (real S3 traffic: 10 stateful examples, as the encrypted run)."""
-
-    limits = s3_limits(10, WRAPPER_LIMITS)
-    levels = frozenset({"core", "durable", "shared"})  # bounded: as TestCompressedFsBounded says
-
-    @pytest.fixture
-    def tier_config(self, s3_server):
-        return "obj", {**options_for(s3_server), "compress": ZSTD}
 
 
 def test_conformance_cli_takes_compress_in_config(tmp_path):
