@@ -55,9 +55,12 @@ class TestAdmittedCompressedSealedObj(TierTests):
     three obj classes, one per wrapper, took 614 s of the suite's 4,305 s of test time on a busy
     2-core machine. Not bounded: incompressible chunks take two pieces (TestCompressedFsBounded
     says why); sealing and admission keep the bound in TestEncryptedFs and TestAdmittedFs. Every
-    step is real S3 traffic, so 10 stateful examples (the plain obj run has 30)."""
+    step is real S3 traffic, so 10 stateful examples (the plain obj run has 30). Rule 5's 30 s
+    for a job to be reported is 90 here: a 512-key store, each chunk compressed into two pieces,
+    sealed and put, took 33 s in a busy CI run (the engine phase and the docs' servers beside it;
+    about 5 s alone)."""
 
-    limits = s3_limits(10, WRAPPER_LIMITS)
+    limits = s3_limits(10, WRAPPER_LIMITS).replace(finish_s=90.0)
     levels = frozenset({"core", "durable", "shared"})
 
     @pytest.fixture

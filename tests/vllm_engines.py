@@ -6,8 +6,9 @@ process, greedy, on the shared tiny Llama model (made locally, loaded by vLLM's 
 The prompts and the reference run with no offloading are shared by the test modules, so the
 session starts that engine once, beside the first module's own engine (:func:`start_reference`).
 
-Engine starts dominate ``make test``'s time (each imports vLLM in three processes, mostly on
-one core), so engines that do not depend on each other run at the same time, two at most
+Engine starts dominate ``make test``'s time (vLLM's import, about 10 s of one core; each engine
+runs vLLM's engine core and a single worker in its own process, ``in_process``, so it imports vLLM
+once, not in three processes), so engines that do not depend on each other run at the same time, two at most
 (``KVTIERS_TEST_ENGINES_AT_ONCE``): within a module (:func:`engines`), and across modules
 (:class:`EngineRuns`: a module that defines ``run_engines(workdir)`` has it run, with every
 other selected module's, in a process of their own from the session's first test on, while
