@@ -129,14 +129,22 @@ def stopped_server(s3_fault_server):
 
 def test_a_stopped_s3_server_fails_a_64_chunk_load_within_op_timeout(stopped_server) -> None:
     op_timeout = 3.0
+    options = options_for(stopped_server, max_concurrency=16)
+    keys = keys_of(64)
+    # stored by a handle of its own with no tight deadline: a healthy 4 MiB store took 3.6 s in a
+    # busy CI run, which the handle under test (op_timeout 3 s) would have failed
+    filler_ctx = make_ctx(num_slots=64, slot_bytes=64 << 10)
+    filler = open_obj(filler_ctx, {**options, "op_timeout": 60.0})
+    try:
+        for s in range(64):
+            s3_fill(filler_ctx, s, s)
+        assert run_job(filler, True, keys, range(64)).ok
+    finally:
+        filler.close()
     ctx = make_ctx(num_slots=64, slot_bytes=64 << 10)
-    h = open_obj(ctx, options_for(stopped_server, op_timeout=op_timeout, max_concurrency=16))
+    h = open_obj(ctx, {**options, "op_timeout": op_timeout})
     closed = False
     try:
-        keys = keys_of(64)
-        for s in range(64):
-            s3_fill(ctx, s, s)
-        assert run_job(h, True, keys, range(64)).ok
         stopped_server.pause()  # SIGSTOP: connections hang, nothing answers
         time.sleep(0.3)  # every thread of the server stopped before the first request
         t0 = time.monotonic()
