@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -158,24 +158,25 @@ class _Families:
                                 "(recompute_when_faster).", ["tier", "decision"], **r)
 
 
-def _default_registry(registry: Any) -> Any:
+def _one_per_registry(store: dict[int, Any], make: Callable[[Any], Any], registry: Any) -> Any:
+    """``store``'s entry for ``registry`` (default: prometheus_client's), made by ``make`` on
+    first use; ``None`` without prometheus_client."""
+    if not have_prometheus():
+        return None
     if registry is None:
         from prometheus_client import REGISTRY
 
         registry = REGISTRY
-    return registry
+    with _families_lock:
+        fam = store.get(id(registry))
+        if fam is None:
+            fam = store[id(registry)] = make(registry)
+        return fam
 
 
 def _families_for(registry: Any = None) -> _Families | None:
     """The families in ``registry`` (default: prometheus_client's), or ``None`` without it."""
-    if not have_prometheus():
-        return None
-    registry = _default_registry(registry)
-    with _families_lock:
-        fam = _families.get(id(registry))
-        if fam is None:
-            fam = _families[id(registry)] = _Families(registry)
-        return fam
+    return _one_per_registry(_families, _Families, registry)
 
 
 class _CustomFamilies:
@@ -195,14 +196,7 @@ _customs: dict[int, _CustomFamilies] = {}
 
 def _customs_for(registry: Any) -> _CustomFamilies | None:
     """The tiers' own families in ``registry`` (default: prometheus_client's), ``None`` without it."""
-    if not have_prometheus():
-        return None
-    registry = _default_registry(registry)
-    with _families_lock:
-        fam = _customs.get(id(registry))
-        if fam is None:
-            fam = _customs[id(registry)] = _CustomFamilies(registry)
-        return fam
+    return _one_per_registry(_customs, _CustomFamilies, registry)
 
 
 # -- around every tier ----------------------------------------------------------------------
