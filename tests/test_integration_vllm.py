@@ -314,3 +314,37 @@ def test_metric_definitions_reach_vllms_spec() -> None:
     assert defs[metrics.REMOVED].labelnames == ("kvtiers_tier", "reason")
     assert {"kvtiers_tier", "kvtiers_namespace"} <= set(TieringOffloadingSpec.config_info_keys(extra))
     assert os.environ.get("VLLM_PLUGINS") is None or "kvtiers" in os.environ["VLLM_PLUGINS"]
+
+
+def test_a_tier_whose_polls_keep_raising_is_given_up_and_its_jobs_fail(tmp_path, monkeypatch, caplog) -> None:
+    """Rule 4 says get_finished_jobs never raises; a tier that does it on every poll must not
+    leave vLLM waiting for its jobs forever (it did: the adapter logged and reported nothing)."""
+    from kvtiers.integrations.vllm import tier as tier_module
+
+    monkeypatch.setattr(tier_module, "POLL_GIVE_UP_S", 0.5)
+    tier = {"type": "kvtiers_fs", "module_path": MODULE, "root_dir": str(tmp_path / "kv")}
+    e = Engine(tier)
+    try:
+        stored = chunks_for(2, seed=5)
+        e.store("r0", stored)  # a healthy tier first: these are HITs
+        assert all(e.tier.lookup(k, ReqContext("x")) is LookupResult.HIT for k in stored)
+
+        def raising() -> list:  # fault injection: the tier's poll breaks
+            raise OSError("poll broke")
+
+        monkeypatch.setattr(e.tier.handle, "get_finished_jobs", raising)
+        chunks = chunks_for(4, seed=6)
+        with caplog.at_level("WARNING", logger="kvtiers.integrations.vllm"):
+            e.store("r1", chunks)  # settle() fails after 30 s if a job is never reported
+        assert e.tier.handle.closed  # closed (rule 9: its threads are gone) before its jobs were failed
+        assert "given up" in caplog.text and "OSError: poll broke" in caplog.text
+        warned = [r for r in caplog.records if r.levelname == "WARNING" and "get_finished_jobs raised" in r.message]
+        assert len(warned) == 1  # once, not once per poll
+        stats = e.m.get_stats().reduce()
+        assert stats[f"{metrics.FAILED}:('kvtiers_fs', 'store')"] == 4
+        # from now on: every answer MISS (vLLM recomputes), every new job failed at once
+        assert all(e.tier.lookup(k, ReqContext("y")) is LookupResult.MISS for k in [*stored, *chunks])
+        e.store("r3", chunks_for(1, seed=7))
+        assert not e.tier.has_pending_work()
+    finally:
+        e.close()

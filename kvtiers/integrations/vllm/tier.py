@@ -33,6 +33,12 @@ host arena is not the first a bounded tier evicts (docs/vllm.md, "Recency").
 A key whose load failed answers MISS until it is stored again, so a tier that keeps
 answering HIT for a chunk it cannot read does not make vLLM promote it forever.
 
+A tier whose ``get_finished_jobs`` raises (rule 4 says it never does) on every poll for
+:data:`POLL_GIVE_UP_S` would leave vLLM waiting for its jobs forever. The adapter then gives
+the tier up: it closes it (rule 9: every accepted job finished or failed, no thread left that
+could still touch a slot), reports each job the tier did not report as failed, and from then
+on answers MISS and fails every job at once, so vLLM recomputes instead of hanging.
+
 A RETRY defers the request a whole engine step (vLLM asks again only in its next schedule),
 while a tier resolves most of them in well under a millisecond (the fs tier's ``stat`` probe
 of a key it does not know, which is every key of a new prompt). So the adapter asks a key
@@ -101,6 +107,8 @@ log = logging.getLogger("kvtiers.integrations.vllm")
 
 _ANSWER = {Lookup.HIT: LookupResult.HIT, Lookup.MISS: LookupResult.MISS, Lookup.RETRY: LookupResult.RETRY}
 _DRAIN_WARN_S = 10.0
+#: seconds of polls that all raised before the adapter gives the tier up (see the module)
+POLL_GIVE_UP_S = 10.0
 #: scheduler milliseconds per step the adapter spends asking RETRY keys again, by default
 DEFAULT_RETRY_WAIT_MS = 0.0
 _RETRY_POLL_S = 0.0002
@@ -219,6 +227,8 @@ class KvtiersTier(SecondaryTierManager):
         self._long: dict[bytes, OffloadKey] = {}  # tier key -> vLLM key, only for keys longer than 64 bytes
         self._lock = threading.Lock()  # _long, read by removals from the tier's threads
         self._closed = False
+        self._given_up: str | None = None  # why the tier was closed while serving (see the module)
+        self._poll_failing_since: float | None = None  # monotonic time of the first poll of a run that raised
         ctx = TierContext(self.arena, self.namespace, removed=self._on_removed)
         try:
             self.handle: TierHandle = open_tier(name, options, ctx)
@@ -288,7 +298,7 @@ class KvtiersTier(SecondaryTierManager):
     # --- lookup ------------------------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         k = self._key(key)
-        if k in self._failed_loads:
+        if k in self._failed_loads or self._given_up is not None:
             return LookupResult.MISS
         tenant = tenant_of(req_context)
         t0 = time.perf_counter()
@@ -383,7 +393,7 @@ class KvtiersTier(SecondaryTierManager):
         self._touch(tier_keys, tenant_of(req_context))
 
     def _touch(self, keys: list[bytes], tenant: str | None) -> None:
-        if not keys or self._closed:
+        if not keys or self._closed or self._given_up is not None:
             return
         try:
             with as_tenant(self.handle, tenant):
@@ -426,6 +436,8 @@ class KvtiersTier(SecondaryTierManager):
         try:
             if self._closed:
                 raise RuntimeError("tier is shut down")
+            if self._given_up is not None:
+                raise RuntimeError(f"tier was given up: {self._given_up}")
             with as_tenant(self.handle, tenant_of(tj.req_context)):  # the job's tenant, passed with it
                 submit(Job(tj.job_id, sent, chunks))
         except Exception as e:  # the tier did not accept the job: report it failed, as vLLM expects a result
@@ -455,20 +467,50 @@ class KvtiersTier(SecondaryTierManager):
         return frozenset(declined)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        results, self._stash = self._stash, []
-        if not self._closed:
-            results.extend(self._poll())
+        polled = self._poll() if not self._closed else []  # before taking the stash: _give_up reads it
+        results, self._stash = self._stash + polled, []
         out = [r for r in (self._finish(res) for res in results) if r is not None]
-        if not self._closed:
+        if not self._closed and self._given_up is None:
             self.pins.flush(self.handle)
         return out
 
     def _poll(self) -> list[TierResult]:
-        try:
-            return self.handle.get_finished_jobs()
-        except Exception as e:
-            log.warning("kvtiers tier %r: get_finished_jobs raised %s: %s", self.kvtiers_name, type(e).__name__, e)
+        if self._given_up is not None:
             return []
+        try:
+            results = self.handle.get_finished_jobs()
+        except Exception as e:
+            now = time.monotonic()
+            if self._poll_failing_since is None:
+                self._poll_failing_since = now
+                log.warning("kvtiers tier %r: get_finished_jobs raised %s: %s", self.kvtiers_name,
+                            type(e).__name__, e)
+            elif now - self._poll_failing_since >= POLL_GIVE_UP_S:
+                return self._give_up(f"get_finished_jobs raised on every poll for {POLL_GIVE_UP_S:g} s, "
+                                     f"last {type(e).__name__}: {e}")
+            return []
+        self._poll_failing_since = None
+        return results
+
+    def _give_up(self, why: str) -> list[TierResult]:
+        """Close the tier while serving; return a result for every job it has not reported:
+        its own, from the one poll after close (rule 9), else failed."""
+        self._given_up = why
+        log.error("kvtiers tier %r given up: %s; its %d pending job(s) fail and it answers MISS from now on",
+                  self.kvtiers_name, why, len(self._jobs))
+        results: list[TierResult] = []
+        try:
+            self.handle.close()  # rule 9: its accepted jobs finished or failed, its threads gone
+        except Exception as e:
+            log.error("kvtiers tier %r: close raised %s: %s", self.kvtiers_name, type(e).__name__, e)
+        try:
+            results = list(self.handle.get_finished_jobs())
+        except Exception:  # as it did before: every job it did not report fails below
+            pass
+        known = {r.job_id for r in results} | {r.job_id for r in self._stash}
+        results += [TierResult(job_id, p.keys, error=f"tier given up: {why}")
+                    for job_id, p in self._jobs.items() if job_id not in known]
+        return results
 
     def _finish(self, res: TierResult) -> JobResult | None:
         pending = self._jobs.pop(res.job_id, None)
@@ -549,7 +591,7 @@ class KvtiersTier(SecondaryTierManager):
 
     def get_stats(self) -> Any:
         try:
-            backlog = 0 if self._closed else self.handle.backlog()
+            backlog = 0 if self._closed or self._given_up is not None else self.handle.backlog()
         except Exception:
             backlog = len(self._jobs)
         stats = self._stats.take(backlog)
