@@ -348,3 +348,44 @@ def test_a_tier_whose_polls_keep_raising_is_given_up_and_its_jobs_fail(tmp_path,
         assert not e.tier.has_pending_work()
     finally:
         e.close()
+
+
+def test_a_failed_promotion_and_the_store_of_the_recomputed_chunks_are_one_offer(tmp_path) -> None:
+    """A request whose promotions fail (corrupt chunks) stores the chunks vLLM recomputed: one
+    offer of each key, not two, for the reuse ceiling and for ``min_offers``; the next request
+    offers them again."""
+    root = tmp_path / "kv"
+    tier = {"type": "kvtiers_fs", "module_path": MODULE, "root_dir": str(root), "admit": {"min_offers": 2}}
+    chunks = chunks_for(3, seed=8)
+    keys = list(chunks)
+    a = Engine({"type": "kvtiers_fs", "module_path": MODULE, "root_dir": str(root)})
+    try:
+        a.store("r0", chunks)
+        ns = a.tier.namespace
+    finally:
+        a.close()
+    fs_cls = kvtiers.get_registry().tier_info("fs").cls
+    for k in keys:
+        fs_cls.conformance_corrupt({"root_dir": str(root)}, ns, k)
+
+    b = Engine(tier)
+    try:
+        ctx = ReqContext(req_id="r1")
+        b.m.on_new_request(ctx)
+        deadline = time.monotonic() + 30
+        while any(b.m.lookup(k, ctx) is not LookupResult.MISS for k in keys):  # promoted, failed: MISS
+            b.m.on_schedule_end(STEP)
+            assert time.monotonic() < deadline, "the failed promotions never answered MISS"
+            time.sleep(0.002)
+        assert b.tier.reuse.offers == 3  # the promotion offered them
+        out = b.m.prepare_store(keys, ctx)  # vLLM recomputed them: the same request stores them
+        for key, row in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
+            b.rows[row] = np.frombuffer(chunks[key], dtype=np.uint8)
+        b.m.complete_store(keys, ctx)
+        b.m.on_request_finished(ctx)
+        b.settle()
+        assert b.tier.reuse.offers == 3  # still one offer each
+        assert b.tier.admission.declined == 3 and b.tier.admission.admitted == 0  # offered once: kept back
+        assert b.tier.reuse.windows["15m"].ceiling() == pytest.approx(0.0, abs=0.01)
+    finally:
+        b.close()

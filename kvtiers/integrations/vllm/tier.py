@@ -116,6 +116,12 @@ _RETRY_POLL_S = 0.0002
 MEDIUM = {"memory": Medium.CPU, "p2p": Medium.CPU}
 
 
+class _Offered(dict):
+    """The keys a request has offered (in its ``ReqContext``), per kvtiers tier: a promotion that
+    failed and the store of the chunk vLLM then recomputed are one offer, as a load from the
+    primary tier and a store of the same chunk in one request are."""
+
+
 class _Decisions(dict):
     """A request's load-or-recompute decisions (in its ``ReqContext``): per kvtiers tier, the
     scheduler step it was made in and the decision."""
@@ -389,7 +395,7 @@ class KvtiersTier(SecondaryTierManager):
     def refresh(self, keys: Iterable[OffloadKey], req_context: ReqContext | None) -> None:
         """Mark ``keys`` (vLLM's) recently used in the kvtiers tier, as the request's tenant."""
         tier_keys = [self._key(k) for k in keys]
-        self.reuse.offer(tier_keys)  # a load from the primary tier offers its chunks
+        self.reuse.offer(self._first_offers(tuple(tier_keys), req_context))  # a load from the primary tier
         self._touch(tier_keys, tenant_of(req_context))
 
     def _touch(self, keys: list[bytes], tenant: str | None) -> None:
@@ -419,13 +425,14 @@ class KvtiersTier(SecondaryTierManager):
 
     def _submit(self, tj: TransferJob, submit: Any) -> None:
         keys = tuple(self._key(k) for k in tj.keys)
-        self.reuse.offer(keys)  # a store (vLLM's cascade) or a promotion offers its chunks
+        first = self._first_offers(keys, tj.req_context)
+        self.reuse.offer(first)  # a store (vLLM's cascade) or a promotion offers its chunks, once per request
         if tj.is_promotion and self.on_promotion is not None:
             self.on_promotion(tj.keys)
         chunks = tuple(int(c) for c in tj.chunk_ids)
         sent, declined = keys, frozenset[bytes]()
         if self.admission is not None and not tj.is_promotion:
-            declined = self._hold_back(keys, tenant_of(tj.req_context))
+            declined = self._hold_back(keys, tenant_of(tj.req_context), first)
             if declined:
                 keep = [i for i, k in enumerate(keys) if k not in declined]
                 sent, chunks = tuple(keys[i] for i in keep), tuple(chunks[i] for i in keep)
@@ -445,14 +452,32 @@ class KvtiersTier(SecondaryTierManager):
                         type(e).__name__, e)
             self._stash.append(TierResult(tj.job_id, keys, error=f"{type(e).__name__}: {e}"))
 
-    def _hold_back(self, keys: tuple[bytes, ...], tenant: str | None) -> frozenset[bytes]:
+    def _first_offers(self, keys: tuple[bytes, ...], req_context: ReqContext | None) -> tuple[bytes, ...]:
+        """Those of ``keys`` the request has not offered this tier before (all of them for a
+        context without per-request state); marks them offered."""
+        get = getattr(req_context, "get_state", None)
+        if get is None:
+            return keys
+        offered = get(_Offered)
+        if offered is None:
+            offered = _Offered()
+            req_context.set_state(offered)
+        seen = offered.setdefault(id(self), set())
+        first = tuple(k for k in keys if k not in seen)
+        seen.update(first)
+        return first
+
+    def _hold_back(self, keys: tuple[bytes, ...], tenant: str | None, first: tuple[bytes, ...]) -> frozenset[bytes]:
         """The keys of a store not to send: those offered fewer than ``min_offers`` times (this
-        offer counted; kvtiers.engine.admission: never too few) and those the tier holds already
-        (the request-level policy offers a request's stored chunks again)."""
+        offer counted if it is the request's ``first`` of the key; kvtiers.engine.admission:
+        never too few) and those the tier holds already (the request-level policy offers a
+        request's stored chunks again)."""
         adm = self.admission
         assert adm is not None and adm.counter is not None
+        new = set(first)
         # add() returns the key's new estimate: one hash per key, not a second for admits()
-        declined = {k for k in keys if adm.counter.add(k) < adm.min_offers}
+        declined = {k for k in keys
+                    if (adm.counter.add(k) if k in new else adm.counter.estimate(k)) < adm.min_offers}
         adm.declined += len(declined)
         wanted = [k for k in keys if k not in declined]
         if wanted:
