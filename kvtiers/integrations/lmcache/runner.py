@@ -10,6 +10,12 @@ grid, else staging slots, as many at a time as there are), polls the tiers, and 
 finished task to ``on_done`` with one bool per item. Every failure (a namespace that does
 not open, a refused job, a failed key, an object off the grid) is a False, never an
 exception out of the thread. No LMCache, no torch here.
+
+A tier whose ``get_finished_jobs`` raises (rule 4 says it never does) on every poll for
+:data:`POLL_GIVE_UP_S` would leave LMCache's tasks waiting forever: its namespace is then
+given up as one that did not open: its instances closed (rule 9: every accepted job finished
+or failed, no thread left that could touch a slot), their unreported jobs failed, its chunks
+misses until it is opened again after :data:`REOPEN_S`.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 
 from ...encryption.tenants import note_tenant
 from ...registry import TierHandle, open_tier
-from ...types import Job, Lookup, Namespace, TierContext
+from ...types import Job, JobResult, Lookup, Namespace, TierContext
 from .mapping import Space
 from .params import WHAT, AdapterParams
 from .slots import L1Grid, grid_slot_bytes, staging_arena
@@ -34,6 +40,8 @@ log = logging.getLogger("kvtiers.integrations.lmcache")
 
 #: how long a namespace whose tier did not open is left failed before it is tried again
 REOPEN_S = 30.0
+#: seconds of polls of one tier instance that all raised before its namespace is given up (see the module)
+POLL_GIVE_UP_S = 10.0
 _POLL_MIN_S = 0.0001
 _POLL_MAX_S = 0.0005  # a finished load waits at most this long to be noticed
 #: the counters ``report_status`` (LMCache's /status) shows, each from 0
@@ -93,6 +101,7 @@ class _Ns:
         self.jobs: dict[int, _Sub] = {}
         self.error: str | None = None
         self.failed_at = 0.0
+        self.poll_failing_since: float | None = None  # monotonic time of the first poll of a run that raised
         #: zero_copy null, a grid namespace: the staged instance of the same namespace (the same
         #: medium) that objects off the grid go through, opened on the first such object
         self.twin: _Ns | None = None
@@ -301,6 +310,10 @@ class TierRunner:
             if not idxs:
                 continue
             ns = self._spaces[space]
+            if ns.handle is None:  # given up (_give_up) since the task started: misses
+                task.waiting[space] = []
+                answered = True
+                continue
             keys = [task.items[i].key for i in idxs]
             try:
                 for tenant, tkeys in _by_tenant(task.items, idxs).items():
@@ -358,6 +371,9 @@ class TierRunner:
     def _submit(self, task: Task, ns: _Ns, idxs: list[int]) -> bool:
         """Put the next of ``idxs`` that fit (distinct keys and slots, free staging slots)
         into one job; True if a job went out or items failed."""
+        if ns.handle is None:  # given up (_give_up) since the task started: failed
+            task.waiting[ns.space] = []
+            return True
         take, slots, later, off_grid = [], [], [], []
         keys_seen: set[bytes] = set()
         slots_seen: set[int] = set()
@@ -434,8 +450,44 @@ class TierRunner:
         try:
             results = ns.handle.get_finished_jobs()
         except Exception as e:
-            log.warning("%s: polling the tier of %s failed: %s", WHAT, _label(ns.space), e)
+            now = time.monotonic()
+            if ns.poll_failing_since is None:
+                ns.poll_failing_since = now
+                log.warning("%s: polling the tier of %s failed: %s: %s", WHAT, _label(ns.space), type(e).__name__, e)
+            elif now - ns.poll_failing_since >= POLL_GIVE_UP_S:
+                self._give_up(ns, f"get_finished_jobs raised on every poll for {POLL_GIVE_UP_S:g} s, "
+                                  f"last {type(e).__name__}: {e}")
+                return True
             return False
+        ns.poll_failing_since = None
+        return self._settle(ns, results)
+
+    def _give_up(self, ns: _Ns, why: str) -> None:
+        """Treat the namespace of instance ``ns`` as one that did not open (see the module):
+        close its instances, fail every job they did not report."""
+        main = next((m for m in self._spaces.values() if m is ns or m.twin is ns), ns)
+        log.error("%s: the tier of namespace %s given up (its chunks are misses for %.0f s): %s", WHAT,
+                  _label(main.space), REOPEN_S, why)
+        for inst in (main, main.twin):
+            if inst is None or inst.handle is None:
+                continue
+            try:
+                inst.handle.close()  # rule 9: its accepted jobs finished or failed, its threads gone
+            except Exception as e:
+                log.error("%s: closing the tier of %s raised %s: %s", WHAT, _label(inst.space), type(e).__name__, e)
+            try:
+                self._settle(inst, inst.handle.get_finished_jobs())
+            except Exception:  # as before: what it did not report fails below
+                pass
+            self._settle(inst, [JobResult(job_id, tuple(sub.task.items[i].key for i in sub.idxs), error=why)
+                                for job_id, sub in list(inst.jobs.items())])
+            inst.handle = None
+        main.twin = None
+        main.error = f"given up: {why}"
+        main.failed_at = time.monotonic()
+
+    def _settle(self, ns: _Ns, results: Sequence[JobResult]) -> bool:
+        """Hand the results of ``ns``'s jobs to their tasks; True if there were any."""
         for res in results:
             sub = ns.jobs.pop(res.job_id, None)
             if sub is None:
