@@ -281,11 +281,13 @@ def run_serve_soak(settings: sr.ServeSettings, soak: SoakSettings, *, workdir: s
         ended_early = None
         try:
             while True:
-                now = time.monotonic()
-                left = t0 + soak.duration_s - now
-                if left <= 0:
+                # until a sample is taken at the soak's end: one that overran it (probes queued
+                # behind a loaded server's requests) is followed by one more at once, so the
+                # soak's last stretch is sampled too
+                if prev_t - t0 >= soak.duration_s:
                     break
-                time.sleep(min(soak.interval_s, left))
+                left = t0 + soak.duration_s - time.monotonic()
+                time.sleep(max(0.0, min(soak.interval_s, left)))
                 t = time.monotonic()
                 row: dict[str, Any] = {"t": round(t - t0, 1), "servers": []}
                 for i, srv in enumerate(servers):
@@ -398,6 +400,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
                         "req_s_ratio": (b["req_s"] / a["req_s"]) if a["req_s"] else None,
                         "ttft_p50_s": [a["ttft_p50_s"], b["ttft_p50_s"]], "processes": grow})
         out["servers"] = per
+    if report["intervals"]:
         out["fs_max_chunk_bytes"] = max(r["fs"]["chunk_bytes"] for r in report["intervals"])
     failed = sum((c.get("failed") or 0) for c in report.get("clients", []))
     completed = sum((c.get("completed") or 0) for c in report.get("clients", []))
