@@ -448,6 +448,21 @@ def file_text(path: str | os.PathLike) -> Callable[[], str | None]:
     return check
 
 
+def pid_running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited and not yet reaped, does not); True
+    where it cannot be told (another user's process)."""
+    fields = _stat_fields(f"/proc/{pid}/stat")
+    if fields is not None:
+        return fields[0] not in ("Z", "X")
+    try:  # no /proc entry: gone, or no /proc here
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
 def _stat_fields(path: str) -> list[str] | None:
     """The fields of a ``/proc/PID/stat`` (or ``/proc/PID/task/TID/stat``) after the command
     name, from the state on; None if it cannot be read (the process is gone)."""

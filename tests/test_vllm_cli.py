@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -57,13 +58,22 @@ def test_socket_directories_of_processes_gone_are_swept_live_ones_kept(tmp_path)
 
     dead = subprocess.Popen(["true"])
     dead.wait()
-    gone, live, other = (tmp_path / f"{RPC_DIR_PREFIX}{dead.pid}", tmp_path / f"{RPC_DIR_PREFIX}{os.getpid()}",
-                         tmp_path / f"{RPC_DIR_PREFIX}notapid")
-    for d in (gone, live, other):
+    zombie = subprocess.Popen(["sleep", "60"])
+    zombie.kill()  # not reaped yet: a zombie, as a killed server is until its parent waits
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    gone, unreaped, live, other = (tmp_path / f"{RPC_DIR_PREFIX}{pid}"
+                                   for pid in (dead.pid, zombie.pid, os.getpid(), "notapid"))
+    for d in (gone, unreaped, live, other):
         d.mkdir()
         (d / "socket-file").write_text("")
-    assert sweep_rpc_dirs(tmp_path) == [gone]
-    assert not gone.exists() and live.exists() and other.exists()
+    try:
+        assert sorted(sweep_rpc_dirs(tmp_path)) == sorted([gone, unreaped])
+    finally:
+        zombie.wait()
+    assert live.exists() and other.exists()
 
 
 def test_kvtiers_vllm_gives_vllm_a_socket_directory_of_its_own_and_removes_it(tmp_path) -> None:

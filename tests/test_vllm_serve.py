@@ -176,7 +176,7 @@ def test_kvtiers_vllm_serve_fs_tier_metrics_and_no_shm_left(tmp_path) -> None:
         os.killpg(b.pid, signal.SIGKILL)  # no clean-up at all
         b.wait_group_gone()
         (rpc_b,) = tmp_b.glob(f"{RPC_DIR_PREFIX}*")
-        assert sockets(rpc_b)  # left by SIGKILL ...
+        assert sockets(rpc_b)  # left by SIGKILL (the server is a zombie until reaped: gone too) ...
         assert sweep_rpc_dirs(tmp_b) == [rpc_b] and not sockets(tmp_b)  # ... and swept at the next start
     finally:
         a.kill()

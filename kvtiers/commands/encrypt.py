@@ -40,6 +40,7 @@ import click
 
 from ..engine.closing import Closing
 from ..errors import ConfigError
+from ..launcher import pid_running
 
 #: keys per load/store job of a rewrite
 BATCH = 16
@@ -371,13 +372,8 @@ def _remove_stale_staging(root: str) -> None:
             continue
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
             continue
-        try:
-            os.kill(int(m[1]), 0)
+        if pid_running(int(m[1])):
             continue  # alive: another rewrite's
-        except ProcessLookupError:
-            pass
-        except (PermissionError, OverflowError):
-            continue
         try:
             shutil.rmtree(e.path)  # fd-based: never follows a link swapped in underneath
         except OSError as err:

