@@ -352,8 +352,8 @@ def test_a_tier_whose_polls_keep_raising_is_given_up_and_its_jobs_fail(tmp_path,
 
 def test_a_failed_promotion_and_the_store_of_the_recomputed_chunks_are_one_offer(tmp_path) -> None:
     """A request whose promotions fail (corrupt chunks) stores the chunks vLLM recomputed: one
-    offer of each key, not two, for the reuse ceiling and for ``min_offers``; the next request
-    offers them again."""
+    offer of each key, not two, for the reuse ceiling, and its store counts for ``min_offers``;
+    the next request's offer is their second."""
     root = tmp_path / "kv"
     tier = {"type": "kvtiers_fs", "module_path": MODULE, "root_dir": str(root), "admit": {"min_offers": 2}}
     chunks = chunks_for(3, seed=8)
@@ -387,5 +387,16 @@ def test_a_failed_promotion_and_the_store_of_the_recomputed_chunks_are_one_offer
         assert b.tier.reuse.offers == 3  # still one offer each
         assert b.tier.admission.declined == 3 and b.tier.admission.admitted == 0  # offered once: kept back
         assert b.tier.reuse.windows["15m"].ceiling() == pytest.approx(0.0, abs=0.01)
+        # a second request offers them again (vLLM's primary tier holds them): their second offer
+        ctx = ReqContext(req_id="r2")
+        b.m.on_new_request(ctx)
+        assert not b.m.prepare_store(keys, ctx).keys_to_store
+        b.m.on_request_finished(ctx)
+        b.settle()
+        assert b.tier.admission.admitted == 3  # min_offers 2 met: the failed promotion's store counted
+        deadline = time.monotonic() + 10  # stored: HIT, after any RETRY (rule 2)
+        while kvtiers.Lookup.RETRY in (answers := b.tier.handle.lookup(keys)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert answers == [kvtiers.Lookup.HIT] * 3
     finally:
         b.close()

@@ -117,9 +117,10 @@ MEDIUM = {"memory": Medium.CPU, "p2p": Medium.CPU}
 
 
 class _Offered(dict):
-    """The keys a request has offered (in its ``ReqContext``), per kvtiers tier: a promotion that
-    failed and the store of the chunk vLLM then recomputed are one offer, as a load from the
-    primary tier and a store of the same chunk in one request are."""
+    """The keys a request has offered (in its ``ReqContext``), per kvtiers tier and count: for
+    the reuse ceiling a promotion that failed and the store of the chunk vLLM then recomputed
+    are one offer, as a load from the primary tier and a store of the same chunk are; for
+    ``min_offers`` (which counts stores only) two stores of a chunk by one request are one."""
 
 
 class _Decisions(dict):
@@ -395,7 +396,7 @@ class KvtiersTier(SecondaryTierManager):
     def refresh(self, keys: Iterable[OffloadKey], req_context: ReqContext | None) -> None:
         """Mark ``keys`` (vLLM's) recently used in the kvtiers tier, as the request's tenant."""
         tier_keys = [self._key(k) for k in keys]
-        self.reuse.offer(self._first_offers(tuple(tier_keys), req_context))  # a load from the primary tier
+        self.reuse.offer(self._first_offers(tuple(tier_keys), req_context, "reuse"))  # a load from the primary tier
         self._touch(tier_keys, tenant_of(req_context))
 
     def _touch(self, keys: list[bytes], tenant: str | None) -> None:
@@ -425,14 +426,14 @@ class KvtiersTier(SecondaryTierManager):
 
     def _submit(self, tj: TransferJob, submit: Any) -> None:
         keys = tuple(self._key(k) for k in tj.keys)
-        first = self._first_offers(keys, tj.req_context)
-        self.reuse.offer(first)  # a store (vLLM's cascade) or a promotion offers its chunks, once per request
+        self.reuse.offer(self._first_offers(keys, tj.req_context, "reuse"))  # a store or a promotion, once a request
         if tj.is_promotion and self.on_promotion is not None:
             self.on_promotion(tj.keys)
         chunks = tuple(int(c) for c in tj.chunk_ids)
         sent, declined = keys, frozenset[bytes]()
         if self.admission is not None and not tj.is_promotion:
-            declined = self._hold_back(keys, tenant_of(tj.req_context), first)
+            declined = self._hold_back(keys, tenant_of(tj.req_context),
+                                       self._first_offers(keys, tj.req_context, "admit"))
             if declined:
                 keep = [i for i, k in enumerate(keys) if k not in declined]
                 sent, chunks = tuple(keys[i] for i in keep), tuple(chunks[i] for i in keep)
@@ -452,9 +453,10 @@ class KvtiersTier(SecondaryTierManager):
                         type(e).__name__, e)
             self._stash.append(TierResult(tj.job_id, keys, error=f"{type(e).__name__}: {e}"))
 
-    def _first_offers(self, keys: tuple[bytes, ...], req_context: ReqContext | None) -> tuple[bytes, ...]:
-        """Those of ``keys`` the request has not offered this tier before (all of them for a
-        context without per-request state); marks them offered."""
+    def _first_offers(self, keys: tuple[bytes, ...], req_context: ReqContext | None, count: str) -> tuple[bytes, ...]:
+        """Those of ``keys`` the request has not offered this tier before for ``count``
+        (``"reuse"``, ``"admit"``; all of them for a context without per-request state);
+        marks them offered."""
         get = getattr(req_context, "get_state", None)
         if get is None:
             return keys
@@ -462,7 +464,7 @@ class KvtiersTier(SecondaryTierManager):
         if offered is None:
             offered = _Offered()
             req_context.set_state(offered)
-        seen = offered.setdefault(id(self), set())
+        seen = offered.setdefault((id(self), count), set())
         first = tuple(k for k in keys if k not in seen)
         seen.update(first)
         return first
