@@ -400,7 +400,7 @@ class KvtiersTier(SecondaryTierManager):
         self._touch(tier_keys, tenant_of(req_context))
 
     def _touch(self, keys: list[bytes], tenant: str | None) -> None:
-        if not keys or self._closed or self._given_up is not None:
+        if not keys or self.handle.closed:  # shut down or given up
             return
         try:
             with as_tenant(self.handle, tenant):
@@ -497,7 +497,7 @@ class KvtiersTier(SecondaryTierManager):
         polled = self._poll() if not self._closed else []  # before taking the stash: _give_up reads it
         results, self._stash = self._stash + polled, []
         out = [r for r in (self._finish(res) for res in results) if r is not None]
-        if not self._closed and self._given_up is None:
+        if not self.handle.closed:
             self.pins.flush(self.handle)
         return out
 
@@ -618,7 +618,7 @@ class KvtiersTier(SecondaryTierManager):
 
     def get_stats(self) -> Any:
         try:
-            backlog = 0 if self._closed or self._given_up is not None else self.handle.backlog()
+            backlog = 0 if self.handle.closed else self.handle.backlog()
         except Exception:
             backlog = len(self._jobs)
         stats = self._stats.take(backlog)
