@@ -100,3 +100,33 @@ def test_kvtiers_vllm_gives_vllm_a_socket_directory_of_its_own_and_removes_it(tm
     deep = tmp_path / ("d" * 60)
     deep.mkdir()
     assert run(deep) == ["None", "None", "False"]  # its sockets' paths would pass 107 bytes
+
+
+def test_a_socket_directory_another_user_planted_is_not_used(monkeypatch) -> None:
+    """Its name is predictable (the pid): a directory of another user, one open to others, or
+    a link at that name leaves vLLM's default (a uuid4 per socket) instead of holding vLLM's
+    sockets; this user's own stale one (0700) is used again."""
+    from kvtiers.commands.vllm_cli import RPC_DIR_PREFIX, private_rpc_dir
+
+    short = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(short))
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    name = short / f"{RPC_DIR_PREFIX}{os.getpid()}"
+    elsewhere = short / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    try:
+        name.mkdir(mode=0o700)
+        os.chown(name, 65534, 65534)  # nobody's (the tests run as root)
+        assert private_rpc_dir() is None and "VLLM_RPC_BASE_PATH" not in os.environ
+        name.rmdir()
+        name.mkdir()
+        name.chmod(0o777)  # this user's, but others may write in it
+        assert private_rpc_dir() is None and "VLLM_RPC_BASE_PATH" not in os.environ
+        name.rmdir()
+        name.symlink_to(elsewhere)
+        assert private_rpc_dir() is None and "VLLM_RPC_BASE_PATH" not in os.environ
+        name.unlink()
+        name.mkdir(mode=0o700)  # this user's own, left by a process that had this pid
+        assert private_rpc_dir() == name and os.environ["VLLM_RPC_BASE_PATH"] == str(name)
+    finally:
+        shutil.rmtree(short)

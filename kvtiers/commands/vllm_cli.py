@@ -24,6 +24,7 @@ import contextlib
 import importlib.metadata as md
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -94,7 +95,8 @@ def sweep_rpc_dirs(base: Path) -> list[Path]:
 def private_rpc_dir() -> Path | None:
     """Point ``VLLM_RPC_BASE_PATH`` (inherited by vLLM's engine processes) at a directory of
     this process's own, removed at exit, after sweeping those of processes gone
-    (:func:`sweep_rpc_dirs`). None, changing nothing, where the variable is set already."""
+    (:func:`sweep_rpc_dirs`). None, changing nothing, where the variable is set already or
+    the directory is not this user's alone (vLLM's default names each socket by a uuid4)."""
     if os.environ.get("VLLM_RPC_BASE_PATH"):
         return None
     base = Path(tempfile.gettempdir())
@@ -105,7 +107,11 @@ def private_rpc_dir() -> Path | None:
         return None
     try:
         d.mkdir(mode=0o700, exist_ok=True)
+        st = d.lstat()
     except OSError:  # no directory of its own: vLLM's default, as before
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        # the name is predictable: one another user made (or a link) must not hold vLLM's sockets
         return None
     os.environ["VLLM_RPC_BASE_PATH"] = str(d)
     atexit.register(shutil.rmtree, d, ignore_errors=True)
